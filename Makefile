@@ -1,0 +1,34 @@
+# meshpilot — the README's two commands:
+#   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
+#   make test   install if needed, then the whole test suite
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of this version is what the CI machines have; on a GPU machine pick your own build,
+# e.g. make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.meshpilot-installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/meshpilot demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,170 @@
+"""The device-mesh arithmetic: one object owns it, nothing else recomputes ranks by hand.
+
+Pure values (no ray, no torch), imported by the driver and by the ranks alike.
+
+Rank order, outermost to innermost, is ``DIM_ORDER = (dp_replicate, pp, dp_shard, tp)``:
+
+* ``tp`` is innermost, so a tensor-parallel group is a block of consecutive ranks and is
+  placed inside one node;
+* a replica group (one ``dp_replicate`` slice, one whole copy of the model state) is a
+  contiguous block of ``pp * dp_shard * tp`` ranks: it is the unit that fails, is dropped and
+  is added back, and dropping one renumbers the survivors without moving any shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DIM_ORDER: tuple[str, ...] = ("dp_replicate", "pp", "dp_shard", "tp")
+
+
+class MeshError(ValueError):
+    """An impossible mesh; the message names every degree and what it must divide."""
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in the mesh."""
+
+    dp_replicate: int
+    pp: int
+    dp_shard: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks of one ``dp_replicate`` slice: one whole copy of the model state."""
+
+    index: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Degrees of the four parallel dimensions; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [
+            f"{name}={getattr(self, name)!r}"
+            for name in DIM_ORDER
+            if not isinstance(getattr(self, name), int)
+            or isinstance(getattr(self, name), bool)
+            or getattr(self, name) < 1
+        ]
+        if bad:
+            raise MeshError(f"mesh degrees must be integers >= 1, got {', '.join(bad)}")
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.pp * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways each global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks in one replica group."""
+        return self.pp * self.dp_shard * self.tp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Degrees in ``DIM_ORDER``; the shape of the DeviceMesh the ranks build."""
+        return tuple(getattr(self, name) for name in DIM_ORDER)
+
+    # ----------------------------------------------------------- rank maths
+    def coords(self, rank: int) -> RankCoords:
+        self._check_rank(rank)
+        values = {}
+        for name, degree in reversed(list(zip(DIM_ORDER, self.shape))):
+            rank, values[name] = divmod(rank, degree)
+        return RankCoords(**values)
+
+    def rank(self, coords: RankCoords) -> int:
+        rank = 0
+        for name, degree in zip(DIM_ORDER, self.shape):
+            value = getattr(coords, name)
+            if not 0 <= value < degree:
+                raise MeshError(f"coordinate {name}={value} outside 0..{degree - 1} in {self.describe()}")
+            rank = rank * degree + value
+        return rank
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of this rank's slice of the global batch (0 .. dp-1)."""
+        c = self.coords(rank)
+        return c.dp_replicate * self.dp_shard + c.dp_shard
+
+    def replica_groups(self) -> tuple[ReplicaGroup, ...]:
+        size = self.replica_size
+        return tuple(
+            ReplicaGroup(index=i, ranks=tuple(range(i * size, (i + 1) * size)))
+            for i in range(self.dp_replicate)
+        )
+
+    def replica_of(self, rank: int) -> int:
+        return self.coords(rank).dp_replicate
+
+    def with_replicas(self, dp_replicate: int) -> "MeshSpec":
+        """The same layout with another number of replica groups (shrink or grow)."""
+        return dataclasses.replace(self, dp_replicate=dp_replicate)
+
+    # ------------------------------------------------------------ checking
+    def check_divides(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        n_layers: int,
+        ffn_dim: int,
+        global_batch: int,
+        microbatches: int,
+        seq_len: int,
+        stages_per_rank: int = 1,
+    ) -> list[str]:
+        """Every way this mesh does not fit the model and batch, as readable sentences.
+
+        Returns an empty list when the mesh fits; callers decide how to raise.
+        """
+        problems = []
+        tp = self.tp
+        for what, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim)):
+            if value % tp:
+                problems.append(f"tp={tp} must divide model.{what}={value}")
+        if tp > 1 and seq_len % tp:
+            problems.append(f"tp={tp} must divide training.seq_len={seq_len} (sequence parallel)")
+        stages = self.pp * stages_per_rank
+        if n_layers % stages:
+            problems.append(
+                f"pp={self.pp} x stages_per_rank={stages_per_rank} = {stages} pipeline stages "
+                f"must divide model.n_layers={n_layers}"
+            )
+        if global_batch % (self.dp * microbatches):
+            problems.append(
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x microbatches="
+                f"{microbatches} = {self.dp * microbatches} must divide training.global_batch={global_batch}"
+            )
+        return problems
+
+    # ------------------------------------------------------------- display
+    def describe(self) -> str:
+        return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIM_ORDER}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int]) -> "MeshSpec":
+        return cls(**{name: int(values.get(name, 1)) for name in DIM_ORDER})
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} outside 0..{self.world_size - 1} for {self.describe()}")

@@ -1,0 +1,445 @@
+"""The job config: one YAML file -> nested dataclasses, validated before any worker starts.
+
+Runs on the driver. ``load_config(path, overrides)`` is the only way in: it reads YAML (safe
+loader only), applies ``--set dotted.key=value`` overrides, checks every key and type
+generically (unknown keys get a "did you mean"), then checks the values against each other
+(mesh degrees against heads, layers and batch). Every problem found is reported at once in a
+``ConfigError`` naming the key path, the value and the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastic.spec import MeshSpec
+from orchestrator.errors import ConfigError
+from workers.spec import PRESETS, ModelSpec, model_spec
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DATA_SOURCES = ("text", "synthetic")
+BACKENDS = ("auto", "nccl", "gloo")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _choices(*values: str) -> dict[str, Any]:
+    return {"choices": values}
+
+
+@dataclass
+class ModelConfig:
+    """A preset shape, any field of which may be overridden."""
+
+    preset: str = field(default="debug", metadata=_choices(*PRESETS))
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+
+    def spec(self) -> ModelSpec:
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "preset"}
+        return model_spec(self.preset, **overrides)
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 2
+    tp: int = 2
+    pp: int = 2
+    pp_schedule: str = field(default="1f1b", metadata=_choices(*PP_SCHEDULES))
+    # Model chunks per pipeline rank; None = 2 for interleaved_1f1b, else 1.
+    stages_per_rank: int | None = None
+    # Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
+    microbatches: int = 4
+    activation_checkpointing: bool = False
+
+    def mesh(self) -> MeshSpec:
+        return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
+
+    @property
+    def virtual_stages(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 50
+    global_batch: int = 16
+    seq_len: int = 128
+    lr: float = 3.0e-4
+    # Cosine decay ends at lr * min_lr_ratio on the last step.
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    # auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
+    dtype: str = field(default="auto", metadata=_choices(*DTYPES))
+
+
+@dataclass
+class DataConfig:
+    source: str = field(default="text", metadata=_choices(*DATA_SOURCES))
+    # A text file, tokenized at byte level; relative paths are tried from the current
+    # directory, then from the config file's directory.
+    path: str = "data/sample.txt"
+
+
+@dataclass
+class CheckpointConfig:
+    # s3://bucket/prefix, file:///dir or a plain directory; None turns checkpoints off.
+    uri: str | None = None
+    endpoint_url: str | None = None
+    region: str | None = None
+    interval_steps: int = 10
+    keep_last: int = 3
+    # Also keep every M-th step forever (0 = none).
+    keep_every: int = 0
+    async_: bool = field(default=True, metadata={"key": "async"})
+    part_size_mb: int = 8
+    upload_concurrency: int = 4
+    max_in_flight: int = 1
+    # Resume from the latest committed checkpoint under uri when one exists.
+    resume: bool = True
+
+
+@dataclass
+class ElasticConfig:
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    heartbeat_timeout_s: float = 10.0
+    # A step that makes no progress for this long is treated as hung.
+    hang_timeout_s: float = 60.0
+    # gloo/NCCL timeout for one collective.
+    collective_timeout_s: float = 120.0
+    spare_actors: int = 0
+    # Failure budget: more than max_failures within failure_window_s ends the run.
+    max_failures: int = 5
+    failure_window_s: float = 3600.0
+    instance_action_url: str | None = None
+
+
+@dataclass
+class MetricsConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    # 0 picks a free port and prints it.
+    port: int = 0
+    # Device peak FLOP/s for the MFU estimate; None = a default for the device kind.
+    device_peak_tflops: float | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    # None: an embedded local Ray cluster (or RAY_ADDRESS when set).
+    address: str | None = None
+    backend: str = field(default="auto", metadata=_choices(*BACKENDS))
+    cpus_per_rank: float = 0.5
+    gpus_per_rank: float = 0.0
+    # Logical CPUs of the embedded cluster; None = enough for every rank.
+    num_cpus: int | None = None
+    # Seconds to wait for every rank actor to be placed and started.
+    start_timeout_s: float = 180.0
+
+
+@dataclass
+class JobConfig:
+    name: str = "meshpilot"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # Where the YAML came from; not a key.
+    source_dir: str | None = field(default=None, metadata={"internal": True}, repr=False)
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self.parallelism.mesh()
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.model.spec()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        """Hash of what decides the numbers (model, parallelism-independent training, data).
+
+        A checkpoint written under one hash resumes under another mesh: parallelism, runtime,
+        metrics and checkpoint settings are left out on purpose.
+        """
+        decisive = {key: self.to_dict()[key] for key in ("model", "training", "data")}
+        return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read, override, type-check and cross-check a job config; raise ConfigError listing problems."""
+    raw: dict[str, Any] = {}
+    source_dir = None
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML job file")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path} is not valid YAML{where}: {getattr(error, 'problem', error)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (model:, parallelism:, ...), "
+                              f"not a {type(loaded).__name__}")
+        raw = loaded
+        source_dir = str(path.resolve().parent)
+    problems: list[str] = []
+    for override in overrides:
+        _apply_override(raw, override, problems)
+    config = _build(JobConfig, raw, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    config.source_dir = source_dir
+    problems.extend(validate(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """Build and validate a config from a mapping (tests, the job-submission entrypoint)."""
+    problems: list[str] = []
+    config = _build(JobConfig, raw, "", problems)
+    if not problems:
+        problems.extend(validate(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _apply_override(raw: dict[str, Any], override: str, problems: list[str]) -> None:
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        problems.append(f"--set {override!r}: expected dotted.key=value, e.g. --set parallelism.tp=4")
+        return
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            problems.append(f"--set {key}: {part!r} is not a section")
+            return
+        node = child
+    node[parts[-1]] = value
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    where = prefix.rstrip(".") or "the config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: expected a mapping of keys, got {type(raw).__name__} {raw!r}")
+        return cls()
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    for key in raw:
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; known keys: {', '.join(fields)}"
+            problems.append(f"{prefix}{key}: unknown key{suggestion}")
+    values = {}
+    hints = typing.get_type_hints(cls)
+    for key, f in fields.items():
+        if key not in raw:
+            continue
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            values[f.name] = _build(kind, raw[key], f"{prefix}{key}.", problems)
+        else:
+            values[f.name] = _check_value(f"{prefix}{key}", raw[key], kind, f.metadata.get("choices"), problems)
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | None, problems: list[str]) -> Any:
+    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        problems.append(f"{key}: null is not allowed; give a {_type_name(allowed)}")
+        return None
+    for candidate in allowed:
+        if candidate is bool and isinstance(value, bool):
+            return value
+        if candidate is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if candidate is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if candidate is str and isinstance(value, str):
+            if choices and value not in choices:
+                hint = difflib.get_close_matches(value, choices, n=1)
+                extra = f"; did you mean {hint[0]!r}?" if hint else ""
+                problems.append(f"{key}: {value!r} is not one of {', '.join(choices)}{extra}")
+            return value
+    problems.append(f"{key}: expected {_type_name(allowed)}, got {type(value).__name__} {value!r}")
+    return None
+
+
+def _type_name(allowed: tuple[Any, ...]) -> str:
+    names = [{int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, "null")
+             for t in allowed if t is not type(None)]
+    return " or ".join(names)
+
+
+def _to_dict(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {_yaml_key(f): _to_dict(getattr(value, f.name))
+                for f in dataclasses.fields(value) if not f.metadata.get("internal")}
+    return value
+
+
+# --------------------------------------------------------------------------- checking
+def validate(config: JobConfig) -> list[str]:
+    """Cross-field checks; returns sentences naming key, value and reason."""
+    problems: list[str] = []
+    _positive(problems, config, [
+        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp",
+        "parallelism.microbatches", "training.steps", "training.global_batch", "training.seq_len",
+        "checkpoint.interval_steps", "checkpoint.keep_last", "checkpoint.part_size_mb",
+        "checkpoint.upload_concurrency", "checkpoint.max_in_flight", "elastic.min_replicas",
+    ])
+    _non_negative(problems, config, [
+        "training.lr", "training.warmup_steps", "training.weight_decay", "training.grad_clip",
+        "training.seed", "checkpoint.keep_every", "elastic.spare_actors", "runtime.cpus_per_rank",
+        "runtime.gpus_per_rank",
+    ])
+    if problems:
+        return problems
+    model = config.model_spec
+    problems.extend(model.problems())
+    par, train = config.parallelism, config.training
+    if par.stages_per_rank is not None and par.stages_per_rank < 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
+    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
+    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
+    if par.pp > 1 and par.microbatches < par.pp:
+        problems.append(f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} "
+                        "so that every pipeline stage has work")
+    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
+        problems.append(f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
+                        "for pp_schedule=interleaved_1f1b")
+    if not problems:
+        problems.extend(
+            "parallelism: " + p for p in config.mesh.check_divides(
+                n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
+                ffn_dim=model.ffn_dim, global_batch=train.global_batch, microbatches=par.microbatches,
+                seq_len=train.seq_len, stages_per_rank=par.virtual_stages,
+            )
+        )
+    if train.seq_len > model.max_seq_len:
+        problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
+    if train.warmup_steps > train.steps:
+        problems.append(f"training.warmup_steps={train.warmup_steps} exceeds training.steps={train.steps}")
+    if not 0.0 <= train.min_lr_ratio <= 1.0:
+        problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
+    if config.data.source == "text":
+        if model.vocab_size < 256:
+            problems.append(f"model.vocab_size={model.vocab_size} must be >= 256 for data.source=text "
+                            "(byte-level tokens)")
+        if resolve_data_path(config) is None:
+            problems.append(f"data.path={config.data.path!r}: no such file (looked in the current directory"
+                            + (f" and {config.source_dir}" if config.source_dir else "") + ")")
+    el = config.elastic
+    if el.max_replicas is not None and el.max_replicas < par.dp_replicate:
+        problems.append(f"elastic.max_replicas={el.max_replicas} is below parallelism.dp_replicate={par.dp_replicate}")
+    if el.min_replicas > par.dp_replicate:
+        problems.append(f"elastic.min_replicas={el.min_replicas} exceeds parallelism.dp_replicate={par.dp_replicate}")
+    for key in ("heartbeat_timeout_s", "hang_timeout_s", "collective_timeout_s", "failure_window_s"):
+        if getattr(el, key) <= 0:
+            problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
+    if not 0 <= config.metrics.port <= 65535:
+        problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
+    if config.runtime.backend == "nccl" and config.runtime.gpus_per_rank <= 0:
+        problems.append("runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs)")
+    if config.checkpoint.uri is not None:
+        problems.extend(_check_uri(config.checkpoint.uri))
+    return problems
+
+
+def resolve_data_path(config: JobConfig) -> Path | None:
+    candidates = [Path(config.data.path)]
+    if config.source_dir and not Path(config.data.path).is_absolute():
+        candidates.append(Path(config.source_dir) / config.data.path)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def _check_uri(uri: str) -> list[str]:
+    if uri.startswith("s3://"):
+        bucket = uri[len("s3://"):].split("/", 1)[0]
+        if not bucket:
+            return [f"checkpoint.uri={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
+        return []
+    if "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        return [f"checkpoint.uri={uri!r}: scheme {scheme!r} is not supported; use s3://, file:// or a directory"]
+    return []
+
+
+def _lookup(config: JobConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _positive(problems: list[str], config: JobConfig, keys: list[str]) -> None:
+    for key in keys:
+        value = _lookup(config, key)
+        if value is not None and value < 1:
+            problems.append(f"{key}={value} must be >= 1")
+
+
+def _non_negative(problems: list[str], config: JobConfig, keys: list[str]) -> None:
+    for key in keys:
+        value = _lookup(config, key)
+        if value is not None and value < 0:
+            problems.append(f"{key}={value} must be >= 0")

@@ -1,0 +1,96 @@
+"""The run's event stream: ``RUN_DIR/events.jsonl`` and everything that listens to it.
+
+Runs on the driver. The controller emits one event per thing that happened; the event log
+writes it as one JSON line and hands it to every subscriber (metrics, progress bar), so the
+file, Prometheus and the terminal can never disagree.
+
+The schema below is a contract with dashboards, ``meshpilot report`` and users' scripts:
+add fields freely, never rename or drop one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from orchestrator.redact import redact
+
+# Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "start": ("run_dir", "name", "mesh", "world_size", "steps", "global_batch", "seq_len", "config_hash"),
+    "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s"),
+    "checkpoint_staged": ("step", "stall_s"),
+    "checkpoint_committed": ("step", "uri", "bytes", "upload_s"),
+    "checkpoint_failed": ("step", "error"),
+    "restored": ("step", "uri", "from_mesh", "to_mesh", "restore_s"),
+    "failure": ("kind", "ranks", "node", "message"),
+    "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh"),
+    "drain": ("node", "ranks", "reason"),
+    "grow": ("new_mesh", "added_ranks", "join_s"),
+    "log": ("rank", "level", "message"),
+    "done": ("status", "steps", "elapsed_s"),
+}
+
+
+class EventSubscriber(Protocol):
+    def on_event(self, event: dict[str, Any]) -> None: ...
+
+
+class EventLog:
+    """Appends events to ``events.jsonl`` and fans them out to subscribers (driver only)."""
+
+    def __init__(self, path: Path | None, subscribers: list[EventSubscriber] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.subscribers = list(subscribers or [])
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: tail -f works
+
+    def subscribe(self, subscriber: EventSubscriber) -> None:
+        self.subscribers.append(subscriber)
+
+    def emit(self, name: str, **fields: Any) -> dict[str, Any]:
+        if name not in EVENT_FIELDS:
+            raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
+        event = {"event": name, "time": round(self._clock(), 6), **redact(fields)}
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(event, default=_json_default) + "\n")
+            for subscriber in self.subscribers:
+                subscriber.on_event(event)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All events of a run, in order; a torn last line (killed driver) is ignored."""
+    events = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to events.jsonl")

@@ -1,0 +1,89 @@
+"""Shapes of the Llama-style decoder: plain values shared by the driver, the planner and the ranks.
+
+No torch here: the planner sizes a 405B model from these numbers on a laptop, and the driver
+validates a config without importing the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied output."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def problems(self) -> list[str]:
+        """Every inconsistency of the shape itself, as sentences naming the keys."""
+        found = []
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+            if getattr(self, name) < 1:
+                found.append(f"model.{name}={getattr(self, name)} must be >= 1")
+        if found:
+            return found
+        if self.dim % self.n_heads:
+            found.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim}")
+        elif self.head_dim % 2:
+            found.append(f"model.dim / model.n_heads = {self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            found.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        return found
+
+    # ------------------------------------------------------------ counting
+    @property
+    def params_per_layer(self) -> int:
+        attention = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
+        feed_forward = 3 * self.dim * self.ffn_dim
+        norms = 2 * self.dim
+        return attention + feed_forward + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def num_params(self) -> int:
+        """All parameters: embedding, layers, final norm, output projection (untied)."""
+        return 2 * self.embedding_params + self.n_layers * self.params_per_layer + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), the usual 6N plus attention scores.
+
+        Embedding lookups do no matmul, so they are left out of N, as in the PaLM appendix.
+        """
+        dense = self.num_params - self.embedding_params
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6.0 * dense + attention
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # Small enough for 8 CPU ranks on 2 cores; byte-level vocabulary for the text demo.
+    "debug": ModelSpec(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192, max_seq_len=2048),
+    # Llama 3.2 1B shape (that release ties input and output embeddings; ours are untied).
+    "llama3-1b": ModelSpec(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192),
+    "llama3-8b": ModelSpec(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
+    "llama3-70b": ModelSpec(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672),
+    "llama3-405b": ModelSpec(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248),
+}
+
+
+def model_spec(preset: str, **overrides) -> ModelSpec:
+    """The preset's shape with any non-None field overridden."""
+    base = PRESETS[preset]
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    return dataclasses.replace(base, **changes)
