@@ -1,0 +1,4 @@
+"""Session-wide fixtures live in tests/fixtures/*; each module is one shared resource."""
+
+pytest_plugins = [
+]
