@@ -184,7 +184,7 @@ def _price_mesh(workload: Workload, cluster: Cluster, constraints: Constraints, 
         result = estimate(workload, cluster, layout, assumptions)
         priced += 1
         if result.fits:
-            if best is None or result.step_s < best.step_s:
+            if best is None or (result.step_s, result.memory.total) < (best.step_s, best.memory.total):
                 best = result
             if mesh.pp == 1:
                 # Gradient-accumulation steps are tried fewest first; more would only add gathers.
@@ -229,6 +229,51 @@ def _pipeline_microbatches(per_rank: int, pp: int, schedule: str) -> int | None:
     return None
 
 
+def check_layout(
+    workload: Workload,
+    cluster: Cluster,
+    layout: Layout,
+    *,
+    constraints: Constraints = Constraints(),
+    assumptions: Assumptions = Assumptions(),
+) -> tuple[Estimate | None, list[str]]:
+    """Price one given layout (a config's, a published one) and list why it cannot run, if it cannot.
+
+    Returns (estimate, problems): the estimate is None when the layout does not even divide the
+    model and batch; problems is empty when it runs and fits.
+    """
+    mesh, model = layout.mesh, workload.model
+    problems: list[str] = []
+    if mesh.world_size != cluster.gpus:
+        problems.append(f"{mesh.describe()} has {mesh.world_size} ranks, not the {cluster.gpus} GPUs planned for")
+    tp_problem = _tp_problem(workload, cluster, constraints, mesh.tp)
+    if tp_problem:
+        problems.append(f"tp={mesh.tp}: {tp_problem}")
+    if mesh.pp == 1 and layout.schedule != "none":
+        problems.append(f"schedule {layout.schedule!r} needs pp > 1")
+    if mesh.pp > 1:
+        if layout.schedule not in PIPELINE_SCHEDULES:
+            problems.append(f"pp={mesh.pp} needs a schedule from {', '.join(PIPELINE_SCHEDULES)}")
+        if layout.microbatches < mesh.pp:
+            problems.append(f"microbatches={layout.microbatches} must be >= pp={mesh.pp} so every stage has work")
+        if layout.schedule == "interleaved_1f1b" and layout.microbatches % mesh.pp:
+            problems.append(f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} "
+                            "for interleaved_1f1b")
+    if (layout.schedule == "interleaved_1f1b") != (layout.virtual_stages > 1):
+        problems.append(f"virtual_stages={layout.virtual_stages} goes with interleaved_1f1b only (and it needs >= 2)")
+    problems.extend(mesh.check_divides(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
+        global_batch=workload.global_batch, microbatches=layout.microbatches, seq_len=workload.seq_len,
+        stages_per_rank=layout.virtual_stages, even_stages=constraints.even_stages,
+    ))
+    if problems:
+        return None, problems
+    result = estimate(workload, cluster, layout, assumptions)
+    if not result.fits:
+        problems.append(_memory_rejection(layout.describe(), result, 1).reason)
+    return result, problems
+
+
 # ---------------------------------------------------------------------------- rules
 def _tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, tp: int) -> str | None:
     model = workload.model
@@ -269,14 +314,14 @@ def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: i
 
 def _memory_rejection(name: str, closest: Estimate, splits: int) -> Rejection:
     memory, layout = closest.memory, closest.layout
-    state = (memory.params + memory.grads + memory.optimizer) / 1e9
-    detail = (f"params+grads+optimizer {state:.1f}, FSDP buffers {memory.fsdp_buffers / 1e9:.1f}, "
-              f"activations {memory.activations / 1e9:.1f}, logits {memory.logits / 1e9:.1f}")
+    state = memory.params + memory.grads + memory.optimizer
+    detail = (f"params+grads+optimizer {format_gb(state)}, FSDP buffers {format_gb(memory.fsdp_buffers)}, "
+              f"activations {format_gb(memory.activations)}, logits {format_gb(memory.logits)}")
     ac = " with activation checkpointing" if layout.activation_checkpointing else ""
     across = f" (best of {splits} dp splits: {layout.mesh.describe()})" if splits > 1 else ""
     return Rejection(
         name,
-        f"needs {memory.total / 1e9:.1f} GB per GPU{ac} > {closest.usable_memory / 1e9:.1f} GB usable "
+        f"needs {format_gb(memory.total)} GB per GPU{ac} > {format_gb(closest.usable_memory)} GB usable "
         f"({detail}){across}",
         "memory", splits, needs_gb=memory.total / 1e9,
     )
@@ -285,9 +330,10 @@ def _memory_rejection(name: str, closest: Estimate, splits: int) -> Rejection:
 def _reasons(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
              chosen: Estimate) -> tuple[str, ...]:
     layout, memory = chosen.layout, chosen.memory
-    reasons = [f"fits {memory.total / 1e9:.1f} of {chosen.usable_memory / 1e9:.1f} GB usable "
-               f"(state {(memory.params + memory.grads + memory.optimizer) / 1e9:.1f}, "
-               f"FSDP buffers {memory.fsdp_buffers / 1e9:.1f}, activations {memory.activations / 1e9:.1f})"]
+    reasons = [f"fits {format_gb(memory.total)} of {format_gb(chosen.usable_memory)} GB usable "
+               f"(state {format_gb(memory.params + memory.grads + memory.optimizer)}, "
+               f"FSDP buffers {format_gb(memory.fsdp_buffers)}, activations {format_gb(memory.activations)}, "
+               f"logits {format_gb(memory.logits)})"]
     if layout.mesh.pp > 1:
         schedule = layout.schedule if layout.virtual_stages == 1 else f"{layout.schedule} v={layout.virtual_stages}"
         reasons.append(f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
@@ -295,13 +341,18 @@ def _reasons(workload: Workload, cluster: Cluster, constraints: Constraints, ass
     for dim in ("tp", "pp", "dp_shard", "dp_replicate"):
         cost = chosen.comm[dim]
         if cost.bytes_per_step > 0:
-            reasons.append(f"{dim} {cost.bytes_per_step / 1e9:.1f} GB/step over {cost.link}, "
+            reasons.append(f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
                            f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed")
+    chunks = layout.mesh.pp * layout.virtual_stages
+    if workload.model.n_layers % chunks:
+        low, high = workload.model.n_layers // chunks, -(-workload.model.n_layers // chunks)
+        reasons.append(f"uneven pipeline split: {workload.model.n_layers} layers in {chunks} chunks of {low}-{high} "
+                       "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)")
     if layout.activation_checkpointing and False in constraints.activation_checkpointing:
         without = estimate(workload, cluster, Layout(layout.mesh, layout.schedule, layout.virtual_stages,
                                                      layout.microbatches, False), assumptions)
         if not without.fits:
-            reasons.append(f"activation checkpointing needed (off: {without.memory.total / 1e9:.1f} GB)")
+            reasons.append(f"activation checkpointing needed (off: {format_gb(without.memory.total)} GB)")
     return tuple(reasons)
 
 
@@ -354,6 +405,12 @@ def _span(values: list[int]) -> str:
 
 
 # ---------------------------------------------------------------------------- helpers
+def format_gb(num_bytes: float) -> str:
+    """Gigabytes with three significant digits, so 0.0123 and 361 both read well."""
+    value = num_bytes / 1e9
+    return f"{value:.1f}" if 10 <= value < 1000 else f"{value:.3g}"
+
+
 def _divisors(n: int) -> list[int]:
     small, large = [], []
     i = 1

@@ -10,6 +10,8 @@ from pathlib import Path
 from elastic.simulator import Sweep
 
 COLOURS = {"restart": "#c0392b", "shrink": "#2471a3", "drain": "#239b56"}
+# drain equals shrink when there are no spot notices: dashed, so both lines stay visible.
+STYLES = {"restart": "-", "shrink": "-", "drain": "--"}
 
 
 def render_goodput_plot(result: Sweep, path: str | Path, *, title: str) -> Path:
@@ -25,7 +27,8 @@ def render_goodput_plot(result: Sweep, path: str | Path, *, title: str) -> Path:
     for curve in result.curves:
         colour = COLOURS.get(curve.policy)
         minutes = [interval / 60 for interval in curve.intervals_s]
-        axes.plot(minutes, [100 * g for g in curve.goodput], label=curve.policy, color=colour, linewidth=1.8)
+        axes.plot(minutes, [100 * g for g in curve.goodput], label=curve.policy, color=colour, linewidth=1.8,
+                  linestyle=STYLES.get(curve.policy, "-"))
         axes.plot([curve.best_interval_s / 60], [100 * curve.best_goodput], "o", color=colour, markersize=6)
         axes.annotate(f"{100 * curve.best_goodput:.1f}%", (curve.best_interval_s / 60, 100 * curve.best_goodput),
                       textcoords="offset points", xytext=(-10, 7), fontsize=8, color=colour)

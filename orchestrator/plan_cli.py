@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.cost_model import Assumptions, Cluster, Estimate, Workload
+from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
-from elastic.planner import PIPELINE_SCHEDULES, Constraints, Plan, PlanResult, plan_layouts
+from elastic.planner import (
+    PIPELINE_SCHEDULES, Constraints, Plan, PlanResult, check_layout, format_gb, plan_layouts,
+)
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
 
@@ -88,33 +91,73 @@ def hardware_from_args(args: argparse.Namespace) -> GpuSpec:
     return spec
 
 
-def load_model(reference: str) -> tuple[str, ModelSpec, int | None, int | None]:
-    """(name, shape, config seq_len, config global batch) from a preset name or a job config path."""
+@dataclass(frozen=True)
+class ModelSource:
+    """The model to plan for and, when it came from a job config, that config's own choices."""
+
+    name: str
+    model: ModelSpec
+    seq_len: int | None = None
+    global_batch: int | None = None
+    layout: Layout | None = None
+
+
+def load_model(reference: str) -> ModelSource:
+    """A preset name, or a job config path whose model, training and parallelism sections are read."""
     if reference in PRESETS:
-        return reference, PRESETS[reference], None, None
+        return ModelSource(reference, PRESETS[reference])
     path = Path(reference)
     if path.suffix in (".yaml", ".yml") or path.is_file():
         from orchestrator.config import load_config
 
-        # Only the model and training sections matter here; the data file need not exist.
+        # Only the model, training and parallelism sections matter here; the data file need not exist.
         config = load_config(path, overrides=["data.source=synthetic"])
-        return f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch
+        par = config.parallelism
+        layout = Layout(config.mesh, par.pp_schedule if par.pp > 1 else "none", par.virtual_stages,
+                        par.microbatches, par.activation_checkpointing)
+        return ModelSource(f"{config.name} ({path})", config.model_spec, config.training.seq_len,
+                           config.training.global_batch, layout)
     raise UserError(f"--model {reference!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML job config; "
                     "pass a preset name or the path of a config file")
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    name, model, config_seq_len, config_batch = load_model(args.model)
-    workload, cluster, constraints, assumptions = _inputs(args, model, config_seq_len, config_batch)
+    source = load_model(args.model)
+    workload, cluster, constraints, assumptions = _inputs(args, source.model, source.seq_len, source.global_batch)
     result = plan_layouts(workload, cluster, constraints=constraints, assumptions=assumptions)
     shown = result.top(args.top)
+    configured = _configured(source, result, constraints, assumptions)
     if args.json:
-        print(json.dumps(plan_json(name, result, shown), indent=2))
+        document = plan_json(source.name, result, shown)
+        document["config_layout"] = configured
+        print(json.dumps(document, indent=2))
     else:
-        print(format_plan(name, result, shown))
+        print(format_plan(source.name, result, shown))
+        if configured is not None:
+            print(f"the config's layout ({configured['layout']}): {configured['verdict']}")
     if not result.plans:
-        raise UserError(_no_layout_message(name, result))
+        raise UserError(_no_layout_message(source.name, result))
     return 0
+
+
+def _configured(source: ModelSource, result: PlanResult, constraints: Constraints,
+                assumptions: Assumptions) -> dict[str, object] | None:
+    """How the config's own parallelism section fares on the planned cluster."""
+    if source.layout is None:
+        return None
+    layout = source.layout
+    if layout.mesh.world_size != result.cluster.gpus:
+        verdict = f"not comparable: it uses {layout.mesh.world_size} ranks, the plan {result.cluster.gpus} GPUs"
+        return {"layout": layout.describe(), "feasible": False, "verdict": verdict}
+    estimate_, problems = check_layout(result.workload, result.cluster, layout, constraints=constraints,
+                                       assumptions=assumptions)
+    if problems or estimate_ is None:
+        return {"layout": layout.describe(), "feasible": False, "verdict": "rejected: " + "; ".join(problems)}
+    faster = sum(1 for plan in result.plans if plan.estimate.step_s < estimate_.step_s)
+    verdict = (f"fits {format_gb(estimate_.memory.total)} GB, step {_seconds(estimate_.step_s)} s, MFU {estimate_.mfu:.1%}; "
+               f"{faster} feasible layout{'s' if faster != 1 else ''} would be faster")
+    return {"layout": layout.describe(), "feasible": True, "step_s": round(estimate_.step_s, 6),
+            "mfu": round(estimate_.mfu, 4), "faster_layouts": faster, "verdict": verdict}
 
 
 def _inputs(args: argparse.Namespace, model: ModelSpec, config_seq_len: int | None,
@@ -166,7 +209,8 @@ def _no_layout_message(name: str, result: PlanResult) -> str:
         closest = min(memory, key=lambda r: r.needs_gb or 0.0)
         usable = cluster.gpu.memory_gb * (1 - result.assumptions.memory_reserve)
         return (f"no layout of {name} fits on {where}: the smallest ({closest.layout}) needs "
-                f"{closest.needs_gb:.1f} GB per GPU > {usable:.1f} GB usable; use more GPUs or GPUs with more memory")
+                f"{format_gb(closest.needs_gb * 1e9)} GB per GPU > {format_gb(usable * 1e9)} GB usable; "
+                "use more GPUs or GPUs with more memory")
     if not result.rejections:
         return f"no layout of {name} on {where} satisfies the fixed degrees and --min-replicas; relax them"
     return (f"no layout of {name} divides onto {where} (see the rejected families above); "
@@ -230,10 +274,10 @@ def _plan_dict(rank: int, plan: Plan) -> dict[str, object]:
 def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
     workload, cluster, assumptions = result.workload, result.cluster, result.assumptions
     lines = [
-        f"meshpilot plan: {name} ({workload.model.num_params / 1e9:.1f}B parameters) on {cluster.gpus} x "
+        f"meshpilot plan: {name} ({_count(workload.model.num_params)} parameters) on {cluster.gpus} x "
         f"{cluster.gpu.describe()}, {cluster.gpus_per_node} GPUs per node",
         f"workload: seq_len {workload.seq_len}, global batch {workload.global_batch} sequences = "
-        f"{workload.tokens_per_step / 1e6:.1f}M tokens per step",
+        f"{_count(workload.tokens_per_step)} tokens per step",
         f"searched {result.meshes_considered} meshes ({result.layouts_priced} layouts priced) in "
         f"{result.elapsed_s:.2f} s: {len(result.plans)} feasible, {len(result.rejections)} families rejected",
         "",
@@ -256,6 +300,17 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
     return "\n".join(lines)
 
 
+def _count(value: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:g}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
 def _plan_lines(rank: int, plan: Plan) -> list[str]:
     estimate, layout, mesh = plan.estimate, plan.layout, plan.mesh
     schedule = "-" if mesh.pp == 1 else layout.schedule
@@ -264,7 +319,7 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
     lines = [
         f"  {rank:>2} {mesh.dp_replicate:>6} {mesh.dp_shard:>8} {mesh.tp:>3} {mesh.pp:>4}  {schedule:<22} "
         f"{layout.microbatches:>5} {'on' if layout.activation_checkpointing else 'off':>3} "
-        f"{estimate.memory.total / 1e9:>7.1f} {estimate.step_s:>7.2f} {estimate.mfu:>6.1%} "
+        f"{format_gb(estimate.memory.total):>7} {_seconds(estimate.step_s):>7} {estimate.mfu:>6.1%} "
         f"{estimate.tokens_per_s_per_gpu:>9.0f}"
     ]
     lines.extend(f"       - {reason}" for reason in plan.reasons)
