@@ -116,8 +116,8 @@ class MeshSpec:
     def stride(self, dim: str) -> int:
         """Rank distance between neighbours along ``dim``: the product of the inner degrees.
 
-        A ``dim`` group covers ``stride(dim) * degree`` consecutive-rank blocks; the planner
-        uses it to tell which groups stay inside a node and which cross the network.
+        A ``dim`` group spans ``stride(dim) * degree`` consecutive ranks; the planner uses it
+        to tell which groups stay inside a node and which cross the network.
         """
         if dim not in DIM_ORDER:
             raise MeshError(f"unknown mesh dimension {dim!r}; known: {', '.join(DIM_ORDER)}")

@@ -184,6 +184,12 @@ def _inputs(args: argparse.Namespace, model: ModelSpec, config_seq_len: int | No
             if value < 1:
                 raise UserError(f"--{dim.replace('_', '-')}={value} must be >= 1")
             fixed[dim] = value
+    product = 1
+    for value in fixed.values():
+        product *= value
+    if args.gpus % product:
+        named = ", ".join(f"--{dim.replace('_', '-')}={value}" for dim, value in fixed.items())
+        raise UserError(f"the fixed degrees ({named}) multiply to {product}, which does not divide --gpus={args.gpus}")
     for flag, value in (("--compute-efficiency", args.compute_efficiency),
                         ("--link-efficiency", args.link_efficiency)):
         if not 0 < value <= 1:

@@ -187,8 +187,10 @@ def format_simulation(result: Sweep, sources: dict[str, str], failure_source: st
                  f"{'restores':>8} {'lost work':>10} {'paused':>9} {'ckpt stall':>10} {'shrunk':>9}")
     for curve in result.curves:
         best = curve.best
+        # At the grid's end the optimum lies beyond it: checkpoints hardly matter to this policy.
+        edge = ">= " if best.checkpoint_interval_s == max(curve.intervals_s) else ""
         lines.append(
-            f"{curve.policy:<8} {_duration(best.checkpoint_interval_s):>13} {best.goodput:>8.2%} "
+            f"{curve.policy:<8} {edge + _duration(best.checkpoint_interval_s):>13} {best.goodput:>8.2%} "
             f"{curve.at_young_daly.goodput:>7.2%}   {'':21}{best.restores:>8} {_duration(best.lost_work_s):>10} "
             f"{_duration(best.paused_s):>9} {_duration(best.checkpoint_stall_s):>10} {_duration(best.shrunk_loss_s):>9}")
     requested = [curve for curve in result.curves if curve.at_requested is not None]

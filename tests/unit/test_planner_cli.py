@@ -89,6 +89,8 @@ def test_custom_gpu_flags_override_the_kind(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "16384"],
      "meshpilot: --seq-len=16384 exceeds the model's max_seq_len=8192\n"),
     (["--model", "llama3-8b", "--gpus", "8", "--tp", "0"], "meshpilot: --tp=0 must be >= 1\n"),
+    (["--model", "llama3-8b", "--gpus", "16", "--tp", "4", "--pp", "3"],
+     "meshpilot: the fixed degrees (--tp=4, --pp=3) multiply to 12, which does not divide --gpus=16\n"),
     (["--model", "missing.yaml", "--gpus", "8"],
      "meshpilot: invalid config: config file 'missing.yaml' does not exist; pass the path of a YAML job file\n"),
 ])
