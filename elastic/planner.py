@@ -126,7 +126,6 @@ def plan_layouts(
 ) -> PlanResult:
     """Enumerate, price and rank every layout of ``workload`` on ``cluster``."""
     started = time.perf_counter()
-    model = workload.model
     rejections: list[Rejection] = []
     plans: list[Plan] = []
     considered = priced = 0
