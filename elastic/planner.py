@@ -455,6 +455,7 @@ def best_plan(
     seq_len: int,
     fixed: Mapping[str, int] | None = None,
     min_replicas: int = 1,
+    even_stages: bool = True,
     assumptions: Assumptions = Assumptions(),
 ) -> Estimate | None:
     """The fastest feasible layout using as many of ``available_ranks`` as possible; see ``best_mesh``."""
@@ -465,7 +466,9 @@ def best_plan(
     unit = 1
     for degree in fixed.values():
         unit *= degree
-    constraints = Constraints(fixed=fixed, min_replicas=min_replicas)
+    if not fixed and available_ranks >= gpus_per_node:
+        unit = gpus_per_node  # nothing pinned: whole nodes
+    constraints = Constraints(fixed=fixed, min_replicas=min_replicas, even_stages=even_stages)
     workload = Workload(model, seq_len, global_batch)
     tried = 0
     for world_size in range(available_ranks - available_ranks % unit, 0, -unit):
@@ -489,6 +492,7 @@ def best_mesh(
     seq_len: int,
     fixed: Mapping[str, int] | None = None,
     min_replicas: int = 1,
+    even_stages: bool = True,
     assumptions: Assumptions = Assumptions(),
 ) -> MeshSpec | None:
     """The mesh the elastic scaling policy should run on ``available_ranks`` ranks, or None.
@@ -497,8 +501,9 @@ def best_mesh(
 
     * ``available_ranks``: ranks (GPUs) the job may use now. The result may use fewer: world
       sizes are tried from ``available_ranks`` downwards in steps of the product of the fixed
-      degrees (at most 64 sizes), and the first size with any feasible layout wins, its
-      fastest layout chosen, because more ranks train faster whenever a layout fits.
+      degrees (of ``gpus_per_node`` when nothing is fixed), at most 64 sizes, and the first
+      size with any feasible layout wins with its fastest layout, because more ranks train
+      faster whenever a layout fits.
     * ``fixed``: degrees that may not change, e.g. ``{"tp": 2, "pp": 2, "dp_shard": 2}`` for
       an in-place shrink or grow, where only ``dp_replicate`` (whole replica groups) changes
       and the surviving shards stay where they are. Keys are ``MeshSpec`` field names.
@@ -506,11 +511,13 @@ def best_mesh(
       global batch evenly (``MeshSpec.check_divides``), so a shrink keeps the same batch.
     * ``min_replicas``: fewest ``dp_replicate`` groups acceptable (the config's
       ``elastic.min_replicas``).
+    * ``even_stages``: True (the default) keeps to meshes whose pipeline stages hold equal
+      numbers of layers, which is what meshpilot's trainer builds (``workers.parallelize``).
 
     Returns None when no world size up to ``available_ranks`` has a layout that divides the
     model and batch and fits in ``hardware``'s memory; the policy then fails or waits.
     """
     chosen = best_plan(model, available_ranks=available_ranks, gpus_per_node=gpus_per_node, hardware=hardware,
                        global_batch=global_batch, seq_len=seq_len, fixed=fixed, min_replicas=min_replicas,
-                       assumptions=assumptions)
+                       even_stages=even_stages, assumptions=assumptions)
     return chosen.layout.mesh if chosen is not None else None
