@@ -140,6 +140,8 @@ METRICS: dict[str, MetricSpec] = {
                              "Seconds since the last commit (since the start before the first)."),
     # failures and elasticity
     "failures": _counter("failures", "Failures detected, by kind.", ("kind",)),
+    # Unlabelled, so it exists from the start and changes() sees even the first failure.
+    "last_failure_time": _gauge("last_failure_timestamp_seconds", "Unix time of the last failure (0 before any)."),
     "recoveries": _counter("recoveries", "Recoveries completed."),
     "recovery_time": _histogram("recovery_seconds", "Failure to training again (MTTR).", _RECOVERY_BUCKETS),
     "lost_steps": _counter("lost_steps", "Completed steps lost and redone because of failures."),
@@ -334,6 +336,7 @@ class MetricsExporter:
 
     def _on_failure(self, event: dict[str, Any]) -> None:
         self.m.failures.labels(kind=str(event.get("kind") or "unknown")).inc()
+        self.m.last_failure_time.set(float(event["time"]))
 
     def _on_recovered(self, event: dict[str, Any]) -> None:
         m = self.m

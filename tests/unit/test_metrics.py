@@ -88,6 +88,8 @@ def test_synthetic_run_counts_what_happened():
     assert value(samples, "meshpilot_failures_total", kind="actor_died") == 1
     assert value(samples, "meshpilot_failures_total", kind="node_died") == 1
     assert value(samples, "meshpilot_recoveries_total") == 2
+    assert value(samples, "meshpilot_last_failure_timestamp_seconds") == [
+        e for e in events if e["event"] == "failure"][-1]["time"]
     assert value(samples, "meshpilot_recovery_seconds_sum") == pytest.approx(3.0 + 8.5)
     assert value(samples, "meshpilot_recovery_seconds_bucket", le="5.0") == 1
     assert value(samples, "meshpilot_lost_steps_total") == 2
