@@ -105,6 +105,7 @@ METRICS: dict[str, MetricSpec] = {
                              "Unix time of the last completed step (the run start before the first)."),
     "loss": _gauge("loss", "Training loss of the last step."),
     "learning_rate": _gauge("learning_rate", "Learning rate of the last step."),
+    "grad_norm": _gauge("grad_norm", "Gradient norm of the last step, before clipping."),
     "tokens": _counter("tokens", "Tokens trained on."),
     "tokens_per_second": _gauge("tokens_per_second", "Throughput of the last step, whole job."),
     "step_time": _histogram("step_time_seconds", "Wall time of one optimizer step.", _STEP_BUCKETS),
@@ -282,6 +283,8 @@ class MetricsExporter:
             m.loss.set(event["loss"])
         if event.get("lr") is not None:
             m.learning_rate.set(event["lr"])
+        if event.get("grad_norm") is not None:
+            m.grad_norm.set(event["grad_norm"])
         m.tokens.inc(tokens)
         m.step_time.observe(step_time)
         self._productive += step_time

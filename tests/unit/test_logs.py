@@ -107,7 +107,7 @@ def test_console_printer_tells_what_happened(console_text):
     assert "restored step 50 from s3://bucket/run/step-00000050" in shown
     assert "[rank 3] step slower than its peers" in shown
     assert "draining node node-2 (ranks 4, 5, 6, 7): spot instance-action notice" in shown
-    assert "done: completed after 60 steps" in shown
+    assert "done: finished after 60 steps" in shown
     assert "loss" not in shown  # steps are the progress bar's, not the log's
 
 

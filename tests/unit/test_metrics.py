@@ -65,6 +65,8 @@ def test_synthetic_run_counts_what_happened():
     assert value(samples, "meshpilot_step") == 60
     assert value(samples, "meshpilot_target_steps") == 60
     assert value(samples, "meshpilot_loss") == last["loss"]
+    assert value(samples, "meshpilot_grad_norm") == last["grad_norm"]
+    assert value(samples, "meshpilot_learning_rate") == last["lr"]
     assert value(samples, "meshpilot_tokens_total") == 62 * TOKENS_PER_STEP
     assert value(samples, "meshpilot_tokens_per_second") == pytest.approx(TOKENS_PER_STEP / last["step_time_s"])
     assert value(samples, "meshpilot_step_time_seconds_count") == 62

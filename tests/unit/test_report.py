@@ -51,7 +51,7 @@ def test_report_command_draws_the_timeline_and_prints_the_summary(tmp_path, repo
     write_events(run_dir, synthetic_run())
     assert report_main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "run synthetic: completed, step 60/60" in out
+    assert "run synthetic: finished, step 60/60" in out
     assert "lost steps: 2" in out
     assert f"timeline: {run_dir / 'timeline.png'}" in out
     image = imread(run_dir / "timeline.png")
@@ -62,7 +62,7 @@ def test_report_command_draws_the_timeline_and_prints_the_summary(tmp_path, repo
 
 def test_a_quiet_run_has_no_failure_markers(tmp_path):
     events = [e for e in synthetic_run() if e["event"] in ("start", "step", "done")][:21] + [
-        {"event": "done", "time": START_TIME + 20.0, "status": "completed", "steps": 20, "elapsed_s": 20.0}]
+        {"event": "done", "time": START_TIME + 20.0, "status": "finished", "steps": 20, "elapsed_s": 20.0}]
     image = imread(render_timeline(events, tmp_path / "quiet.png"))
     assert not has_colour(image, MARKERS["failure"][0])
     assert not has_colour(image, MARKERS["recovered"][0])
