@@ -221,7 +221,8 @@ class MetricsExporter:
         self._productive = 0.0
         # Step times since the last commit, so a restore can take lost steps back out of goodput.
         self._uncommitted_step_seconds: dict[int, float] = {}
-        self._ranks_shown: set[str] = set()
+        self._rank_children: dict[str, Any] = {}
+        self._mesh_shown: dict[str, int] | None = None
         m = self.m
         m.world_size.set(world_size)
         m.world_size_target.set(world_size)
@@ -373,8 +374,10 @@ class MetricsExporter:
     def _set_mesh(self, mesh: Any, world_size: int | None) -> None:
         degrees = _mesh_dict(mesh)
         if degrees:
-            for dim, degree in degrees.items():
-                self.m.mesh_degree.labels(dim=dim).set(degree)
+            if degrees != self._mesh_shown:  # every step carries the mesh; it rarely changes
+                for dim, degree in degrees.items():
+                    self.m.mesh_degree.labels(dim=dim).set(degree)
+                self._mesh_shown = degrees
             if world_size is None:
                 world_size = math.prod(degrees.values())
         if world_size:
@@ -384,17 +387,21 @@ class MetricsExporter:
         if not rank_times:
             return
         gauge = self.m.rank_step_time
-        shown = set()
+        children = self._rank_children  # labels() validates and locks: look each rank up once
         slowest_rank, slowest = None, -1.0
         for rank, seconds in rank_times.items():
             label = str(rank)
-            shown.add(label)
-            gauge.labels(rank=label).set(seconds)
+            child = children.get(label)
+            if child is None:
+                child = children[label] = gauge.labels(rank=label)
+            child.set(seconds)
             if seconds > slowest:
                 slowest_rank, slowest = label, seconds
-        for gone in self._ranks_shown - shown:  # ranks that left the mesh stop being drawn
-            gauge.remove(gone)
-        self._ranks_shown = shown
+        if len(children) != len(rank_times):  # ranks that left the mesh stop being drawn
+            shown = {str(rank) for rank in rank_times}
+            for gone in [label for label in children if label not in shown]:
+                gauge.remove(gone)
+                del children[gone]
         median = statistics.median(rank_times.values())
         self.m.straggler_ratio.set(slowest / median if median > 0 else 1.0)
         self.m.slowest_rank.set(int(slowest_rank) if slowest_rank.isdigit() else -1)
