@@ -110,10 +110,19 @@ class RankLogWriter:
         self._files: dict[int, TextIO] = {}
         self._lock = threading.Lock()
         self._logger = logging.getLogger(LOGGER_NAME)
+        self._warned = False
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event.get("event") != "log":
             return
+        try:
+            self._write(event)
+        except (OSError, TypeError, ValueError) as error:  # a full disk must not stop training
+            if not self._warned:
+                self._warned = True
+                self._logger.warning("cannot write rank logs to %s: %s", self.log_dir, error)
+
+    def _write(self, event: dict[str, Any]) -> None:
         record = redact({key: item for key, item in event.items() if key != "event"})
         rank = record.get("rank")
         if rank is None:
@@ -146,7 +155,10 @@ class ConsoleEventPrinter:
         self.rank_level = _level(rank_level)
 
     def on_event(self, event: dict[str, Any]) -> None:
-        line = self._describe(event)
+        try:
+            line = self._describe(event)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            line = (logging.INFO, f"{event.get('event')}: {event}")  # an odd event is shown raw, never fatal
         if line is not None:
             level, text = line
             self.logger.log(level, "%s", text)

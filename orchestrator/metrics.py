@@ -18,6 +18,7 @@ Prometheus scrapes, so they keep moving while the job is stuck.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -32,7 +33,10 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_wsgi_server
 
+from orchestrator.errors import UserError
 from workers.spec import ModelSpec
+
+log = logging.getLogger("meshpilot.metrics")
 
 PREFIX = "meshpilot_"
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "pp")
@@ -223,6 +227,7 @@ class MetricsExporter:
         self._uncommitted_step_seconds: dict[int, float] = {}
         self._rank_children: dict[str, Any] = {}
         self._mesh_shown: dict[str, int] | None = None
+        self._warned: set[Any] = set()
         m = self.m
         m.world_size.set(world_size)
         m.world_size_target.set(world_size)
@@ -254,8 +259,16 @@ class MetricsExporter:
     # ------------------------------------------------------------------ events
     def on_event(self, event: dict[str, Any]) -> None:
         handler = getattr(self, f"_on_{event.get('event')}", None)
-        if handler is not None:
+        if handler is None:
+            return
+        try:
             handler(event)
+        except Exception as error:  # noqa: BLE001 - a metrics bug must never stop training
+            kind = event.get("event")
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("metrics: cannot use a %r event (%s: %s); its metrics may be stale",
+                            kind, type(error).__name__, error)
 
     def _on_start(self, event: dict[str, Any]) -> None:
         m, now = self.m, float(event["time"])
@@ -439,9 +452,19 @@ class MetricsExporter:
         with self._lock:
             if self._server is not None:
                 raise RuntimeError("the metrics server is already running")
-            self._server, self._server_thread = start_wsgi_server(port, addr=host, registry=self.registry)
+            try:
+                self._server, self._server_thread = start_wsgi_server(port, addr=host, registry=self.registry)
+            except OSError as error:
+                raise UserError(f"cannot serve metrics on metrics.host={host!r}, metrics.port={port}: "
+                                f"{error.strerror or error}; pick a free port (0 = any free one) or "
+                                "an address of this machine") from None
             bound_port = self._server.server_port
-        self._write_target(host, bound_port)
+        try:
+            self._write_target(host, bound_port)
+        except OSError as error:
+            self.close()
+            raise UserError(f"metrics.targets_dir={str(self._targets_dir)!r}: cannot write the scrape target "
+                            f"there ({error.strerror or error}); give a writable directory or null") from None
         shown_host = f"[{host}]" if ":" in host else host
         return f"http://{shown_host}:{bound_port}/metrics"
 

@@ -118,3 +118,17 @@ def test_console_printer_hides_rank_info_below_its_level(console_text):
     printer.on_event({"event": "log", "time": 0.0, "rank": 2, "level": "ERROR", "message": "loud problem"})
     assert "quiet detail" not in buffer.getvalue()
     assert "[rank 2] loud problem" in buffer.getvalue()
+
+
+def test_unwritable_log_dir_warns_once_and_does_not_raise(tmp_path, console_text):
+    console, buffer = console_text
+    setup_logging(console=console)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    writer = RankLogWriter(blocked)  # logs/ cannot be created under a file
+    for _ in range(3):
+        writer.on_event({"event": "log", "time": 1.0, "rank": 0, "level": "INFO", "message": "x"})
+    assert buffer.getvalue().count("cannot write rank logs to") == 1
+    printer = ConsoleEventPrinter(setup_logging(console=console))
+    printer.on_event({"event": "recovered", "time": 1.0, "mttr_s": "soon"})  # not a number: shown raw
+    assert "recovered: {" in buffer.getvalue()

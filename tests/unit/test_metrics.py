@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.spec import MeshSpec
 from orchestrator.config import config_from_dict
+from orchestrator.errors import UserError
 from orchestrator.events import EventLog
 from orchestrator.metrics import (
     METRICS,
@@ -229,3 +230,32 @@ def test_null_metrics_has_the_interface_the_controller_uses():
     assert null.start_server("127.0.0.1", 0) is None
     assert null.port is None
     null.close()
+
+
+def test_a_bad_event_never_stops_training(caplog):
+    exporter = MetricsExporter(world_size=2)
+    with caplog.at_level("WARNING", logger="meshpilot.metrics"):
+        exporter.on_event({"event": "step", "time": 1.0, "loss": 1.0})  # no step number
+        exporter.on_event({"event": "step", "time": 2.0, "loss": 1.0})  # warned once per kind
+        exporter.on_event({"event": "step", "time": 3.0, "step": 1, "loss": 0.5, "tokens": 10, "step_time_s": 1.0})
+    assert [r.getMessage() for r in caplog.records] == [
+        "metrics: cannot use a 'step' event (KeyError: 'step'); its metrics may be stale"]
+    assert value(scrape(exporter), "meshpilot_step") == 1
+
+
+def test_a_taken_port_is_one_clear_error(tmp_path):
+    first = MetricsExporter()
+    first.start_server("127.0.0.1", 0)
+    second = MetricsExporter()
+    try:
+        with pytest.raises(UserError, match=rf"cannot serve metrics on metrics.host='127.0.0.1', "
+                                            rf"metrics.port={first.port}: .*; pick a free port \(0 = any free one\)"):
+            second.start_server("127.0.0.1", first.port)
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        third = MetricsExporter(targets_dir=blocked / "targets")
+        with pytest.raises(UserError, match=r"metrics.targets_dir='.*/file/targets': cannot write the scrape target"):
+            third.start_server("127.0.0.1", 0)
+        assert third.port is None  # nothing left serving
+    finally:
+        first.close()
