@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import ray
 
 from elastic.placement import RankResources
 from elastic.spec import MeshSpec
@@ -25,7 +23,7 @@ from orchestrator.config import JobConfig
 from orchestrator.events import EventLog
 from orchestrator.job import data_bytes, train_spec
 from orchestrator.reports import ReportRouter
-from orchestrator.worker_group import WorkerGroup
+from orchestrator.worker_group import CallFailed, PendingCalls, WorkerGroup
 from workers.actor import RunOutcome, StartFrom
 
 log = logging.getLogger("meshpilot")
@@ -45,7 +43,7 @@ class Starting:
 class Configuring:
     generation: int
     mesh: MeshSpec
-    refs: tuple
+    calls: PendingCalls
     deadline: float
 
 
@@ -53,8 +51,7 @@ class Configuring:
 class Running:
     generation: int
     mesh: MeshSpec
-    refs: tuple
-    outcomes: dict = field(default_factory=dict)
+    calls: PendingCalls
 
 
 @dataclass(frozen=True)
@@ -95,15 +92,19 @@ class Controller:
         return isinstance(self.state, Finished)
 
     def run(self) -> Finished:
+        """Step until a terminal state; always shuts the group down and ends with a ``done`` event."""
         try:
             while not self.done:
                 self.step()
         except KeyboardInterrupt:
             self.state = self._interrupt()
+        except BaseException as error:
+            self.state = Finished("failed", EXIT_FAILED, reason=str(error))
+            raise
         finally:
             self.group.shutdown()
-        self.events.emit("done", status=self.state.status, steps=self.last_step,
-                         elapsed_s=round(time.monotonic() - self.started_at, 3), reason=self.state.reason)
+            self.events.emit("done", status=self.state.status, steps=self.last_step,
+                             elapsed_s=round(time.monotonic() - self.started_at, 3), reason=self.state.reason)
         return self.state
 
     def step(self) -> None:
@@ -128,56 +129,42 @@ class Controller:
     def _configure(self, mesh: MeshSpec, start: StartFrom) -> Configuring:
         self.generation += 1
         self.router.set_mesh(mesh)
-        refs = tuple(self.group.configure(generation=self.generation, mesh=mesh, start=start))
-        return Configuring(self.generation, mesh, refs, deadline=time.monotonic() + self.config.runtime.start_timeout_s)
+        calls = self.group.configure(generation=self.generation, mesh=mesh, start=start)
+        return Configuring(self.generation, mesh, calls,
+                           deadline=time.monotonic() + self.config.runtime.start_timeout_s)
 
     def _await_configuration(self, state: Configuring) -> State:
-        ready, pending = ray.wait(list(state.refs), num_returns=len(state.refs), timeout=self.poll_interval_s)
-        if pending:
+        state.calls.collect(self.poll_interval_s)
+        failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
+        if failed:
+            return self._fail("configuration", group_errors({r: f.message for r, f in failed.items()}))
+        if not state.calls.done:
             if time.monotonic() > state.deadline:
-                return self._fail("configuration", f"{len(pending)} ranks did not finish configuring within "
+                missing = len(state.calls.refs) - len(state.calls.results)
+                return self._fail("configuration", f"{missing} ranks did not finish configuring within "
                                   f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
             return state
-        try:
-            steps = ray.get(list(state.refs))
-        except ray.exceptions.RayError as error:
-            return self._fail("configuration", _first_line(error))
-        self.last_step = max(steps)
-        refs = tuple(self.group.run(last_step=self.spec.steps))
-        return Running(state.generation, state.mesh, refs)
+        self.last_step = max(state.calls.results.values())
+        return Running(state.generation, state.mesh, self.group.run(last_step=self.spec.steps))
 
     def _supervise(self, state: Running) -> State:
         self._drain_reports()
-        finished, _ = ray.wait(list(state.refs), num_returns=len(state.refs), timeout=0)
-        outcomes = dict(state.outcomes)
-        for ref in finished:
-            if ref in outcomes:
-                continue
-            rank = state.refs.index(ref)
-            outcomes[ref] = self._outcome_of(ref, rank)
-        self._drain_reports()
-        failed = {state.refs.index(ref): o for ref, o in outcomes.items() if o.status in ("failed", "died")}
+        state.calls.collect(timeout=0)
+        self._drain_reports()  # reports queued just before a rank returned
+        outcomes = {rank: _as_outcome(result, self.last_step) for rank, result in state.calls.results.items()}
+        failed = {rank: o for rank, o in outcomes.items() if o.status in ("failed", "died")}
         if failed:
             return self._on_failure(state, failed)
-        if len(outcomes) == len(state.refs):
-            self.last_step = min(o.last_step for o in outcomes.values())
-            status = {o.status for o in outcomes.values()}
-            if status == {"finished"}:
+        if state.calls.done:
+            statuses = {o.status for o in outcomes.values()}
+            if statuses == {"finished"}:
                 return Finished("finished", EXIT_OK)
-            return self._fail("stopped", f"ranks ended with {sorted(status)}")
+            return self._fail("stopped", f"ranks ended with {sorted(statuses)}")
         time.sleep(self.poll_interval_s)
-        return Running(state.generation, state.mesh, state.refs, outcomes)
-
-    def _outcome_of(self, ref: Any, rank: int) -> RunOutcome:
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as error:
-            return RunOutcome("died", self.last_step, error=_first_line(error), error_kind="ActorDied")
-        except ray.exceptions.RayError as error:
-            return RunOutcome("failed", self.last_step, error=_first_line(error), error_kind=type(error).__name__)
+        return state
 
     def _on_failure(self, state: Running, failed: dict[int, RunOutcome]) -> State:
-        message = group_errors(failed)
+        message = group_errors({rank: o.error or o.status for rank, o in failed.items()})
         kind = "rank_died" if any(o.status == "died" for o in failed.values()) else "rank_error"
         self.events.emit("failure", kind=kind, ranks=sorted(failed), node=None, message=message)
         return self._fail(kind, message)
@@ -186,35 +173,39 @@ class Controller:
         log.error("run failed (%s): %s", kind, message)
         return Finished("failed", EXIT_FAILED, reason=message)
 
-    def _interrupt(self) -> Finished:
+    def _interrupt(self, grace_s: float = 15.0) -> Finished:
+        """Ctrl-C: let the step in flight finish everywhere, then stop (a second Ctrl-C stops at once)."""
+        log.warning("interrupted: stopping after the step in flight (Ctrl-C again to stop at once)")
         self.group.request_stop()
+        if isinstance(self.state, Running):
+            deadline = time.monotonic() + grace_s
+            while not self.state.calls.done and time.monotonic() < deadline:
+                self.state.calls.collect(timeout=0.2)
+            self._drain_reports()
         return Finished("interrupted", EXIT_INTERRUPTED, reason="interrupted by the user")
 
     # --------------------------------------------------------------- reports
     def _drain_reports(self) -> None:
-        refs = self.group.poll()
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.elastic.heartbeat_timeout_s)
-        for ref in ready:
-            try:
-                heartbeat = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue  # a dead actor: its run ref says so
+        for heartbeat in self.group.poll(self.config.elastic.heartbeat_timeout_s).values():
+            if isinstance(heartbeat, CallFailed):
+                continue  # a dead actor: its run call says so
             self.router.route(heartbeat.reports)
-            if self.router.last_emitted_step > self.last_step:
-                self.last_step = self.router.last_emitted_step
+        self.last_step = max(self.last_step, self.router.last_emitted_step)
 
 
-def group_errors(failed: dict[int, RunOutcome]) -> str:
+def _as_outcome(result: Any, last_step: int) -> RunOutcome:
+    if isinstance(result, CallFailed):
+        status = "died" if result.kind == "died" else "failed"
+        return RunOutcome(status, last_step, error=result.message, error_kind=result.kind)
+    return result
+
+
+def group_errors(messages: dict[int, str]) -> str:
     """Identical failures print once: ``[Rank 0, 1]: message``."""
     by_message: dict[str, list[int]] = {}
-    for rank, outcome in sorted(failed.items()):
-        by_message.setdefault(_last_line(outcome.error or outcome.status), []).append(rank)
+    for rank, text in sorted(messages.items()):
+        by_message.setdefault(_last_line(text), []).append(rank)
     return "; ".join(f"[Rank {', '.join(map(str, ranks))}]: {message}" for message, ranks in by_message.items())
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _last_line(text: str) -> str:

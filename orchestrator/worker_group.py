@@ -32,6 +32,56 @@ log = logging.getLogger("meshpilot")
 ACTOR_CONCURRENCY = 4
 
 
+@dataclass(frozen=True)
+class CallFailed:
+    """A remote call that did not return: the actor died (``died``) or raised (``error``)."""
+
+    kind: str
+    message: str
+
+
+class PendingCalls:
+    """One method called on many ranks (driver side); results are collected as they arrive.
+
+    Results are the method's return values, or ``CallFailed`` for an actor that died or
+    raised: the controller never handles a Ray exception itself.
+    """
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.refs = list(refs)
+        self.results: dict[int, Any] = {}
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.refs)
+
+    def collect(self, timeout: float) -> dict[int, Any]:
+        """Wait up to ``timeout`` seconds; returns the results that arrived in this call."""
+        waiting = [ref for index, ref in enumerate(self.refs) if index not in self.results]
+        if not waiting:
+            return {}
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
+        arrived = {}
+        for ref in ready:
+            index = self.refs.index(ref)
+            arrived[index] = self.results[index] = _result_of(ref)
+        return arrived
+
+
+def _result_of(ref: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as error:
+        return CallFailed("died", _first_line(error))
+    except ray.exceptions.RayError as error:
+        return CallFailed("error", _first_line(error))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 @dataclass
 class RankSlot:
     """A live rank actor and where it sits."""
@@ -109,18 +159,21 @@ class WorkerGroup:
     def actors(self) -> list[Any]:
         return [slot.actor for slot in self.slots]
 
-    def configure(self, *, generation: int, mesh: MeshSpec, start: StartFrom) -> list[ray.ObjectRef]:
-        return [
+    def configure(self, *, generation: int, mesh: MeshSpec, start: StartFrom) -> PendingCalls:
+        return PendingCalls([
             slot.actor.configure.remote(generation=generation, rank=rank, mesh=mesh,
                                         store_address=self.store_address, start=start)
             for rank, slot in enumerate(self.slots)
-        ]
+        ])
 
-    def run(self, *, last_step: int) -> list[ray.ObjectRef]:
-        return [slot.actor.run.remote(last_step=last_step) for slot in self.slots]
+    def run(self, *, last_step: int) -> PendingCalls:
+        return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.slots])
 
-    def poll(self) -> list[ray.ObjectRef]:
-        return [slot.actor.poll.remote() for slot in self.slots]
+    def poll(self, timeout: float) -> dict[int, Any]:
+        """Heartbeats (with queued reports) of every rank that answers within ``timeout``."""
+        calls = PendingCalls([slot.actor.poll.remote() for slot in self.slots])
+        calls.collect(timeout)
+        return calls.results
 
     def request_stop(self) -> None:
         for slot in self.slots:
