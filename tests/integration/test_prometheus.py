@@ -165,26 +165,7 @@ def test_the_shipped_alert_rules_evaluate_against_live_data(prometheus):
         exporter.close()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """The session's Ray cluster, or a local one just for this module."""
-    import ray
-
-    from orchestrator.cluster import _pythonpath
-
-    if ray.is_initialized():
-        yield
-        return
-    # address="local": never attach to another `ray start` cluster that happens to run here.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, tmp_path):
+def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, tmp_path):  # ray_cluster: tests/fixtures
     from orchestrator.config import config_from_dict
     from orchestrator.events import read_events
     from orchestrator.run import run_training
