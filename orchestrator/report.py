@@ -82,7 +82,13 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
     start = next((e for e in events if e["event"] == "start"), events[0])
     done = next((e for e in reversed(events) if e["event"] == "done"), None)
     steps = [e for e in events if e["event"] == "step"]
-    of = lambda name: [e for e in events if e["event"] == name]  # noqa: E731 - local shorthand
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        by_name.setdefault(event["event"], []).append(event)
+
+    def of(name: str) -> list[dict[str, Any]]:
+        return by_name.get(name, [])
+
     end_time = done["time"] if done else events[-1]["time"]
     world_sizes: list[int] = []
     for size in (int(e["world_size"]) for e in steps if e.get("world_size")):
@@ -151,7 +157,11 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     summary = summary or summarize(events)
     start_time = next((e["time"] for e in events if e["event"] == "start"), events[0]["time"])
     scale, unit = _time_unit(events[-1]["time"] - start_time)
-    at = lambda event: (event["time"] - start_time) / scale  # noqa: E731 - x of an event
+
+    def at(event: dict[str, Any]) -> float:
+        """x of an event: time since the start, in the picture's unit."""
+        return (event["time"] - start_time) / scale
+
     steps = [e for e in events if e["event"] == "step"]
 
     figure = Figure(figsize=(13, 10), dpi=110, layout="constrained")
