@@ -17,6 +17,7 @@ from orchestrator.redact import redact_text
 COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.train_cli",
     "orchestrator.plan_cli",
+    "orchestrator.report_cli",
 )
 
 
