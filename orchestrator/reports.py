@@ -66,5 +66,8 @@ class ReportRouter:
             lr=any_report.get("lr"),
             grad_norm=any_report.get("grad_norm"),
             rank_step_time_s={str(rank): round(r["step_time_s"], 6) for rank, r in sorted(ranks.items())},
+            # When the slowest rank finished the step (its own clock): the driver learns of
+            # it up to one poll interval later.
+            completed_at=max(r["time"] for r in ranks.values()),
         )
         self.last_emitted_step = step
