@@ -26,6 +26,8 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 def connect(config: JobConfig) -> bool:
     """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
+    # Token authentication stays on (Ray 2.60's default); its start-up notice is not ours to print.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if ray.is_initialized():
         return False
     address = config.runtime.address or os.environ.get("RAY_ADDRESS")
@@ -34,9 +36,12 @@ def connect(config: JobConfig) -> bool:
             ray.init(address=address, runtime_env=_remote_runtime_env(address), log_to_driver=False,
                      logging_level=logging.WARNING)
             return False
-        ray.init(num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+        # Workers of an embedded cluster inherit the driver's environment; a runtime_env
+        # would instead give every actor a fresh worker and waste the pre-started ones.
+        os.environ["PYTHONPATH"] = worker_pythonpath()
+        # address="local": always a new embedded cluster, never one a `ray start` left on this machine.
+        ray.init(address="local", num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
     except ConnectionError as error:
         raise UserError(f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
                         "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster") from None
@@ -52,7 +57,7 @@ def _embedded_cpus(config: JobConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(needed))
 
 
-def _pythonpath() -> str:
+def worker_pythonpath() -> str:
     existing = os.environ.get("PYTHONPATH")
     return f"{SOURCE_ROOT}{os.pathsep}{existing}" if existing else str(SOURCE_ROOT)
 

@@ -119,11 +119,12 @@ class Controller:
 
     # ----------------------------------------------------------------- states
     def _start(self, state: Starting) -> State:
-        self.group.start(state.mesh)
+        # Emitted before the actors start, so start-up counts against effective training time.
         self.events.emit("start", run_dir=str(self.events.path.parent) if self.events.path else None,
                          name=self.config.name, mesh=state.mesh.as_dict(), world_size=state.mesh.world_size,
                          steps=self.spec.steps, global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
                          config_hash=self.config.config_hash())
+        self.group.start(state.mesh)
         return self._configure(state.mesh, StartFrom(mode="fresh"))
 
     def _configure(self, mesh: MeshSpec, start: StartFrom) -> Configuring:

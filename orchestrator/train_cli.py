@@ -33,6 +33,6 @@ def handle(args: argparse.Namespace) -> int:
         overrides.append(f"runtime.address={args.address}")
     config = load_config(args.config, overrides)
     view = ProgressView(force_plain=args.plain)
-    result = run_training(config, args.run_dir, subscribers=[view])
+    result = run_training(config, args.run_dir, subscribers=[view], console=view.console)
     view.console.print(f"run directory: {result.run_dir}")
     return result.exit_code

@@ -56,7 +56,7 @@ class FakeGroup:
         for rank in range(self.world):
             self.queued[rank] = [
                 {"kind": "step", "rank": rank, "step": s, "loss": 5.0 - s * 0.1 if rank == 0 else None,
-                 "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0}
+                 "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0, "time": 1000.0 + s}
                 for s in range(1, steps + 1)
             ]
         outcomes = {rank: RunOutcome("finished", steps) for rank in range(self.world)}
