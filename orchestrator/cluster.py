@@ -83,3 +83,29 @@ def alive_nodes() -> list[NodeCapacity]:
 
 def driver_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def free_nodes() -> list[NodeCapacity]:
+    """Alive nodes with the CPUs and GPUs not yet reserved, now."""
+    from ray._private import state
+
+    alive = {node.node_id for node in alive_nodes()}
+    free = []
+    for node_id, resources in state.available_resources_per_node().items():
+        if node_id in alive:
+            free.append(NodeCapacity(node_id=node_id, cpus=float(resources.get("CPU", 0.0)),
+                                     gpus=float(resources.get("GPU", 0.0))))
+    return free
+
+
+def draining_nodes() -> set[str]:
+    """Nodes Ray has been told are going away (preemption, autoscaler, ``ray drain-node``)."""
+    from ray._private import state
+
+    return set(state.state.get_draining_nodes())
+
+
+def dead_nodes(node_ids: set[str]) -> set[str]:
+    """Those of ``node_ids`` that Ray no longer sees alive."""
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    return {node_id for node_id in node_ids if node_id not in alive}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import ray
 
@@ -20,6 +21,7 @@ from orchestrator.controller import Controller
 from orchestrator.events import EventLog
 from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.metrics import build_metrics
+from workers.faults import FaultSpec
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
 
 
 def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
-                 console: Console | None = None) -> RunResult:
+                 console: Console | None = None, faults: tuple[FaultSpec, ...] = (),
+                 node_fault: Callable[[str], None] | None = None) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
     The event log feeds the metrics exporter, the per-rank log files and the console, so all
@@ -59,7 +62,7 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if url:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
-        final = Controller(config, events).run()
+        final = Controller(config, events, faults=faults, node_fault=node_fault).run()
     finally:
         events.close()
         rank_logs.close()
