@@ -16,6 +16,8 @@ from orchestrator.redact import redact_text
 
 COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.train_cli",
+    "orchestrator.plan_cli",
+    "orchestrator.report_cli",
     "orchestrator.submit_cli",
 )
 

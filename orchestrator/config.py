@@ -145,6 +145,9 @@ class MetricsConfig:
     port: int = 0
     # Device peak FLOP/s for the MFU estimate; None = a default for the device kind.
     device_peak_tflops: float | None = None
+    # A directory Prometheus watches (file_sd_configs): the driver writes its scrape target
+    # there, so a port picked at random is still found. None = write nothing.
+    targets_dir: str | None = None
 
 
 @dataclass
@@ -376,8 +379,6 @@ def validate(config: JobConfig) -> list[str]:
         )
     if train.seq_len > model.max_seq_len:
         problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-    if train.warmup_steps > train.steps:
-        problems.append(f"training.warmup_steps={train.warmup_steps} exceeds training.steps={train.steps}")
     if not 0.0 <= train.min_lr_ratio <= 1.0:
         problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
     if config.data.source == "text":

@@ -31,6 +31,8 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "drain": ("node", "ranks", "reason"),
     "grow": ("new_mesh", "added_ranks", "join_s"),
     "log": ("rank", "level", "message"),
+    # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
+    "heartbeat": ("rank_age_s",),
     "done": ("status", "steps", "elapsed_s"),
 }
 
@@ -56,7 +58,7 @@ class EventLog:
     def subscribe(self, subscriber: EventSubscriber) -> None:
         self.subscribers.append(subscriber)
 
-    def emit(self, name: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, name: str, /, **fields: Any) -> dict[str, Any]:
         if name not in EVENT_FIELDS:
             raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
         event = {"event": name, "time": round(self._clock(), 6), **redact(fields)}

@@ -1,0 +1,69 @@
+"""Running one training job end to end on the driver: run directory, Ray, controller, events.
+
+``run_training`` is what ``meshpilot train`` calls, and what tests call in-process (with the
+session's Ray cluster already up, which it then reuses and leaves running).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rich.console import Console
+
+from orchestrator import cluster
+from orchestrator.config import JobConfig
+from orchestrator.controller import Controller
+from orchestrator.events import EventLog
+from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
+from orchestrator.metrics import build_metrics
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_dir: Path
+    status: str
+    exit_code: int
+    reason: str | None = None
+
+
+def default_run_dir(config: JobConfig) -> Path:
+    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    return run_dir
+
+
+def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
+                 console: Console | None = None) -> RunResult:
+    """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
+
+    The event log feeds the metrics exporter, the per-rank log files and the console, so all
+    of them see the same run.
+    """
+    run_dir = prepare_run_dir(config, run_dir)
+    logger = setup_logging(run_dir=run_dir, console=console)
+    metrics = build_metrics(config)
+    rank_logs = RankLogWriter(run_dir)
+    events = EventLog(run_dir / "events.jsonl", [*(subscribers or []), metrics, rank_logs, ConsoleEventPrinter(logger)])
+    started_here = False
+    try:
+        url = metrics.start_server(config.metrics.host, config.metrics.port)
+        if url:
+            logger.info("metrics: %s", url)
+        started_here = cluster.connect(config)
+        final = Controller(config, events).run()
+    finally:
+        events.close()
+        rank_logs.close()
+        metrics.close()
+        if started_here:
+            ray.shutdown()
+    return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)
