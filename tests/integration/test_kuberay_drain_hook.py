@@ -2,8 +2,8 @@
 
     python -m pytest tests/integration/test_kuberay_drain_hook.py -q
 
-A head and worker nodes run on this machine (``ray.cluster_utils.Cluster``); an actor stands in
-for a rank on the worker. The hook runs as its own process, as it does in a terminating pod,
+Worker nodes are added to the session's Ray cluster (tests/fixtures/ray_cluster.py) and removed
+again; an actor stands in for a rank on the worker. The hook runs as its own process, as it does in a terminating pod,
 and must (1) mark the node draining in the GCS with reason PREEMPTION and its deadline, (2) keep
 the pod alive while the rank is there, (3) return as soon as the rank has left and the raylet
 is gone, and (4) give up at the deadline when nobody reacts.
@@ -19,23 +19,18 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.core.generated import common_pb2, gcs_pb2
 
 HOOK = Path(__file__).resolve().parents[2] / "deploy" / "kuberay" / "base" / "hooks" / "drain_node.py"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("RAY_ADDRESS", raising=False)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        ray.init(address=cluster.address)
-        try:
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+@pytest.fixture
+def cluster(ray_cluster):
+    """The session cluster; the worker nodes a test adds are removed when it ends."""
+    known = set(ray_cluster.worker_nodes)
+    yield ray_cluster
+    for node in [node for node in ray_cluster.worker_nodes if node not in known]:
+        ray_cluster.remove_node(node, allow_graceful=False)
 
 
 @ray.remote(num_cpus=1, resources={"spot": 1})

@@ -294,32 +294,46 @@ def test_errors_are_one_line_and_keep_the_token_secret(ray_head, stub_project):
         f"list them with: meshpilot jobs list --address {ray_head.address}")
 
 
-def test_real_train_job_resumes(ray_head, tmp_path):
-    """The real ``meshpilot train`` (this repository shipped): 4 steps, then 2 more under the same name.
-
-    The second attempt must restore the first one's step-4 checkpoint from ``{uri}/{name}``
-    (a ``restored`` event, DESIGN.md's events.jsonl contract) and end at step 6.
-    """
-    checkpoints = tmp_path / "ckpt"
-    common = [
-        str(REPO_ROOT / "configs" / "tiny-3d.yaml"), "--name", "resume-me", "--address", ray_head.address,
+def _real_train(ray_head, *extra: str) -> subprocess.CompletedProcess:
+    """``meshpilot submit configs/tiny-3d.yaml`` shipping this repository: 2 CPU ranks, tiny shapes."""
+    return meshpilot(
+        "submit", str(REPO_ROOT / "configs" / "tiny-3d.yaml"), "--address", ray_head.address,
         "--set", "parallelism.dp_shard=2", "--set", "parallelism.tp=1", "--set", "parallelism.pp=1",
         "--set", "training.warmup_steps=1", "--set", "training.seq_len=32", "--set", "training.global_batch=4",
-        "--set", f"checkpoint.uri={checkpoints}", "--set", "checkpoint.interval_steps=2", "--set", "checkpoint.async=false",
-        "--follow",
-    ]
-    first = meshpilot("submit", *common, "--set", "training.steps=4", env=ray_head.env, timeout=300)
+        "--set", "parallelism.microbatches=1",
+        "--set", "metrics.enabled=false", "--follow", *extra, env=ray_head.env, timeout=300)
+
+
+def test_real_train_job_runs_to_completion(ray_head):
+    result = _real_train(ray_head, "--name", "real-train", "--set", "training.steps=3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    job_id = result.stdout.splitlines()[0]
+    assert SUBMISSION_ID.match(job_id).group("name") == "real-train"
+    events = _events_of(ray_head, job_id)
+    assert [event["step"] for event in events if event["event"] == "step"] == [1, 2, 3]
+    assert {event["world_size"] for event in events if event["event"] == "step"} == {2}
+    assert [event["event"] for event in events][-1] == "done"
+    assert result.stderr.rstrip().endswith(f"meshpilot: {job_id}: SUCCEEDED")
+
+
+def test_real_train_job_resumes(ray_head, tmp_path):
+    """Submitting again under a job's name continues from its checkpoint instead of starting over.
+
+    4 steps with a checkpoint every 2, then the same name with 6 steps: the second attempt must
+    restore step 4 from ``{uri}/{name}`` (a ``restored`` event, DESIGN.md's events.jsonl
+    contract) and train steps 5 and 6 only.
+    """
+    checkpoints = tmp_path / "ckpt"
+    common = ["--name", "resume-me", "--set", f"checkpoint.uri={checkpoints}", "--set", "checkpoint.interval_steps=2"]
+    first = _real_train(ray_head, *common, "--set", "training.steps=4")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (checkpoints / "resume-me").is_dir() and any((checkpoints / "resume-me").iterdir())
 
-    second = meshpilot("submit", *common, "--set", "training.steps=6", env=ray_head.env, timeout=300)
+    second = _real_train(ray_head, *common, "--set", "training.steps=6")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    second_id = second.stdout.splitlines()[0]
-    events = _events_of(ray_head, second_id)
-    restored = [event for event in events if event["event"] == "restored"]
-    assert [event["step"] for event in restored] == [4]
-    steps = [event["step"] for event in events if event["event"] == "step"]
-    assert steps == [5, 6]
+    events = _events_of(ray_head, second.stdout.splitlines()[0])
+    assert [event["step"] for event in events if event["event"] == "restored"] == [4]
+    assert [event["step"] for event in events if event["event"] == "step"] == [5, 6]
 
 
 def _events_of(head: Head, job_id: str) -> list[dict]:
