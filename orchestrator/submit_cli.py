@@ -38,6 +38,7 @@ import secrets
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -100,8 +101,35 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ commands
+@dataclass(frozen=True)
+class Submission:
+    """What ``submit`` sends: everything checked locally before the cluster is contacted."""
+
+    name: str
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str]
+
+
 def submit_command(args: argparse.Namespace) -> int:
     address = resolve_address(args.address)
+    submission = prepare_submission(args)
+    with job_client(address) as client:
+        _refuse_running_duplicate(client, submission.name, address)
+        try:
+            submission_id = client.submit_job(
+                entrypoint=submission.entrypoint, submission_id=submission_id_for(submission.name),
+                runtime_env=submission.runtime_env, metadata=submission.metadata)
+        except ValueError as error:  # the SDK's packaging refuses e.g. an oversized working directory
+            raise UserError(f"the job was not submitted: {_first_line(str(error))}") from None
+        print(submission_id, flush=True)
+        _note(f"submitted {submission.name!r} as {submission_id}; follow it with: "
+              f"meshpilot jobs logs {submission_id} --follow --address {address}")
+        return _follow(client, submission_id) if args.follow else 0
+
+
+def prepare_submission(args: argparse.Namespace) -> Submission:
+    """Validate the config and the working directory here; build the entrypoint and runtime env."""
     working_dir = Path(args.working_dir).resolve()
     if not working_dir.is_dir():
         raise UserError(f"--working-dir {args.working_dir!r} is not a directory")
@@ -113,38 +141,33 @@ def submit_command(args: argparse.Namespace) -> int:
     check_job_name(name)
     shipped_config = _inside(config_path.resolve(), working_dir, what=f"config {args.config!r}")
     _check_data_is_shipped(config, working_dir)
-    overrides = job_overrides(config, name=name, user_overrides=args.overrides)
-    entrypoint = train_entrypoint(shipped_config, overrides)
     excludes, left_out = working_dir_excludes(
         working_dir, max_file_bytes=int(args.max_file_mb * 2**20),
         keep=[config_path.resolve(), resolve_data_path(config)])
     if left_out:
         shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
         _note(f"not shipping {len(left_out)} file(s) over {args.max_file_mb:g} MiB: {shown} (see --max-file-mb)")
-    if config.checkpoint.uri is None:
+    _note_checkpoint_location(config)
+    return Submission(
+        name=name,
+        entrypoint=train_entrypoint(shipped_config, job_overrides(config, name=name, user_overrides=args.overrides)),
+        runtime_env={
+            "working_dir": str(working_dir),
+            "excludes": excludes,
+            # Logs reach `meshpilot jobs logs --follow` as they are written.
+            "env_vars": {"PYTHONUNBUFFERED": "1"},
+        },
+        metadata={METADATA_NAME_KEY: name, "meshpilot_config": shipped_config.as_posix()},
+    )
+
+
+def _note_checkpoint_location(config: JobConfig) -> None:
+    uri = config.checkpoint.uri
+    if uri is None:
         _note("checkpoint.uri is not set: this job writes no checkpoints, so submitting it again starts over")
-    elif "://" not in config.checkpoint.uri or config.checkpoint.uri.startswith("file://"):
-        _note(f"checkpoint.uri={config.checkpoint.uri!r} is a local path on the cluster's head; resuming "
-              "across submissions needs shared storage (s3://...)")
-    with job_client(address) as client:
-        _refuse_running_duplicate(client, name, address)
-        submission_id = client.submit_job(
-            entrypoint=entrypoint,
-            submission_id=submission_id_for(name),
-            runtime_env={
-                "working_dir": str(working_dir),
-                "excludes": excludes,
-                # Logs reach `meshpilot jobs logs --follow` as they are written.
-                "env_vars": {"PYTHONUNBUFFERED": "1"},
-            },
-            metadata={METADATA_NAME_KEY: name, "meshpilot_config": str(shipped_config)},
-        )
-        print(submission_id, flush=True)
-        _note(f"submitted {name!r} as {submission_id}; follow it with: "
-              f"meshpilot jobs logs {submission_id} --follow --address {address}")
-        if not args.follow:
-            return 0
-        return _follow(client, submission_id)
+    elif "://" not in uri or uri.startswith("file://"):
+        _note(f"checkpoint.uri={uri!r} is a local path: each node writes its own disk, and resuming across "
+              "submissions needs storage that every node shares (s3://...)")
 
 
 def status_command(args: argparse.Namespace) -> int:
