@@ -107,7 +107,11 @@ def validation_errors(manifest: dict[str, Any]) -> list[str]:
 
 def render(directory: Path | str) -> list[dict[str, Any]]:
     """``kubectl kustomize DIRECTORY`` (offline), parsed."""
-    result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    try:
+        result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise AssertionError("kubectl is not installed: the manifest checks render with `kubectl kustomize` "
+                             "(offline, no cluster needed); install kubectl >= 1.27") from None
     if result.returncode != 0:
         raise AssertionError(f"kubectl kustomize {directory} failed:\n{result.stderr}")
     return load_yaml_documents(result.stdout)

@@ -10,7 +10,7 @@ import copy
 import jsonschema
 import pytest
 
-from tests.unit.kuberay_validation import KUBERAY_DIR, crd_json_schema, render, validation_errors
+from tests.unit.kuberay_validation import CRD_DIR, CRD_FILES, KUBERAY_DIR, crd_json_schema, render, validation_errors
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,11 @@ def test_kubernetes_extensions_are_translated():
         "Additional properties are not allowed ('x' was unexpected)"]
     assert [error.message for error in validator.iter_errors({"extra": 1})] == [
         "Additional properties are not allowed ('extra' was unexpected)"]
+
+
+@pytest.mark.parametrize("kind", sorted(CRD_FILES))
+def test_the_crds_schematise_embedded_pod_specs_fully(kind):
+    """No subtree of the v1.7.0 CRDs keeps unknown fields, so the CRD schema alone checks the pod
+    templates (containers, lifecycle, volumes, ...). Should a later CRD mark a subtree
+    preserve-unknown, this fails, and that subtree needs its own schema (core/v1 PodSpec)."""
+    assert "x-kubernetes-preserve-unknown-fields" not in (CRD_DIR / CRD_FILES[kind]).read_text()
