@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.train_cli",
     "orchestrator.plan_cli",
     "orchestrator.report_cli",
+    "orchestrator.submit_cli",
 )
 
 
