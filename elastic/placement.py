@@ -8,7 +8,7 @@ groups (a bundle never spans nodes, so TP traffic stays inside a node) with stra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.spec import MeshSpec
 
@@ -18,24 +18,42 @@ class NodeCapacity:
     node_id: str
     cpus: float
     gpus: float = 0.0
+    custom: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RankResources:
     cpus: float
     gpus: float = 0.0
+    # Custom resources (node pools, labels as resources), per rank.
+    custom: dict[str, float] = field(default_factory=dict)
+
+    def times(self, count: int) -> dict[str, float]:
+        """Ray resource demand of ``count`` ranks."""
+        demand = {"CPU": self.cpus * count}
+        if self.gpus:
+            demand["GPU"] = self.gpus * count
+        demand.update({name: amount * count for name, amount in self.custom.items() if amount})
+        return demand
 
 
 def tp_bundles(mesh: MeshSpec, per_rank: RankResources) -> list[dict[str, float]]:
     """One bundle per tensor-parallel group of a replica group, in rank order."""
-    bundle = {"CPU": per_rank.cpus * mesh.tp}
-    if per_rank.gpus:
-        bundle["GPU"] = per_rank.gpus * mesh.tp
-    return [dict(bundle) for _ in range(mesh.replica_size // mesh.tp)]
+    return [per_rank.times(mesh.tp) for _ in range(mesh.replica_size // mesh.tp)]
+
+
+def usable(nodes: list[NodeCapacity], per_rank: RankResources) -> list[NodeCapacity]:
+    """Nodes that advertise every custom resource a rank needs."""
+    return [n for n in nodes if all(n.custom.get(name, 0.0) >= amount for name, amount in per_rank.custom.items()
+                                    if amount)]
 
 
 def shortfall(mesh: MeshSpec, per_rank: RankResources, nodes: list[NodeCapacity]) -> str | None:
     """Why the cluster cannot hold the mesh at all, or None. Checks totals and TP groups per node."""
+    nodes = usable(nodes, per_rank)
+    if per_rank.custom and not nodes:
+        wanted = ", ".join(f"{name}={amount:g}" for name, amount in per_rank.custom.items())
+        return f"no node offers the custom resources each rank needs ({wanted})"
     need_cpus = mesh.world_size * per_rank.cpus
     need_gpus = mesh.world_size * per_rank.gpus
     have_cpus = sum(n.cpus for n in nodes)
@@ -56,6 +74,7 @@ def spread_replicas(replicas: int, demand: RankResources, replica_size: int,
                     nodes: list[NodeCapacity]) -> list[str | None]:
     """A preferred node per replica group: each goes to the node with the most room left,
     so that losing one node takes out as few replica groups as possible."""
+    nodes = usable(nodes, demand)
     free = {n.node_id: [n.cpus, n.gpus] for n in nodes}
     choice: list[str | None] = []
     need_cpus, need_gpus = demand.cpus * replica_size, demand.gpus * replica_size

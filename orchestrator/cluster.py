@@ -75,10 +75,15 @@ def alive_nodes() -> list[NodeCapacity]:
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        resources = node.get("Resources", {})
-        nodes.append(NodeCapacity(node_id=node["NodeID"], cpus=float(resources.get("CPU", 0.0)),
-                                  gpus=float(resources.get("GPU", 0.0))))
+        nodes.append(_capacity(node["NodeID"], node.get("Resources", {})))
     return nodes
+
+
+def _capacity(node_id: str, resources: dict) -> NodeCapacity:
+    custom = {name: float(amount) for name, amount in resources.items()
+              if name not in ("CPU", "GPU", "memory", "object_store_memory") and not name.startswith("node:")}
+    return NodeCapacity(node_id=node_id, cpus=float(resources.get("CPU", 0.0)), gpus=float(resources.get("GPU", 0.0)),
+                        custom=custom)
 
 
 def driver_node_id() -> str:
@@ -93,8 +98,7 @@ def free_nodes() -> list[NodeCapacity]:
     free = []
     for node_id, resources in state.available_resources_per_node().items():
         if node_id in alive:
-            free.append(NodeCapacity(node_id=node_id, cpus=float(resources.get("CPU", 0.0)),
-                                     gpus=float(resources.get("GPU", 0.0))))
+            free.append(_capacity(node_id, resources))
     return free
 
 

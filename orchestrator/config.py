@@ -130,11 +130,16 @@ class ElasticConfig:
     hang_timeout_s: float = 60.0
     # gloo/NCCL timeout for one collective.
     collective_timeout_s: float = 120.0
+    # Warm spare actors started with the job (rounded up to whole replica groups): a failed
+    # replica group is refilled from them at once, state copied from a surviving replica.
     spare_actors: int = 0
     # Failure budget: more than max_failures within failure_window_s ends the run.
     max_failures: int = 5
     failure_window_s: float = 3600.0
+    # A cloud's spot / maintenance notice endpoint, polled by every rank from its own node
+    # (e.g. http://169.254.169.254/latest/meta-data/spot/instance-action on AWS); 200 = notice.
     instance_action_url: str | None = None
+    instance_action_poll_s: float = 2.0
 
 
 @dataclass
@@ -157,6 +162,9 @@ class RuntimeConfig:
     backend: str = field(default="auto", metadata=_choices(*BACKENDS))
     cpus_per_rank: float = 0.5
     gpus_per_rank: float = 0.0
+    # Custom Ray resources each rank needs, e.g. {spot: 1}: places ranks only on nodes that
+    # advertise them (node pools, failure domains).
+    resources_per_rank: dict[str, float] = field(default_factory=dict)
     # Logical CPUs of the embedded cluster; None = enough for every rank.
     num_cpus: int | None = None
     # Seconds to wait for every rank actor to be placed and started.
@@ -308,6 +316,8 @@ def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | Non
         problems.append(f"{key}: null is not allowed; give a {_type_name(allowed)}")
         return None
     for candidate in allowed:
+        if typing.get_origin(candidate) is dict:
+            return _check_mapping(key, value, problems)
         if candidate is bool and isinstance(value, bool):
             return value
         if candidate is int and isinstance(value, int) and not isinstance(value, bool):
@@ -324,13 +334,26 @@ def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | Non
     return None
 
 
+def _check_mapping(key: str, value: Any, problems: list[str]) -> dict[str, float] | None:
+    """A mapping of names to non-negative numbers (custom Ray resources)."""
+    if not isinstance(value, dict):
+        problems.append(f"{key}: expected a mapping of resource names to numbers, got {type(value).__name__} {value!r}")
+        return None
+    for name, amount in value.items():
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or amount < 0:
+            problems.append(f"{key}.{name}: expected a number >= 0, got {amount!r}")
+    return {str(name): float(amount) for name, amount in value.items()}
+
+
 def _type_name(allowed: tuple[Any, ...]) -> str:
-    names = [{int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, "null")
+    names = [{int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, "a mapping")
              for t in allowed if t is not type(None)]
     return " or ".join(names)
 
 
 def _to_dict(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
     if dataclasses.is_dataclass(value):
         return {_yaml_key(f): _to_dict(getattr(value, f.name))
                 for f in dataclasses.fields(value) if not f.metadata.get("internal")}
@@ -393,7 +416,8 @@ def validate(config: JobConfig) -> list[str]:
         problems.append(f"elastic.max_replicas={el.max_replicas} is below parallelism.dp_replicate={par.dp_replicate}")
     if el.min_replicas > par.dp_replicate:
         problems.append(f"elastic.min_replicas={el.min_replicas} exceeds parallelism.dp_replicate={par.dp_replicate}")
-    for key in ("heartbeat_timeout_s", "hang_timeout_s", "collective_timeout_s", "failure_window_s"):
+    for key in ("heartbeat_timeout_s", "hang_timeout_s", "collective_timeout_s", "failure_window_s",
+                "instance_action_poll_s"):
         if getattr(el, key) <= 0:
             problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
     if not 0 <= config.metrics.port <= 65535:

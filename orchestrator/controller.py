@@ -132,7 +132,8 @@ class Controller:
         self.router.on("drain_notice", self._on_drain_notice)
         self.group = self.worker_group_class(
             spec=self.spec, data=data_bytes(config),
-            per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank),
+            per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank,
+                                   custom=dict(config.runtime.resources_per_rank)),
             start_timeout_s=config.runtime.start_timeout_s,
         )
         elastic = config.elastic
@@ -153,6 +154,8 @@ class Controller:
         self._next_housekeeping = 0.0
         self._next_heartbeat_event = 0.0
         self._all_returned_at: float | None = None
+        # After a finished run with several replica groups: did they end identical?
+        self.replicas_consistent: bool | None = None
 
     # ------------------------------------------------------------------- loop
     @property
@@ -172,7 +175,8 @@ class Controller:
         finally:
             self.group.shutdown()
             self.events.emit("done", status=self.state.status, steps=self.last_step,
-                             elapsed_s=round(time.monotonic() - self.started_at, 3), reason=self.state.reason)
+                             elapsed_s=round(time.monotonic() - self.started_at, 3), reason=self.state.reason,
+                             replicas_consistent=self.replicas_consistent)
         return self.state
 
     def step(self) -> None:
@@ -194,9 +198,8 @@ class Controller:
                          name=self.config.name, mesh=state.mesh.as_dict(), world_size=state.mesh.world_size,
                          steps=self.spec.steps, global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
                          config_hash=self.config.config_hash())
-        self.group.start(state.mesh)
-        for _ in range(self.config.elastic.spare_actors // max(1, state.mesh.replica_size)):
-            self.group.start_replica_in_background(state.mesh)
+        spares = -(-self.config.elastic.spare_actors // state.mesh.replica_size)  # whole replica groups
+        self.group.start(state.mesh, spare_replicas=spares)
         starts = [StartFrom("fresh")] * state.mesh.world_size
         return self._configure(state.mesh, starts, sync_replicas=False)
 
@@ -236,6 +239,7 @@ class Controller:
         if state.calls.done:
             statuses = {_status(r) for r in returned.values()}
             if statuses == {"finished"}:
+                self._check_replicas(state.mesh, returned)
                 return Finished("finished", EXIT_OK)
             return self._fail("stopped", f"ranks ended with {sorted(statuses)}")
         if time.monotonic() >= self._next_housekeeping:
@@ -245,6 +249,17 @@ class Controller:
                 return changed
         time.sleep(self.poll_interval_s)
         return state
+
+    def _check_replicas(self, mesh: MeshSpec, outcomes: dict[int, Any]) -> None:
+        """Every replica group must end with bitwise-identical state; say so, or say where not."""
+        by_slice: dict[tuple[int, int, int], set[str]] = {}
+        for rank, outcome in outcomes.items():
+            coords = mesh.coords(rank)
+            by_slice.setdefault((coords.pp, coords.dp_shard, coords.tp), set()).add(outcome.state_digest)
+        diverged = sorted(key for key, digests in by_slice.items() if len(digests) > 1)
+        self.replicas_consistent = not diverged if mesh.dp_replicate > 1 else None
+        if diverged:
+            log.error("replica groups diverged at (pp, dp_shard, tp) = %s", diverged)
 
     def _losses(self, state: Running | Settling) -> dict[int, Lost]:
         lost: dict[int, Lost] = {}

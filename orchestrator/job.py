@@ -49,6 +49,8 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         backend=backend,
         collective_timeout_s=config.elastic.collective_timeout_s,
         checkpoint=checkpoint_target(config),
+        instance_action_url=config.elastic.instance_action_url,
+        instance_action_poll_s=config.elastic.instance_action_poll_s,
     )
 
 

@@ -67,8 +67,14 @@ class ReportRouter:
     def _emit(self, step: int, ranks: dict[int, dict[str, Any]]) -> None:
         losses = [r["loss"] for r in ranks.values() if r.get("loss") is not None]
         any_report = next(iter(ranks.values()))
+        extra = {}
+        if len(ranks) < self.mesh.world_size:
+            # A rank died after applying the step but before its report reached the driver:
+            # the loss is the mean over the data-parallel slices that did report.
+            extra = {"loss_partial": True, "reported_ranks": len(ranks)}
         self.events.emit(
             "step",
+            **extra,
             step=step,
             loss=sum(losses) / len(losses) if losses else None,
             tokens=self.tokens_per_step,

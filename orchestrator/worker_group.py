@@ -84,6 +84,10 @@ def _result_of(ref: Any) -> Any:
 
 
 def _first_line(error: BaseException) -> str:
+    """The line that says what went wrong: for a task that raised, its exception, not Ray's header."""
+    cause = getattr(error, "cause", None)
+    if isinstance(error, ray.exceptions.RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}".strip().splitlines()[-1]
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -120,18 +124,21 @@ class WorkerGroup:
         self.store_address: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ start
-    def start(self, mesh: MeshSpec) -> None:
-        """Place and start one actor per rank of ``mesh`` and make them active, in rank order.
+    def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
+        """Place and start one actor per rank of ``mesh`` and make them active, in rank order,
+        plus ``spare_replicas`` replica groups' worth of warm spares, all before returning.
 
         Raises ConfigError if the cluster cannot hold the mesh or the actors do not start.
         """
         nodes = cluster.alive_nodes()
-        problem = shortfall(mesh, self.per_rank, nodes)
+        problem = shortfall(mesh.with_replicas(mesh.dp_replicate + spare_replicas), self.per_rank, nodes)
         if problem:
-            raise ConfigError(f"parallelism: {mesh.describe()} cannot be placed: {problem}; lower the degrees, "
-                              "runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes")
+            spares = f" plus {spare_replicas} spare replica groups" if spare_replicas else ""
+            raise ConfigError(f"parallelism: {mesh.describe()}{spares} cannot be placed: {problem}; lower the "
+                              "degrees, elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, "
+                              "or add nodes")
         self._start_store_host()
-        targets = spread_replicas(mesh.dp_replicate, self.per_rank, mesh.replica_size, nodes)
+        targets = spread_replicas(mesh.dp_replicate + spare_replicas, self.per_rank, mesh.replica_size, nodes)
         started = [slot for target in targets for slot in self._start_replica(mesh, target)]
         refs = [slot.ready_ref for slot in started]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
@@ -141,15 +148,14 @@ class WorkerGroup:
                 "started; the cluster may lack the resources it reports, or actors fail to import torch")
         for slot in started:
             self._mark_ready(slot, ray.get(slot.ready_ref))
-        self.set_active(started)
+        self.set_active(started[:mesh.world_size])
 
     def start_replica_in_background(self, mesh: MeshSpec) -> bool:
         """Start one replica group's worth of actors without waiting; False if nothing has room now."""
         nodes = cluster.free_nodes()
-        demand = RankResources(cpus=self.per_rank.cpus, gpus=self.per_rank.gpus)
-        if shortfall(mesh.with_replicas(1), demand, nodes):
+        if shortfall(mesh.with_replicas(1), self.per_rank, nodes):
             return False
-        target = spread_replicas(1, demand, mesh.replica_size, nodes)[0]
+        target = spread_replicas(1, self.per_rank, mesh.replica_size, nodes)[0]
         self._start_replica(mesh, target)
         return True
 
@@ -194,8 +200,8 @@ class WorkerGroup:
         for local_rank in range(mesh.replica_size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local_rank // mesh.tp)
             actor = ray.remote(RankActor).options(
-                num_cpus=self.per_rank.cpus, num_gpus=self.per_rank.gpus, max_concurrency=ACTOR_CONCURRENCY,
-                scheduling_strategy=strategy,
+                num_cpus=self.per_rank.cpus, num_gpus=self.per_rank.gpus, resources=dict(self.per_rank.custom) or None,
+                max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=strategy,
             ).remote(spec=self.spec, data=self.data_ref)
             slot = RankSlot(actor=actor, placement_group=group, batch_id=batch_id, ready_ref=actor.info.remote())
             slots.append(slot)

@@ -31,6 +31,7 @@ from typing import Any
 
 from elastic.spec import MeshSpec
 from workers.faults import FaultInjector, FaultSpec
+from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import shutdown_sockets, socket_inodes
 from workers.spec import TrainSpec
@@ -67,6 +68,8 @@ class RunOutcome:
     error_kind: str | None = None
     # True when the error is a consequence of another rank's failure (a closed connection).
     caused_by_peer: bool = False
+    # Fingerprint of the rank's state when it finished or paused (see Trainer.state_digest).
+    state_digest: str | None = None
 
 
 @dataclass
@@ -110,6 +113,15 @@ class RankActor:
         self._stop = threading.Event()
         self._phase = ("starting", time.monotonic())
         self._loop_thread: int | None = None
+        self._drain_reported = False
+        watch_sigterm(self._drain_notice)
+        self._instance_watcher = None
+        if spec.instance_action_url:
+            import ray
+
+            url = spec.instance_action_url.replace("{node_id}", ray.get_runtime_context().get_node_id())
+            self._instance_watcher = InstanceActionWatcher(url, interval_s=spec.instance_action_poll_s,
+                                                           on_notice=self._drain_notice).start()
         # Sockets opened by this generation's process groups (see workers/sockets.py).
         self._group_sockets: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
@@ -127,6 +139,11 @@ class RankActor:
         waiting, where = self._loop_position() if phase == "step" else (None, None)
         return Heartbeat(rank=self.rank, phase=phase, step=self.last_step, phase_age_s=time.monotonic() - since,
                          reports=self.channel.drain(), waiting=waiting, where=where)
+
+    def _drain_notice(self, reason: str) -> None:
+        if not self._drain_reported:
+            self._drain_reported = True
+            self.channel.report("drain_notice", reason=reason)
 
     def request_stop(self) -> None:
         """Stop after the step in flight (Ctrl-C, end of job)."""
@@ -210,8 +227,8 @@ class RankActor:
                                 step_time_s=result.step_time_s, lr=result.lr, grad_norm=result.grad_norm,
                                 phases=result.phases)
             if result.pause:
-                return RunOutcome("paused", self.last_step)
-        return RunOutcome("finished", self.last_step)
+                return RunOutcome("paused", self.last_step, state_digest=trainer.state_digest())
+        return RunOutcome("finished", self.last_step, state_digest=trainer.state_digest())
 
     def release(self, keep_shards: bool = True) -> None:
         """Leave the current generation: keep this rank's slices, drop every process group."""

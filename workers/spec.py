@@ -141,6 +141,10 @@ class TrainSpec:
     backend: str = "gloo"
     collective_timeout_s: float = 120.0
     checkpoint: CheckpointTarget | None = None
+    # Polled by every rank for a spot / maintenance notice of its own instance; "{node_id}"
+    # is replaced by the rank's Ray node id (lets a test serve notices per node on loopback).
+    instance_action_url: str | None = None
+    instance_action_poll_s: float = 2.0
 
     def accumulation(self, dp: int) -> int:
         """Forward/backward rounds per step so that dp * microbatches * size * rounds = global_batch."""

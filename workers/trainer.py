@@ -13,6 +13,7 @@ left at the same step), then apply the optimizer step with the scheduled learnin
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -221,6 +222,23 @@ class Trainer:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def state_digest(self) -> str:
+        """A fingerprint of this rank's slices (parameters and optimizer state).
+
+        Ranks holding the same slices in different replica groups must have equal digests:
+        replicas are bitwise identical, after a refill from a peer too. One device sync.
+        """
+        names, sums = [], []
+        for name, value in sorted(self.named_state().items()):
+            local = par.local_slice(value).detach().double()
+            names.append(name)
+            sums.append(torch.stack([local.sum(), local.abs().sum(), local.pow(2).sum()]).to("cpu"))
+        digest = hashlib.sha256("\n".join(names).encode())
+        if sums:
+            digest.update(torch.stack(sums).numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's slices of the whole training state, as plain tensors (no mesh attached).

@@ -56,7 +56,7 @@ class FakeGroup:
         self.shut_down = False
         self.generation_runs = 0
 
-    def start(self, mesh) -> None:
+    def start(self, mesh, spare_replicas=0) -> None:
         self.active = [FakeSlot(i) for i in range(mesh.world_size)]
 
     def start_replica_in_background(self, mesh) -> bool:

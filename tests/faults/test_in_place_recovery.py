@@ -1,0 +1,49 @@
+"""A rank is killed, raises, or hangs: the job shrinks in place (or refills from warm spares)
+and finishes with zero completed steps lost and the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.harness import ELASTIC_LAYOUT, assert_completed_like, of_kind, run_job
+from tests.jobs import losses
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    result, events = run_job(tmp_path_factory.mktemp("uninterrupted"), *ELASTIC_LAYOUT, f"training.steps={STEPS}")
+    assert result.exit_code == 0, result.reason
+    return losses(events)
+
+
+@pytest.mark.parametrize("fault, kind, rank", [
+    ("kill@4:3", "rank_died", 3),
+    ("raise@4:1", "rank_error", 1),
+    ("hang@4:2", "hang", 2),
+], ids=["sigkill", "raise", "hang"])
+def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
+    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", faults=(fault,))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == kind and failure["ranks"] == [rank]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0
+    assert recovered["old_mesh"]["dp_replicate"] == 2
+    # the replica group that lost a rank left whole; the other one went on without restarting
+    assert recovered["new_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "tp": 1}
+    if kind != "hang":  # a hang costs elastic.hang_timeout_s by definition
+        assert recovered["mttr_s"] < 15
+
+
+def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp_path):
+    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "elastic.spare_actors=2",
+                             faults=("kill@4:2",))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS)
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["new_mesh"]["dp_replicate"] == 2  # refilled, not shrunk
+    assert recovered["refilled_ranks"] == [2, 3]
+    assert events[-1]["replicas_consistent"] is True
