@@ -121,6 +121,7 @@ def build_manifest(
                     f"{tensor.shape} {tensor.dtype} (rank {report.rank})", key=tensor.fqn)
         for chunk in report.chunks:
             chunks.setdefault(chunk.fqn, []).append(chunk)
+    chunks = {fqn: _drop_identical_copies(fqn, found) for fqn, found in chunks.items()}
     tensors = {fqn: TensorIndex(shape=entry.shape, dtype=entry.dtype,
                                 chunks=tuple(sorted(chunks.get(fqn, ()), key=lambda c: c.offsets)))
                for fqn, entry in shapes.items()}
@@ -136,6 +137,22 @@ def build_manifest(
     )
     # Round-trip through the parser: the coordinator commits only what a reader will accept.
     return parse_manifest(manifest.to_json(), key=f"step {step} manifest")
+
+
+def _drop_identical_copies(fqn: str, chunks: list[ChunkEntry]) -> list[ChunkEntry]:
+    """Keep one of several byte-identical copies of a slice (replicas the writers could not tell apart).
+
+    Copies with different checksums mean the replicas diverged: that is refused, not guessed.
+    """
+    kept: dict[tuple, ChunkEntry] = {}
+    for chunk in chunks:
+        place = (chunk.offsets, chunk.sizes)
+        first = kept.setdefault(place, chunk)
+        if first is not chunk and first.checksums != chunk.checksums:
+            raise CorruptCheckpointError(
+                f"replicas of tensor {fqn!r} at offsets {list(chunk.offsets)} differ ({first.key} vs {chunk.key}): "
+                "the data-parallel copies diverged", key=chunk.key)
+    return list(kept.values())
 
 
 # ------------------------------------------------------------------------------- parsing

@@ -8,7 +8,10 @@ streams the buffer as it is.
 Which rank writes what, without talking to the others (DESIGN.md: dedup without coordination):
 
 * a DTensor's local chunk is written by the rank whose mesh coordinate is 0 on every mesh
-  dimension where the placement is ``Replicate`` (one copy of each distinct slice);
+  dimension where the placement is ``Replicate`` (one copy of each distinct slice) and, when
+  the writer knows the global mesh, 0 on every global dimension the DTensor's own (sub-)mesh
+  does not span except pipeline stages (a norm weight sharded over dp_shard only is copied
+  across tp: one copy is written);
 * a plain tensor is written where the caller says ``owns_plain_tensors=True``.
 
 Chunk offsets come from torch.distributed.checkpoint's own helper (``_create_chunk_list``), the
@@ -72,7 +75,44 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank sits in the job's global mesh, for deciding who writes replicated slices.
+
+    ``coordinate`` and ``layout`` describe the global DeviceMesh (``mesh.get_coordinate()``,
+    ``mesh.mesh.tolist()``); ``stage_dims`` are its dimensions whose coordinates hold *different*
+    tensors (pipeline stages), not copies.
+    """
+
+    coordinate: tuple[int, ...]
+    layout: torch.Tensor
+    stage_dims: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, mesh, *, stage_dims: tuple[str, ...] = ("pp",)) -> "Placement":
+        names = mesh.mesh_dim_names or ()
+        return cls(coordinate=tuple(mesh.get_coordinate()), layout=mesh.mesh.clone(),
+                   stage_dims=tuple(names.index(name) for name in stage_dims if name in names))
+
+    def writes_copy_of(self, tensor_mesh_ranks: frozenset[int]) -> bool:
+        """True when this rank writes a tensor living on a sub-mesh with these ranks.
+
+        The sub-mesh is implicitly replicated along every global dimension it does not span
+        (a norm weight sharded by FSDP over dp_shard is copied across tp); only the copy at
+        coordinate 0 of those dimensions is written.
+        """
+        for dim, size in enumerate(self.layout.shape):
+            if size == 1 or dim in self.stage_dims or self.coordinate[dim] == 0:
+                continue
+            neighbour = list(self.coordinate)
+            neighbour[dim] = 0
+            if int(self.layout[tuple(neighbour)]) not in tensor_mesh_ranks:
+                return False  # the sub-mesh does not span this dim: the copy at 0 writes it
+        return True
+
+
+def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
+                 placement: Placement | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) of the local slices this rank writes for ``tensor`` (maybe none)."""
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
     from torch.distributed.tensor import DTensor
@@ -81,12 +121,14 @@ def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool) -> list[tupl
         coordinate = tensor.device_mesh.get_coordinate()
         if coordinate is None:  # this rank is not in the tensor's mesh
             return []
-        for dim, placement in enumerate(tensor.placements):
-            if placement.is_partial():
+        for dim, placement_of_dim in enumerate(tensor.placements):
+            if placement_of_dim.is_partial():
                 raise CheckpointError(f"a DTensor with a Partial placement cannot be saved (mesh dim {dim}); "
                                       "reduce it first")
-            if placement.is_replicate() and coordinate[dim] != 0:
+            if placement_of_dim.is_replicate() and coordinate[dim] != 0:
                 return []
+        if placement is not None and not placement.writes_copy_of(_mesh_ranks(tensor.device_mesh)):
+            return []
     elif not owns_plain_tensors:
         return []
     chunks = []
@@ -97,13 +139,25 @@ def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool) -> list[tupl
     return chunks
 
 
+_MESH_RANKS: dict[int, tuple[object, frozenset[int]]] = {}
+
+
+def _mesh_ranks(mesh) -> frozenset[int]:
+    cached = _MESH_RANKS.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        cached = (mesh, frozenset(int(r) for r in mesh.mesh.flatten().tolist()))
+        _MESH_RANKS[id(mesh)] = cached
+    return cached[1]
+
+
 def local_data(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def plan_layout(tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool) -> Layout:
+def plan_layout(tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool,
+                placement: Placement | None = None) -> Layout:
     """The shard-file layout for this rank's slices of ``tensors`` (FQN -> plain tensor or DTensor)."""
     entries = []
     pieces = []
@@ -114,7 +168,7 @@ def plan_layout(tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tenso
                                   "put non-tensor state in extra=")
         dtype = dtype_name(tensor.dtype)
         entries.append(TensorEntry(fqn=fqn, shape=tuple(int(d) for d in tensor.shape), dtype=dtype))
-        for offsets, sizes in owned_chunks(tensor, owns_plain_tensors=owns_plain_tensors):
+        for offsets, sizes in owned_chunks(tensor, owns_plain_tensors=owns_plain_tensors, placement=placement):
             local_shape = tuple(local_data(tensor).shape)
             if local_shape != sizes:
                 raise CheckpointError(f"{fqn!r}: local shard of shape {local_shape} does not match its "

@@ -34,7 +34,7 @@ import torch
 
 from checkpointing.errors import CheckpointError
 from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry, FailureReport, FileEntry, ShardReport, step_prefix
-from checkpointing.staging import HostBuffer, Layout, plan_layout
+from checkpointing.staging import HostBuffer, Layout, Placement, plan_layout
 from checkpointing.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,12 @@ class CheckpointWriter:
         max_in_flight: int = 1,
         upload_attempts: int = 3,
         retry_backoff_s: float = 1.0,
+        mesh=None,
+        stage_dims: tuple[str, ...] = ("pp",),
     ) -> None:
+        """``mesh``: the job's global DeviceMesh (named dims), so that DTensors living on a
+        sub-mesh (e.g. FSDP over dp_shard only) are written by one of their copies; without it
+        each copy is uploaded and the coordinator keeps one."""
         if max_in_flight < 1:
             raise CheckpointError(f"checkpoint.max_in_flight must be >= 1, got {max_in_flight}")
         self.storage = storage
@@ -74,6 +79,7 @@ class CheckpointWriter:
         self._max_in_flight = max_in_flight
         self._attempts = max(1, upload_attempts)
         self._backoff_s = retry_backoff_s
+        self._placement = Placement.of(mesh, stage_dims=stage_dims) if mesh is not None else None
         self._free: list[HostBuffer] = []  # host buffers ready for reuse
         self._pending = 0  # saves staged and not yet reported
         self._lock = threading.Condition()
@@ -138,7 +144,8 @@ class CheckpointWriter:
         if self._closed:
             raise CheckpointError("this checkpoint writer is closed")
         started = time.perf_counter()
-        layout = plan_layout(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors)
+        layout = plan_layout(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors,
+                             placement=self._placement)
         with self._lock:
             while self._pending >= self._max_in_flight:
                 self._lock.wait()  # back-pressure: earlier saves still hold every buffer
