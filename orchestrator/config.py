@@ -376,8 +376,6 @@ def validate(config: JobConfig) -> list[str]:
         )
     if train.seq_len > model.max_seq_len:
         problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-    if train.warmup_steps > train.steps:
-        problems.append(f"training.warmup_steps={train.warmup_steps} exceeds training.steps={train.steps}")
     if not 0.0 <= train.min_lr_ratio <= 1.0:
         problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
     if config.data.source == "text":

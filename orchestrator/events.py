@@ -56,7 +56,7 @@ class EventLog:
     def subscribe(self, subscriber: EventSubscriber) -> None:
         self.subscribers.append(subscriber)
 
-    def emit(self, name: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, name: str, /, **fields: Any) -> dict[str, Any]:
         if name not in EVENT_FIELDS:
             raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
         event = {"event": name, "time": round(self._clock(), 6), **redact(fields)}

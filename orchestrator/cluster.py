@@ -1,0 +1,80 @@
+"""Connecting the driver to Ray: an embedded local cluster, or an existing one.
+
+Runs on the driver. ``RAY_ADDRESS`` is read here, at the edge, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import ray
+
+from elastic.placement import NodeCapacity
+from orchestrator.config import JobConfig
+from orchestrator.errors import UserError
+
+log = logging.getLogger("meshpilot")
+
+# The directory holding orchestrator/, workers/, checkpointing/, elastic/: Ray workers of an
+# embedded cluster import exactly the code the driver runs, installed or not.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
+
+
+def connect(config: JobConfig) -> bool:
+    """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
+    if ray.is_initialized():
+        return False
+    address = config.runtime.address or os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address, runtime_env=_remote_runtime_env(address), log_to_driver=False,
+                     logging_level=logging.WARNING)
+            return False
+        ray.init(num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING,
+                 runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+    except ConnectionError as error:
+        raise UserError(f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
+                        "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster") from None
+    return True
+
+
+def _embedded_cpus(config: JobConfig) -> int:
+    if config.runtime.num_cpus is not None:
+        return config.runtime.num_cpus
+    needed = config.mesh.world_size * config.runtime.cpus_per_rank
+    # Logical CPUs, not cores: more than the machine has is fine (FACTS.md: otherwise the
+    # fourth 1-CPU actor on a 2-core machine never schedules).
+    return max(os.cpu_count() or 1, math.ceil(needed))
+
+
+def _pythonpath() -> str:
+    existing = os.environ.get("PYTHONPATH")
+    return f"{SOURCE_ROOT}{os.pathsep}{existing}" if existing else str(SOURCE_ROOT)
+
+
+def _remote_runtime_env(address: str) -> dict:
+    """Ship the worker-side packages unless the cluster's image has them (a Ray job already does)."""
+    if os.environ.get("RAY_JOB_ID") or address == "auto":
+        return {}
+    return {"py_modules": [str(SOURCE_ROOT / name) for name in WORKER_PACKAGES]}
+
+
+def alive_nodes() -> list[NodeCapacity]:
+    """Schedulable nodes with their total CPU and GPU resources."""
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources", {})
+        nodes.append(NodeCapacity(node_id=node["NodeID"], cpus=float(resources.get("CPU", 0.0)),
+                                  gpus=float(resources.get("GPU", 0.0))))
+    return nodes
+
+
+def driver_node_id() -> str:
+    return ray.get_runtime_context().get_node_id()

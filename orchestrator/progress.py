@@ -1,0 +1,82 @@
+"""The terminal view of a run: a progress bar (step, loss, tokens/s, ETA) fed by events.
+
+Runs on the driver as an event subscriber. On a terminal it draws a rich progress bar; when
+output goes to a file or a CI log it prints one plain line every ~10% of the run instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class ProgressView:
+    def __init__(self, *, console: Console | None = None, force_plain: bool = False) -> None:
+        self.console = console or Console(stderr=True)
+        self.plain = force_plain or not self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task = None
+        self._total = 0
+        self._tokens_per_s = 0.0
+        self._last_plain = 0.0
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event["event"]
+        if kind == "start":
+            self._begin(event)
+        elif kind == "step":
+            self._advance(event)
+        elif kind in ("failure", "recovered", "drain", "grow", "checkpoint_committed", "checkpoint_failed", "restored"):
+            self._note(event)
+        elif kind == "done":
+            self._finish(event)
+
+    def _begin(self, event: dict[str, Any]) -> None:
+        self._total = event["steps"]
+        mesh = " x ".join(f"{k}={v}" for k, v in event["mesh"].items())
+        self.console.print(f"[bold]meshpilot[/] {event['name']}: {event['world_size']} ranks ({mesh}), "
+                           f"{self._total} steps")
+        if self.plain:
+            return
+        self._progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} tok/s"),
+            TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self._total, loss="-", rate="-")
+
+    def _advance(self, event: dict[str, Any]) -> None:
+        loss = f"{event['loss']:.4f}" if event.get("loss") is not None else "-"
+        if event.get("step_time_s"):
+            self._tokens_per_s = event["tokens"] / event["step_time_s"]
+        rate = f"{self._tokens_per_s:,.0f}"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=event["step"], loss=loss, rate=rate)
+            return
+        now = time.monotonic()
+        every = max(1, self._total // 10)
+        if event["step"] % every == 0 or event["step"] == self._total or now - self._last_plain > 30:
+            self._last_plain = now
+            self.console.print(f"step {event['step']}/{self._total}  loss {loss}  {rate} tok/s")
+
+    def _note(self, event: dict[str, Any]) -> None:
+        details = {k: v for k, v in event.items() if k not in ("event", "time")}
+        text = ", ".join(f"{k}={v}" for k, v in details.items() if k != "message")
+        message = f" — {details['message']}" if details.get("message") else ""
+        self.console.print(f"[yellow]{event['event']}[/] {text}{message}")
+
+    def _finish(self, event: dict[str, Any]) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        style = "green" if event["status"] == "finished" else "red"
+        self.console.print(f"[{style}]{event['status']}[/] after {event['steps']} steps in {event['elapsed_s']:.1f} s")
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()

@@ -1,0 +1,70 @@
+"""Turning the ranks' reports into the run's events.
+
+Runs on the driver, called by the controller with every batch of reports it polls. Per-rank
+``step`` reports are joined into one ``step`` event once every rank of the mesh has reported
+that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
+``log`` reports become ``log`` events. Other kinds are handed to the handlers registered for
+them (checkpoint coordination registers its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from elastic.spec import MeshSpec
+from orchestrator.events import EventLog
+
+Handler = Callable[[dict[str, Any]], None]
+
+
+class ReportRouter:
+    def __init__(self, events: EventLog, *, mesh: MeshSpec, tokens_per_step: int) -> None:
+        self.events = events
+        self.tokens_per_step = tokens_per_step
+        self.mesh = mesh
+        self.handlers: dict[str, Handler] = {"step": self._on_step, "log": self._on_log}
+        self._pending: dict[int, dict[int, dict[str, Any]]] = {}
+        self.last_emitted_step = 0
+
+    def on(self, kind: str, handler: Handler) -> None:
+        self.handlers[kind] = handler
+
+    def set_mesh(self, mesh: MeshSpec) -> None:
+        """A new generation: steps still pending from the old mesh are dropped, never half-emitted."""
+        self.mesh = mesh
+        self._pending = {step: ranks for step, ranks in self._pending.items() if step <= self.last_emitted_step}
+
+    def route(self, reports: list[dict[str, Any]]) -> None:
+        for report in reports:
+            handler = self.handlers.get(report.get("kind"))
+            if handler is not None:
+                handler(report)
+
+    def _on_log(self, report: dict[str, Any]) -> None:
+        self.events.emit("log", rank=report.get("rank"), level=report.get("level", "info"),
+                         message=report.get("message", ""), logger=report.get("logger"))
+
+    def _on_step(self, report: dict[str, Any]) -> None:
+        step = report["step"]
+        if step <= self.last_emitted_step:
+            return
+        self._pending.setdefault(step, {})[report["rank"]] = report
+        while (ranks := self._pending.get(self.last_emitted_step + 1)) and len(ranks) == self.mesh.world_size:
+            self._emit(self.last_emitted_step + 1, self._pending.pop(self.last_emitted_step + 1))
+
+    def _emit(self, step: int, ranks: dict[int, dict[str, Any]]) -> None:
+        losses = [r["loss"] for r in ranks.values() if r.get("loss") is not None]
+        any_report = next(iter(ranks.values()))
+        self.events.emit(
+            "step",
+            step=step,
+            loss=sum(losses) / len(losses) if losses else None,
+            tokens=self.tokens_per_step,
+            step_time_s=max(r["step_time_s"] for r in ranks.values()),
+            world_size=self.mesh.world_size,
+            mesh=self.mesh.as_dict(),
+            lr=any_report.get("lr"),
+            grad_norm=any_report.get("grad_norm"),
+            rank_step_time_s={str(rank): round(r["step_time_s"], 6) for rank, r in sorted(ranks.items())},
+        )
+        self.last_emitted_step = step

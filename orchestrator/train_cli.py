@@ -1,0 +1,38 @@
+"""``meshpilot train CONFIG``: train a job on an embedded or existing Ray cluster (driver)."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.config import load_config
+from orchestrator.progress import ProgressView
+from orchestrator.run import run_training
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a job described by a YAML config",
+                                   description="Train a job; every key of the config can be overridden with --set.")
+    add_config_arguments(parser)
+    parser.add_argument("--run-dir", default=None, help="where config.yaml and events.jsonl go "
+                        "(default runs/<name>-<timestamp>)")
+    parser.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, "
+                        "else an embedded local cluster)")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
+    parser.set_defaults(handler=handle)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None, help="job YAML (omit for the built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set parallelism.tp=4 (repeatable)")
+
+
+def handle(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.address:
+        overrides.append(f"runtime.address={args.address}")
+    config = load_config(args.config, overrides)
+    view = ProgressView(force_plain=args.plain)
+    result = run_training(config, args.run_dir, subscribers=[view])
+    view.console.print(f"run directory: {result.run_dir}")
+    return result.exit_code

@@ -1,0 +1,62 @@
+"""``meshpilot train`` as a user runs it: its own embedded cluster, Ctrl-C, placement errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.events import read_events
+from orchestrator.run import run_training
+from tests.jobs import DEMO_CONFIG, REPO
+
+
+def _wait_for_event(path, name, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and any(e["event"] == name for e in read_events(path)):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(DEMO_CONFIG), "--run-dir", str(run_dir),
+         "--set", "training.steps=1000", "--set", "parallelism.pp=1", "--set", "parallelism.tp=1", "--plain"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait_for_event(run_dir / "events.jsonl", "step", timeout=180), "no step within 180 s"
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, output
+    assert "Traceback" not in output
+    events = read_events(run_dir / "events.jsonl")
+    done = events[-1]
+    assert done["event"] == "done" and done["status"] == "interrupted"
+    assert 1 <= done["steps"] < 1000
+    assert (run_dir / "config.yaml").exists()
+    assert f"run directory: {run_dir}" in output
+
+
+def test_more_ranks_than_the_cluster_can_place(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    config = load_config(DEMO_CONFIG, ["runtime.cpus_per_rank=4"])
+    try:
+        run_training(config, tmp_path)
+    except ConfigError as error:
+        message = str(error)
+    else:
+        raise AssertionError("an 8-rank job needing 32 CPUs was placed on a 16-CPU cluster")
+    assert message == ("invalid config: parallelism: dp_replicate=1 x pp=2 x dp_shard=2 x tp=2 cannot be placed: "
+                       "8 ranks need 32 CPUs and 0 GPUs; the cluster has 16 CPUs and 0 GPUs; lower the degrees, "
+                       "runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes")
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"

@@ -1,0 +1,101 @@
+"""Bad configs: one clear error naming key, value and reason; exit code 2; never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.config import load_config
+from tests.jobs import DEMO_CONFIG, REPO
+
+CASES = [
+    (["--set", "parallelism.tpp=2"], "parallelism.tpp: unknown key; did you mean 'parallelism.tp'?"),
+    (["--set", "training.lr=fast"], "training.lr: expected a number, got str 'fast'"),
+    (["--set", "parallelism.tp=3"], "parallelism: tp=3 must divide model.n_heads=4"),
+    (["--set", "parallelism.pp=3", "--set", "parallelism.microbatches=3"],
+     "parallelism: pp=3 x stages_per_rank=1 = 3 pipeline stages must divide model.n_layers=4"),
+    (["--set", "parallelism.dp_shard=3"],
+     "parallelism: dp_replicate=1 x dp_shard=3 x microbatches=4 = 12 must divide training.global_batch=16"),
+    (["--set", "parallelism.pp_schedule=1f1"],
+     "parallelism.pp_schedule: '1f1' is not one of gpipe, 1f1b, interleaved_1f1b; did you mean '1f1b'?"),
+    (["--set", "training.steps=0"], "training.steps=0 must be >= 1"),
+    (["--set", "data.path=no/such/file.txt"], "data.path='no/such/file.txt': no such file"),
+    (["--set", "checkpoint.uri=gs://bucket/run"],
+     "checkpoint.uri='gs://bucket/run': scheme 'gs' is not supported; use s3://, file:// or a directory"),
+    (["--set", "runtime.backend=nccl"], "runtime.backend=nccl needs runtime.gpus_per_rank > 0"),
+    (["--set", "parallelism.microbatches=1"],
+     "parallelism.microbatches=1 must be >= pp=2 so that every pipeline stage has work"),
+    (["--set", "training.seq_len=4096"], "training.seq_len=4096 exceeds the model's max_seq_len=2048"),
+    (["--set", "model.preset=llama9"], "model.preset: 'llama9' is not one of debug, llama3-1b"),
+    (["--set", "parallelism.activation_checkpointing=maybe"],
+     "parallelism.activation_checkpointing: expected true or false, got str 'maybe'"),
+    (["--set", "nonsense"], "--set 'nonsense': expected dotted.key=value"),
+    (["--set", "elastic.min_replicas=2"], "elastic.min_replicas=2 exceeds parallelism.dp_replicate=1"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[c[1][:40] for c in CASES])
+def test_bad_value_gets_one_clear_error(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code = main(["train", str(DEMO_CONFIG), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["train", "does-not-exist.yaml"]) == 2
+    assert "config file 'does-not-exist.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_invalid_yaml_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: debug\nparallelism: {tp: 2\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} is not valid YAML at line" in err
+
+
+def test_top_level_must_be_a_mapping(tmp_path, capsys):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- model\n- parallelism\n")
+    assert main(["train", str(bad)]) == 2
+    assert "must hold a mapping of sections" in capsys.readouterr().err
+
+
+def test_all_problems_listed_at_once(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(Exception) as caught:
+        load_config(DEMO_CONFIG, ["training.lr=x", "parallelism.tpp=1"])
+    assert len(caught.value.problems) == 2
+
+
+def test_unknown_flag_exits_2_without_traceback():
+    process = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "--no-such-flag"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert process.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in process.stderr
+    assert "Traceback" not in process.stderr
+
+
+def test_resolved_config_round_trips(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    config = load_config(DEMO_CONFIG, ["parallelism.tp=1", "checkpoint.async=false"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.to_yaml())
+    again = load_config(saved)
+    assert again.to_dict() == config.to_dict()
+    assert again.checkpoint.async_ is False
+    assert again.config_hash() == config.config_hash()
+
+
+def test_hash_ignores_layout_but_not_model(monkeypatch):
+    monkeypatch.chdir(REPO)
+    base = load_config(DEMO_CONFIG)
+    assert load_config(DEMO_CONFIG, ["parallelism.tp=1"]).config_hash() == base.config_hash()
+    assert load_config(DEMO_CONFIG, ["model.dim=128"]).config_hash() != base.config_hash()

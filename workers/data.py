@@ -1,0 +1,74 @@
+"""Deterministic samples keyed by a global sample index, split over whatever mesh exists.
+
+Runs on every rank. Step ``k`` (1-based) consumes samples
+``[(k - 1) * global_batch, k * global_batch)``; data-parallel slice ``d`` of ``dp`` takes a
+contiguous ``global_batch / dp`` of them. The sample a given index names never depends on the
+mesh, so a shrink, a grow or a restore neither skips nor repeats one: the step number *is* the
+data cursor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class SampleSource(Protocol):
+    seq_len: int
+
+    def sample(self, index: int) -> torch.Tensor:
+        """``seq_len + 1`` token ids: inputs are ``[:-1]``, labels ``[1:]``."""
+
+
+class TextSource:
+    """A text tokenized at byte level, cut into non-overlapping windows, shuffled per epoch."""
+
+    def __init__(self, data: bytes, *, seq_len: int, seed: int) -> None:
+        if len(data) < seq_len + 2:
+            raise ValueError(f"the text has {len(data)} bytes; training.seq_len={seq_len} needs at least {seq_len + 2}")
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.seq_len = seq_len
+        self.seed = seed
+        self.windows = (len(data) - 1) // seq_len
+        self._epoch = -1
+        self._order: torch.Tensor | None = None
+
+    def sample(self, index: int) -> torch.Tensor:
+        epoch, position = divmod(index, self.windows)
+        start = int(self._order_for(epoch)[position]) * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1].long()
+
+    def _order_for(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = torch.randperm(self.windows, generator=generator)
+            self._epoch = epoch
+        return self._order
+
+
+class SyntheticSource:
+    """Seeded arithmetic sequences modulo the vocabulary: learnable, so the loss falls."""
+
+    def __init__(self, *, vocab_size: int, seq_len: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.seed = seed
+
+    def sample(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start, stride = torch.randint(0, self.vocab_size, (2,), generator=generator).tolist()
+        positions = torch.arange(self.seq_len + 1)
+        return (start + (stride % 7 + 1) * positions) % self.vocab_size
+
+
+def step_samples(step: int, global_batch: int) -> range:
+    """Global sample indices of a (1-based) step."""
+    return range((step - 1) * global_batch, step * global_batch)
+
+
+def local_batch(source: SampleSource, *, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
+    """This data-parallel slice's samples of ``step``: a [global_batch / dp, seq_len + 1] tensor."""
+    per_rank = global_batch // dp
+    first = (step - 1) * global_batch + dp_rank * per_rank
+    return torch.stack([source.sample(index) for index in range(first, first + per_rank)])

@@ -1,0 +1,162 @@
+"""Turn the model into this rank's pipeline stages, tensor-parallel and fully sharded.
+
+Runs on every rank, inside ``Trainer`` construction. The order is fixed and the per-step
+functions are thin: split into pipeline stages, then tensor parallel (DTensor plans with
+sequence parallelism), then activation checkpointing, then FSDP2 (``fully_shard``), then
+materialise and initialise. Every function here is collective-free except where it says so.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from elastic.spec import DIM_ORDER, MeshSpec
+from workers.model import Transformer, init_std
+from workers.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage held by this rank: its global index and the layers it owns."""
+
+    stage_index: int
+    num_stages: int
+    layer_ids: range
+
+    @property
+    def first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+def stage_plans(model: ModelSpec, *, pp: int, pp_rank: int, stages_per_rank: int) -> list[StagePlan]:
+    """The stages of pipeline rank ``pp_rank``, balanced by layer count.
+
+    With several stages per rank (interleaved schedules) rank ``r`` holds stages
+    ``r, r + pp, r + 2 pp, ...`` — the "loop" placement the interleaved schedules expect.
+    """
+    num_stages = pp * stages_per_rank
+    per_stage = model.n_layers // num_stages
+    return [
+        StagePlan(stage, num_stages, range(stage * per_stage, (stage + 1) * per_stage))
+        for stage in range(pp_rank, num_stages, pp)
+    ]
+
+
+def build_world_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
+    """Collective: every rank of the default process group calls it (it creates sub-groups)."""
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=DIM_ORDER)
+
+
+def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
+    """The mesh FSDP2 shards over: HSDP (replicate x shard) when there are replica groups."""
+    if mesh.dp_replicate > 1:
+        return world_mesh["dp_replicate", "dp_shard"]
+    return world_mesh["dp_shard"]
+
+
+def build_stage_module(model: ModelSpec, plan: StagePlan) -> Transformer:
+    """The stage's module on the meta device: shapes only, no memory, no initialisation yet."""
+    with torch.device("meta"):
+        module = Transformer(model)
+    return module.keep_only(plan.layer_ids, first=plan.first, last=plan.last)
+
+
+def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence."""
+    top_plan = {}
+    if module.embed_tokens is not None:
+        top_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if module.norm is not None:
+        top_plan["norm"] = SequenceParallel()
+        top_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top_plan:
+        parallelize_module(module, tp_mesh, top_plan)
+    for block in module.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def apply_activation_checkpointing(module: Transformer) -> None:
+    for block in module.layers.values():
+        block.activation_checkpointing = True
+
+
+def apply_fsdp(module: Transformer, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+    """FSDP2 per transformer block, then the stage root.
+
+    With pipelining, parameters stay gathered between the microbatches of a step
+    (``reshard_after_forward=False``): re-gathering them for every microbatch would multiply
+    the all-gather traffic by the microbatch count.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in module.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on the device; values are garbage until initialised."""
+    module.to_empty(device=device)
+
+
+@torch.no_grad()
+def init_weights(module: Transformer, model: ModelSpec, *, seed: int) -> None:
+    """Initialise every parameter exactly as a single-process run with the same seed would.
+
+    Each full parameter is drawn from a generator seeded by (seed, parameter name) on the CPU
+    and this rank copies its own slice, so the initial model is identical whatever the mesh
+    (the loss-parity tests rely on that). Costs one full parameter of host memory at a time.
+    """
+    for fqn, param in module.named_parameters():
+        full = torch.empty(param.shape, dtype=torch.float32)
+        std = init_std(fqn, model)
+        if std is None:
+            full.fill_(1.0)
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            full.normal_(0.0, std, generator=generator)
+        local_slice(param).copy_(slice_of(full, param))
+
+
+def local_slice(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``param`` (its DTensor shard, or the plain tensor)."""
+    return param.to_local() if isinstance(param, DTensor) else param.data
+
+
+def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of the full tensor that this rank's shard of ``param`` holds (uneven shards too)."""
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
+    return full[index]

@@ -1,0 +1,87 @@
+"""The job's long-lived key-value store, and the per-step commit vote built on it.
+
+``StoreHost`` is a Ray actor started by the driver on its own node: it owns the TCPStore
+server, so the store outlives any rank. Each generation of the process groups works under its
+own key prefix ``gen{n}/``.
+
+The commit vote (``StepCommitter.vote``, called by every rank once per step, after gradients
+are reduced and before the optimizer update) makes "was step s applied?" one atomic decision:
+the last rank to arrive writes ``commit`` into ``gen{n}/step/{s}`` with compare-and-set, and
+the driver, when it learns of a failure, writes ``abort`` the same way. Whichever write lands
+first is what every rank reads, so after any failure all survivors hold the same step.
+The driver can also ask for a pause: the deciding rank then writes ``commit_pause`` and every
+rank stops after applying that step — the step boundary at which drains and grows happen.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE
+
+# torch.distributed is imported inside the methods: the driver imports this module for the
+# StoreHost class handle and must not load torch.distributed itself.
+
+
+def connect_store(host: str, port: int, timeout_s: float = 60.0) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class StoreHost:
+    """Ray actor (driver's node, no CPU reserved) holding the TCPStore server."""
+
+    def __init__(self) -> None:
+        import ray
+        import torch.distributed as dist
+
+        self.host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.store.port
+
+    def request_pause(self, generation: int) -> None:
+        self.store.set(f"gen{generation}/pause", "1")
+
+    def abort_from(self, generation: int, step: int) -> int:
+        """Veto the first undecided step at or after ``step``; returns that step.
+
+        Steps already committed are skipped: their decision stands.
+        """
+        while True:
+            key = f"gen{generation}/step/{step}"
+            decided = self.store.compare_set(key, "", ABORT).decode()
+            if decided == ABORT:
+                return step
+            step += 1
+
+
+class StepCommitter:
+    """Rank side of the vote; one per rank per generation."""
+
+    def __init__(self, store: Any, *, generation: int, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.prefix = f"gen{generation}/"
+        self.world_size = world_size
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def vote(self, step: int) -> str:
+        arrived = self.store.add(f"{self.prefix}step/{step}/ready", 1)
+        key = f"{self.prefix}step/{step}"
+        if arrived == self.world_size:
+            wanted = COMMIT_AND_PAUSE if self.store.check([f"{self.prefix}pause"]) else COMMIT
+            decided = self.store.compare_set(key, "", wanted).decode()
+            self._forget(step - 2)
+            return decided
+        self.store.wait([key], self.timeout)
+        return self.store.get(key).decode()
+
+    def _forget(self, step: int) -> None:
+        # Two steps back every rank has read its decision; keep the store small on long runs.
+        if step >= 1:
+            self.store.delete_key(f"{self.prefix}step/{step}")
+            self.store.delete_key(f"{self.prefix}step/{step}/ready")

@@ -1,0 +1,250 @@
+"""One rank's share of training: its stages, optimizer and pipeline schedule, and the step.
+
+Runs on every rank, in the rank actor's loop thread (or in a plain torchrun script: the
+benchmark's reference uses this same class). Construction is collective (every rank of the
+current process group builds its Trainer at the same time); so is ``train_step``.
+
+A step is: take this data-parallel slice of the step's samples, run forward/backward over
+``microbatches x accumulation`` microbatches (through the pipeline schedule when pp > 1),
+compute the global gradient norm and clip, ask the committer whether the step may be applied
+(the one place where a failure elsewhere can veto it, so that every survivor of a failure is
+left at the same step), then apply the optimizer step with the scheduled learning rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from elastic.spec import MeshSpec
+from workers import parallelize as par
+from workers.data import SampleSource, local_batch
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, TrainSpec
+
+class StepAborted(RuntimeError):
+    """The step was vetoed (a failure elsewhere); nothing of it was applied."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step} aborted before its optimizer update")
+        self.step = step
+
+
+class Committer(Protocol):
+    def vote(self, step: int) -> str:
+        """Blocks until every rank is ready to apply ``step``; returns COMMIT, COMMIT_AND_PAUSE or ABORT."""
+
+
+class AlwaysCommit:
+    """The null committer: a run with no controller (torchrun reference, unit tests)."""
+
+    def vote(self, step: int) -> str:
+        return COMMIT
+
+
+@dataclass
+class StepResult:
+    step: int
+    # Mean loss of this rank's data-parallel slice; None where this rank does not report it.
+    loss: float | None
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    pause: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class Trainer:
+    """Stages, optimizer and schedule of one rank for one mesh. Collective to construct."""
+
+    def __init__(self, spec: TrainSpec, mesh: MeshSpec, rank: int, *, device: torch.device,
+                 source: SampleSource, committer: Committer | None = None) -> None:
+        self.spec = spec
+        self.mesh = mesh
+        self.rank = rank
+        self.device = device
+        self.source = source
+        self.committer = committer or AlwaysCommit()
+        self.coords = mesh.coords(rank)
+        self.dp_rank = mesh.dp_rank(rank)
+        self.world_mesh = par.build_world_mesh(mesh, device.type)
+        self.plans = par.stage_plans(spec.model, pp=mesh.pp, pp_rank=self.coords.pp,
+                                     stages_per_rank=spec.stages_per_rank)
+        self.modules = [self._build_module(plan) for plan in self.plans]
+        self.holds_last_stage = self.plans[-1].last
+        self.holds_first_stage = self.plans[0].first
+        # The loss is reported once per data-parallel slice: by tp rank 0 of the last stage.
+        self.reports_loss = self.holds_last_stage and self.coords.tp == 0
+        self.optimizer = torch.optim.AdamW(
+            [p for module in self.modules for p in module.parameters()],
+            lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay,
+        )
+        self.schedule = self._build_schedule() if mesh.pp > 1 else None
+
+    # ------------------------------------------------------------------ building
+    def _build_module(self, plan: par.StagePlan) -> torch.nn.Module:
+        module = par.build_stage_module(self.spec.model, plan)
+        if self.mesh.tp > 1:
+            par.apply_tensor_parallel(module, self.world_mesh["tp"])
+        if self.spec.activation_checkpointing:
+            par.apply_activation_checkpointing(module)
+        param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        par.apply_fsdp(module, par.data_parallel_mesh(self.world_mesh, self.mesh),
+                       param_dtype=param_dtype, pipelined=self.mesh.pp > 1)
+        par.materialize(module, self.device)
+        return module
+
+    def _build_schedule(self):
+        pp_group = self.world_mesh["pp"].get_group()
+        stages = [
+            PipelineStage(module, plan.stage_index, plan.num_stages, self.device, group=pp_group)
+            for module, plan in zip(self.modules, self.plans)
+        ]
+        schedule_class = SCHEDULES[self.spec.pp_schedule]
+        target = stages if self.spec.pp_schedule == "interleaved_1f1b" else stages[0]
+        return schedule_class(target, n_microbatches=self.spec.microbatches, loss_fn=self._loss_fn,
+                              scale_grads=False)
+
+    def init_weights(self) -> None:
+        """Fresh start: the same initial model as a single process with the same seed."""
+        for module in self.modules:
+            par.init_weights(module, self.spec.model, seed=self.spec.seed)
+
+    # ---------------------------------------------------------------------- step
+    @property
+    def accumulation(self) -> int:
+        return self.spec.accumulation(self.mesh.dp)
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Each microbatch's mean is divided by the microbatch count of the whole step, so the
+        # summed gradients equal those of the mean over the global batch (scale_grads=False).
+        scale = self.spec.microbatches * self.accumulation
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / scale
+
+    def train_step(self, step: int) -> StepResult:
+        """Collective: every rank of the mesh runs the same step."""
+        started = time.perf_counter()
+        batch = local_batch(self.source, step=step, global_batch=self.spec.global_batch,
+                            dp_rank=self.dp_rank, dp=self.mesh.dp).to(self.device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        self.optimizer.zero_grad(set_to_none=True)
+        per_round = self.spec.microbatches * self.spec.microbatch_size
+        loss_sum = torch.zeros((), device=self.device)
+        for index in range(self.accumulation):
+            rows = slice(index * per_round, (index + 1) * per_round)
+            loss_sum += self._forward_backward(inputs[rows], labels[rows])
+        computed = time.perf_counter()
+        grad_norm = self._clip_gradients()
+        decision = self.committer.vote(step)
+        voted = time.perf_counter()
+        if decision == ABORT:
+            raise StepAborted(step)
+        lr = self.spec.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        # .item() is a device sync point: once per step, after the update has been queued.
+        loss = float(loss_sum.item()) if self.reports_loss else None
+        finished = time.perf_counter()
+        return StepResult(
+            step=step, loss=loss, grad_norm=float(grad_norm), lr=lr, step_time_s=finished - started,
+            pause=decision == COMMIT_AND_PAUSE,
+            phases={"compute_s": computed - started, "sync_s": voted - computed, "optimizer_s": finished - voted},
+        )
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
+            if self.holds_first_stage:
+                self.schedule.step(inputs, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+            return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
+        module = self.modules[0]
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)):
+            loss = self._loss_fn(module(x), y)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Collective: the global gradient norm over every dimension, pipeline stages included."""
+        params = [p for module in self.modules for p in module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.mesh.pp > 1:
+            squared = norm.pow(2)
+            dist.all_reduce(squared, group=self.world_mesh["pp"].get_group())
+            norm = squared.sqrt()
+        if self.spec.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm, foreach=True)
+        return norm
+
+    # --------------------------------------------------------------------- state
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """Parameters and optimizer state by global name (DTensors where sharded).
+
+        Optimizer entries are ``optim.{param}.{exp_avg|exp_avg_sq|step}``. Call
+        ``ensure_optimizer_state`` first on a trainer that has not stepped yet.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                state[name] = param
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    state[f"optim.{name}.{key}"] = value
+        return state
+
+    @torch.no_grad()
+    def ensure_optimizer_state(self) -> None:
+        """Allocate AdamW's state as a first step would, so it can be loaded into."""
+        for module in self.modules:
+            for param in module.parameters():
+                state = self.optimizer.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's slices of the whole training state, as plain tensors (no mesh attached).
+
+        Safe after a step failed half-way: modules left gathered by an interrupted forward are
+        resharded first (local, no collective); their sharded values were never modified.
+        """
+        for module in self.modules:
+            for submodule in module.modules():
+                if isinstance(submodule, FSDPModule):
+                    submodule.reshard()
+        return {name: par.local_slice(value) for name, value in self.named_state().items()}
+
+    @torch.no_grad()
+    def load_local_shards(self, shards: dict[str, torch.Tensor]) -> None:
+        """Rebind slices taken from a trainer of a mesh where this rank held the same slices."""
+        self.ensure_optimizer_state()
+        for name, value in self.named_state().items():
+            target = par.local_slice(value)
+            source = shards[name]
+            if target.shape != source.shape:
+                raise ValueError(f"{name}: kept slice {tuple(source.shape)} does not fit {tuple(target.shape)}")
+            target.copy_(source)
+
+    def close(self) -> None:
+        """Drop every object that holds a process group, so that destroying them frees their sockets."""
+        self.schedule = None
+        self.modules = []
+        self.optimizer = None
+        self.world_mesh = None
