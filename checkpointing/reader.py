@@ -120,7 +120,7 @@ class _Need:
 
     @property
     def row_bytes(self) -> int:
-        return (self.chunk.end - self.chunk.start) // self.chunk.sizes[0] if self.chunk.sizes else 0
+        return (self.chunk.end - self.chunk.start) // self.chunk.sizes[0] if self.chunk.sizes and self.chunk.sizes[0] else 0
 
     @property
     def byte_range(self) -> tuple[int, int]:
