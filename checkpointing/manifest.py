@@ -136,7 +136,7 @@ def build_manifest(
         stall_s=max((r.stall_s for r in reports), default=0.0),
     )
     # Round-trip through the parser: the coordinator commits only what a reader will accept.
-    return parse_manifest(manifest.to_json(), key=f"step {step} manifest")
+    return parse_manifest(manifest.to_json(), key=f"of step {step} (being committed)")
 
 
 def _drop_identical_copies(fqn: str, chunks: list[ChunkEntry]) -> list[ChunkEntry]:
@@ -222,7 +222,7 @@ def _tensor_v1(check: "_Checker", fqn: str, raw: Any, files: list[FileEntry]) ->
     raw = check.mapping(raw, where)
     shape = tuple(check.count(d, f"{where}.shape") for d in check.sequence(raw.get("shape"), f"{where}.shape"))
     dtype = raw.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(check.key, f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     chunks = []
     for number, item in enumerate(check.sequence(raw.get("chunks"), f"{where}.chunks")):
@@ -262,13 +262,12 @@ def _check_tiling(key: str, fqn: str, shape: tuple[int, ...], chunks: list[Chunk
                 break  # sorted by dim 0: no later chunk can overlap this one
             if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in
                    zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes)):
-                raise CorruptCheckpointError(
-                    f"tensor {fqn!r} is stored twice: chunks at offsets {list(chunk.offsets)} ({chunk.key}) and "
-                    f"{list(other.offsets)} ({other.key}) overlap; exactly one rank must own each slice", key=key)
+                raise _corrupt(key, f"tensor {fqn!r} is stored twice: chunks at offsets {list(chunk.offsets)} "
+                                    f"({chunk.key}) and {list(other.offsets)} ({other.key}) overlap; exactly one rank "
+                                    "must own each slice")
     covered = sum(math.prod(c.sizes) for c in chunks)
     if covered != math.prod(shape):
-        raise CorruptCheckpointError(
-            f"tensor {fqn!r} is incomplete: its chunks hold {covered} of {math.prod(shape)} elements", key=key)
+        raise _corrupt(key, f"tensor {fqn!r} is incomplete: its chunks hold {covered} of {math.prod(shape)} elements")
 
 
 _PARSERS: dict[int, Callable[[dict[str, Any], str], Manifest]] = {1: _parse_v1}
