@@ -34,7 +34,7 @@ import torch
 
 from checkpointing.errors import CheckpointError
 from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry, FailureReport, FileEntry, ShardReport, step_prefix
-from checkpointing.staging import HostBuffer, Layout, Placement, plan_layout
+from checkpointing.staging import HostBuffer, Layout, LayoutCache, Placement
 from checkpointing.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class CheckpointWriter:
         self._attempts = max(1, upload_attempts)
         self._backoff_s = retry_backoff_s
         self._placement = Placement.of(mesh, stage_dims=stage_dims) if mesh is not None else None
+        self._layouts = LayoutCache()
         self._free: list[HostBuffer] = []  # host buffers ready for reuse
         self._pending = 0  # saves staged and not yet reported
         self._lock = threading.Condition()
@@ -144,8 +145,8 @@ class CheckpointWriter:
         if self._closed:
             raise CheckpointError("this checkpoint writer is closed")
         started = time.perf_counter()
-        layout = plan_layout(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors,
-                             placement=self._placement)
+        layout = self._layouts.get(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors,
+                                   placement=self._placement)
         with self._lock:
             while self._pending >= self._max_in_flight:
                 self._lock.wait()  # back-pressure: earlier saves still hold every buffer
