@@ -46,6 +46,7 @@ from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry, itemsize
 from checkpointing.storage import StorageBackend
 
 MERGE_GAP_BYTES = 1 << 20  # neighbouring ranges closer than this are fetched in one GET
+MAX_FETCH_BYTES = 16 << 20  # but no GET larger than this, so big shards download in parallel
 
 
 def restore(
@@ -191,13 +192,16 @@ class ManifestStorageReader(StorageReader):
         needs = []
         for (fqn, offsets), items in by_chunk.items():
             chunk = self._metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
-            if chunk.sizes:
-                first_row = min(item.storage_offsets[0] for item in items)
-                end_row = max(item.storage_offsets[0] + item.lengths[0] for item in items)
-                first, last = first_row // chunk.block_rows, -(-end_row // chunk.block_rows)
-            else:
-                first, last = 0, 1
-            needs.append(_Need(chunk=chunk, first_block=first, last_block=last, items=items))
+            if not chunk.sizes:
+                needs.append(_Need(chunk=chunk, first_block=0, last_block=1, items=items))
+                continue
+            first_row = min(item.storage_offsets[0] for item in items)
+            end_row = max(item.storage_offsets[0] + item.lengths[0] for item in items)
+            first, last = first_row // chunk.block_rows, -(-end_row // chunk.block_rows)
+            block_bytes = chunk.block_rows * ((chunk.end - chunk.start) // chunk.sizes[0])
+            per_fetch = max(1, MAX_FETCH_BYTES // max(1, block_bytes))
+            for start in range(first, last, per_fetch):
+                needs.append(_Need(chunk=chunk, first_block=start, last_block=min(last, start + per_fetch), items=items))
         return needs
 
     def _fetch_group(self, key: str, start: int, end: int, members: list[_Need], planner: LoadPlanner) -> int:
@@ -231,9 +235,17 @@ class ManifestStorageReader(StorageReader):
         stored = stored.view((rows, *chunk.sizes[1:]) if chunk.sizes else ())
         for item in need.items:
             source = stored
-            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                source = source.narrow(dim, offset - (first_row if dim == 0 else 0), length)
             target = planner.resolve_tensor(item).detach()
+            if chunk.sizes:  # only the rows of this item that fall inside the fetched blocks
+                begin = max(item.storage_offsets[0], first_row)
+                end = min(item.storage_offsets[0] + item.lengths[0], first_row + rows)
+                if begin >= end:
+                    continue
+                source = source.narrow(0, begin - first_row, end - begin)
+                target = target.narrow(0, begin - item.storage_offsets[0], end - begin)
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                if dim > 0:
+                    source = source.narrow(dim, offset, length)
             target.copy_(source)
             planner.commit_tensor(item, target)
 
@@ -250,7 +262,7 @@ def _merge_ranges(needs: list[_Need]) -> list[tuple[str, int, int, list[_Need]]]
         start = end = 0
         for need in members:
             begin, finish = need.byte_range
-            if current and begin - end <= MERGE_GAP_BYTES:
+            if current and begin - end <= MERGE_GAP_BYTES and max(end, finish) - start <= MAX_FETCH_BYTES:
                 current.append(need)
                 end = max(end, finish)
                 continue

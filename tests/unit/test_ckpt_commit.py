@@ -106,3 +106,14 @@ def test_mesh_change_drops_half_reported_steps(tmp_path):
     coord.on_report(first)
     coord.reset(world_size=1, mesh={"dp_shard": 1})
     assert coord.pending_steps == [] and "mesh changed" in coord.failed_steps[3]
+
+
+def test_driver_side_modules_do_not_import_torch():
+    """The controller commits, lists and retains without torch (DESIGN.md import rules)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, checkpointing.commit, checkpointing.catalog, checkpointing.verify, "
+            "checkpointing.local_s3, checkpointing.s3, orchestrator.ckpt_cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

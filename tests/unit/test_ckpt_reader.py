@@ -98,3 +98,15 @@ def test_corrupt_block_raises_naming_the_shard(saved, fake_rank_1_of_4):
     # The other block is intact: a column of ranks that only needs rows 2048+ would not notice;
     # and with verify=False (the user's explicit choice) the bytes load unchecked.
     restore(storage, manifest, {"w": sharded_destination(fake_rank_1_of_4, Shard(0))}, verify=False)
+
+
+def test_large_chunks_download_in_parallel_pieces(saved, monkeypatch):
+    import checkpointing.reader as reader
+
+    storage, full = saved
+    monkeypatch.setattr(reader, "MAX_FETCH_BYTES", 4 << 20)
+    whole = torch.zeros(ROWS, COLS)
+    storage.ranges.clear()
+    restore(storage, load_manifest(storage), {"w": whole})
+    assert torch.equal(whole, full)
+    assert sorted(end - start for _, start, end in storage.ranges) == [4 << 20, 4 << 20]
