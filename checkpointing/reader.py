@@ -18,7 +18,6 @@ in place. Nothing is unpickled: bytes become tensors through ``torch.frombuffer`
 from __future__ import annotations
 
 import hashlib
-import math
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from checkpointing.catalog import check_compatible, latest_committed, list_committed, load_manifest  # noqa: F401
 from checkpointing.errors import CheckpointError, CorruptCheckpointError, ForeignCheckpointError
 from checkpointing.manifest import Manifest
-from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry, itemsize
+from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry
 from checkpointing.storage import StorageBackend
 
 MERGE_GAP_BYTES = 1 << 20  # neighbouring ranges closer than this are fetched in one GET
@@ -273,6 +272,3 @@ def _merge_ranges(needs: list[_Need]) -> list[tuple[str, int, int, list[_Need]]]
             groups.append((key, start, end, current))
     return groups
 
-
-def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * itemsize(dtype)
