@@ -224,7 +224,8 @@ def summarize(outcomes: dict, coordinator, quick: bool) -> dict:
         "restore_ratio_pp2_vs_same": round(pp2 / same, 2),
         # Every round (slowest rank) of the noisiest figures, to show the spread on a shared machine.
         "rounds": {name: [round(max(v), 4) for v in zip(*(outcomes[r]["figures"][name] for r in outcomes))]
-                   for name in ("ours", "clone", "dcp", "restore_same", "restore_tp2", "restore_pp2")},
+                   for name in ("ours", "clone", "dcp", "ours_upload_s", "boto3_upload_s", "restore_same", "restore_tp2",
+                                "restore_pp2")},
     }
     figures["goals_met"] = {
         "stall_vs_clone<=2x": figures["stall_ratio_vs_clone"] <= 2.0,

@@ -105,6 +105,9 @@ class CommitCoordinator:
         except CheckpointError as error:
             self._fail(step, str(error))
             return None
+        except (TypeError, ValueError, KeyError) as error:  # a malformed report must not stop the driver
+            self._fail(step, f"the reports of step {step} cannot form a manifest: {type(error).__name__}: {error}")
+            return None
         self.committed_steps.append(step)
         log.info("committed checkpoint step %d under %s (%d bytes)", step, self.storage.uri, manifest.total_bytes)
         try:

@@ -21,6 +21,7 @@ reports for every save, with no files when it owns no slice.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import queue
 import secrets
@@ -129,7 +130,10 @@ class CheckpointWriter:
         return True
 
     def close(self, *, wait: bool = True) -> None:
-        """Finish (or, with ``wait=False``, abandon) queued uploads and stop the uploader thread."""
+        """Stop accepting saves; with ``wait`` (default) block until every queued upload is reported.
+
+        With ``wait=False`` it returns at once and queued uploads finish on the (daemon) uploader thread.
+        """
         if self._closed:
             return
         self._closed = True
@@ -144,6 +148,10 @@ class CheckpointWriter:
                  owns_plain_tensors: bool) -> _Job:
         if self._closed:
             raise CheckpointError("this checkpoint writer is closed")
+        try:
+            json.dumps(extra, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"checkpoint extra= must be plain JSON (numbers, strings, lists, dicts): {error}") from None
         started = time.perf_counter()
         layout = self._layouts.get(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors,
                                    placement=self._placement)

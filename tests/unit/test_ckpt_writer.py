@@ -127,3 +127,10 @@ def test_non_tensor_state_is_refused_with_the_fix(tmp_path):
     with pytest.raises(Exception, match="'lr' is a float, not a tensor; put non-tensor state in extra="):
         writer.save(1, {"lr": 0.1}, extra={}, owns_plain_tensors=True)
     writer.close()
+
+
+def test_extra_must_be_plain_json(tmp_path):
+    writer = CheckpointWriter(LocalStorage(tmp_path), rank=0, report=lambda r: None)
+    with pytest.raises(Exception, match="extra= must be plain JSON"):
+        writer.save(1, {"w": torch.ones(1)}, extra={"rng": torch.ones(1)}, owns_plain_tensors=True)
+    writer.close()
