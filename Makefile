@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	bash deploy/prometheus/install.sh
 	@touch $@
 
 demo: setup

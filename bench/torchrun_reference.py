@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -39,7 +38,6 @@ def main() -> None:
     config = load_config(args.config, overrides)
     spec = train_spec(config, backend="gloo")
     torch.set_num_threads(1)
-    started = time.time()
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
     rank = dist.get_rank()
     device = pick_device(spec.backend)
@@ -47,13 +45,10 @@ def main() -> None:
     trainer = Trainer(spec, config.mesh, rank, device=device, source=source)
     trainer.init_weights()
     records = []
-    first_step_at = None
     for step in range(1, spec.steps + 1):
         result = trainer.train_step(step)
-        if first_step_at is None:
-            first_step_at = time.time()
         records.append({"step": step, "loss": result.loss, "step_time_s": result.step_time_s,
-                        "dp_rank": trainer.dp_rank})
+                        "dp_rank": trainer.dp_rank, "completed_at": time.time()})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     if rank == 0 and args.out:
@@ -64,13 +59,12 @@ def main() -> None:
                     losses.setdefault(record["step"], []).append(record["loss"])
         steps = [
             {"step": step, "loss": sum(values) / len(values),
-             "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step)}
+             "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
+             "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step)}
             for step, values in sorted(losses.items())
         ]
         Path(args.out).write_text(json.dumps({
-            "steps": steps, "start_to_first_step_s": first_step_at - started,
-            "process_start_time": float(os.environ.get("MESHPILOT_LAUNCH_TIME", started)),
-            "first_step_time": first_step_at,
+            "steps": steps,
         }))
     dist.destroy_process_group()
 

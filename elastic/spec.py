@@ -113,6 +113,21 @@ class MeshSpec:
     def replica_of(self, rank: int) -> int:
         return self.coords(rank).dp_replicate
 
+    def stride(self, dim: str) -> int:
+        """Rank distance between neighbours along ``dim``: the product of the inner degrees.
+
+        A ``dim`` group spans ``stride(dim) * degree`` consecutive ranks; the planner uses it
+        to tell which groups stay inside a node and which cross the network.
+        """
+        if dim not in DIM_ORDER:
+            raise MeshError(f"unknown mesh dimension {dim!r}; known: {', '.join(DIM_ORDER)}")
+        stride = 1
+        for name in reversed(DIM_ORDER):
+            if name == dim:
+                return stride
+            stride *= getattr(self, name)
+        raise AssertionError("unreachable")
+
     def with_replicas(self, dp_replicate: int) -> "MeshSpec":
         """The same layout with another number of replica groups (shrink or grow)."""
         return dataclasses.replace(self, dp_replicate=dp_replicate)
@@ -129,10 +144,13 @@ class MeshSpec:
         microbatches: int,
         seq_len: int,
         stages_per_rank: int = 1,
+        even_stages: bool = True,
     ) -> list[str]:
         """Every way this mesh does not fit the model and batch, as readable sentences.
 
         Returns an empty list when the mesh fits; callers decide how to raise.
+        ``even_stages=False`` accepts pipeline stages holding unequal numbers of layers (as
+        Llama 3 ran 126 layers on 16 stages); there must still be a layer for every stage.
         """
         problems = []
         tp = self.tp
@@ -142,7 +160,13 @@ class MeshSpec:
         if tp > 1 and seq_len % tp:
             problems.append(f"tp={tp} must divide training.seq_len={seq_len} (sequence parallel)")
         stages = self.pp * stages_per_rank
-        if n_layers % stages:
+        if not even_stages:
+            if stages > n_layers:
+                problems.append(
+                    f"pp={self.pp} x stages_per_rank={stages_per_rank} = {stages} pipeline stages "
+                    f"exceed model.n_layers={n_layers}"
+                )
+        elif n_layers % stages:
             problems.append(
                 f"pp={self.pp} x stages_per_rank={stages_per_rank} = {stages} pipeline stages "
                 f"must divide model.n_layers={n_layers}"

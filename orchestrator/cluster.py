@@ -26,6 +26,8 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 def connect(config: JobConfig) -> bool:
     """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
+    # Token authentication stays on (Ray 2.60's default); its start-up notice is not ours to print.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if ray.is_initialized():
         return False
     address = config.runtime.address or os.environ.get("RAY_ADDRESS")
@@ -34,9 +36,12 @@ def connect(config: JobConfig) -> bool:
             ray.init(address=address, runtime_env=_remote_runtime_env(address), log_to_driver=False,
                      logging_level=logging.WARNING)
             return False
-        ray.init(num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+        # Workers of an embedded cluster inherit the driver's environment; a runtime_env
+        # would instead give every actor a fresh worker and waste the pre-started ones.
+        os.environ["PYTHONPATH"] = worker_pythonpath()
+        # address="local": always a new embedded cluster, never one a `ray start` left on this machine.
+        ray.init(address="local", num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
     except ConnectionError as error:
         raise UserError(f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
                         "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster") from None
@@ -52,7 +57,7 @@ def _embedded_cpus(config: JobConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(needed))
 
 
-def _pythonpath() -> str:
+def worker_pythonpath() -> str:
     existing = os.environ.get("PYTHONPATH")
     return f"{SOURCE_ROOT}{os.pathsep}{existing}" if existing else str(SOURCE_ROOT)
 
@@ -78,3 +83,29 @@ def alive_nodes() -> list[NodeCapacity]:
 
 def driver_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def free_nodes() -> list[NodeCapacity]:
+    """Alive nodes with the CPUs and GPUs not yet reserved, now."""
+    from ray._private import state
+
+    alive = {node.node_id for node in alive_nodes()}
+    free = []
+    for node_id, resources in state.available_resources_per_node().items():
+        if node_id in alive:
+            free.append(NodeCapacity(node_id=node_id, cpus=float(resources.get("CPU", 0.0)),
+                                     gpus=float(resources.get("GPU", 0.0))))
+    return free
+
+
+def draining_nodes() -> set[str]:
+    """Nodes Ray has been told are going away (preemption, autoscaler, ``ray drain-node``)."""
+    from ray._private import state
+
+    return set(state.state.get_draining_nodes())
+
+
+def dead_nodes(node_ids: set[str]) -> set[str]:
+    """Those of ``node_ids`` that Ray no longer sees alive."""
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    return {node_id for node_id in node_ids if node_id not in alive}

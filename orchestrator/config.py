@@ -145,6 +145,9 @@ class MetricsConfig:
     port: int = 0
     # Device peak FLOP/s for the MFU estimate; None = a default for the device kind.
     device_peak_tflops: float | None = None
+    # A directory Prometheus watches (file_sd_configs): the driver writes its scrape target
+    # there, so a port picked at random is still found. None = write nothing.
+    targets_dir: str | None = None
 
 
 @dataclass

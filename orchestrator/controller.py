@@ -5,32 +5,55 @@ bounded piece of work (start actors, wait a little for a configuration, poll the
 and moves to the next state. ``run()`` calls ``step()`` until a terminal state. Tests drive it
 one iteration at a time with a fake worker group (``Controller.worker_group_class``).
 
-    Starting -> Configuring -> Running -> Finished
-                     ^            |
-                     +------------+  (a new generation after a change of mesh)
+    Starting -> Configuring -> Running -----------------------------> Finished
+                     ^            | failure, drain notice, grow
+                     |            v
+                     +------- Settling: wait until every surviving rank has left the
+                              generation (aborted step, or paused at a step boundary), then
+                              let the policy decide: shrink / refill / grow, or fail
+
+Recovery in place never restarts a surviving process: survivors keep their slices, the
+process groups are rebuilt under a new generation, replica groups that lost a rank leave
+whole, and warm actors (spares, the healthy remainder of a broken replica) refill or grow the
+mesh with state copied peer to peer from a surviving replica.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from elastic.placement import RankResources
+from elastic.policy import Continue, Decision, Fail, FailurePolicy, GroupStatus, Grow, ScalingPolicy, Shrink
 from elastic.spec import MeshSpec
+from orchestrator import cluster
 from orchestrator.config import JobConfig
+from orchestrator.detector import Detector, Lost
 from orchestrator.events import EventLog
 from orchestrator.job import data_bytes, train_spec
 from orchestrator.reports import ReportRouter
-from orchestrator.worker_group import CallFailed, PendingCalls, WorkerGroup
+from orchestrator.worker_group import CallFailed, PendingCalls, RankSlot, WorkerGroup
 from workers.actor import RunOutcome, StartFrom
+from workers.faults import FaultSpec
 
 log = logging.getLogger("meshpilot")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+
+# Seconds between looks at the cluster for drains and spare capacity (each is a GCS call).
+HOUSEKEEPING_INTERVAL_S = 1.0
+HEARTBEAT_EVENT_INTERVAL_S = 5.0
+# How long survivors may take to leave a failed generation before they count as stuck.
+SETTLE_TIMEOUT_S = 30.0
+# After every survivor has left, how long to wait for Ray to name the cause (an actor's death
+# is reported a moment after its peers see their connections close).
+CAUSE_GRACE_S = 5.0
 
 
 # ------------------------------------------------------------------------------ states
@@ -55,13 +78,42 @@ class Running:
 
 
 @dataclass(frozen=True)
+class Settling:
+    """A generation is ending: a failure (abort issued) or a pause for a drain or a grow."""
+
+    generation: int
+    mesh: MeshSpec
+    calls: PendingCalls
+    purpose: str  # failure | drain | grow
+    lost: dict[int, Lost] = field(default_factory=dict)
+    draining: frozenset[int] = frozenset()
+    started_at: float = 0.0
+    deadline: float = 0.0
+
+
+@dataclass(frozen=True)
 class Finished:
     status: str  # finished | failed | interrupted
     exit_code: int
     reason: str | None = None
 
 
-State = Starting | Configuring | Running | Finished
+State = Starting | Configuring | Running | Settling | Finished
+
+
+@dataclass
+class Transition:
+    """A change of mesh in flight; reported once the first step on the new mesh completes."""
+
+    kind: str  # recovered | grow
+    began_at: float  # monotonic: the fault's detection, or the pause request
+    began_wall: float
+    old_mesh: MeshSpec
+    new_mesh: MeshSpec
+    resume_step: int
+    lost_steps: int = 0
+    added_ranks: tuple[int, ...] = ()
+    cause: str = "failure"
 
 
 class Controller:
@@ -69,22 +121,38 @@ class Controller:
 
     worker_group_class = WorkerGroup
 
-    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 0.25) -> None:
+    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 0.25,
+                 faults: tuple[FaultSpec, ...] = (), node_fault: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
         self.router = ReportRouter(events, mesh=config.mesh,
                                    tokens_per_step=config.training.global_batch * config.training.seq_len)
+        self.router.on("drain_notice", self._on_drain_notice)
         self.group = self.worker_group_class(
             spec=self.spec, data=data_bytes(config),
             per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank),
             start_timeout_s=config.runtime.start_timeout_s,
         )
+        elastic = config.elastic
+        self.failure_policy = FailurePolicy(min_replicas=elastic.min_replicas, max_replicas=elastic.max_replicas,
+                                            max_failures=elastic.max_failures, window_s=elastic.failure_window_s)
+        self.scaling_policy = ScalingPolicy(target_replicas=config.parallelism.dp_replicate,
+                                            max_replicas=elastic.max_replicas)
+        self.detector = Detector(heartbeat_timeout_s=elastic.heartbeat_timeout_s,
+                                 hang_timeout_s=elastic.hang_timeout_s)
+        self.pending_faults = [f for f in faults]
+        self.node_fault = node_fault
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()
         self.last_step = 0
         self.generation = 0
+        self.transition: Transition | None = None
+        self._drain_nodes: set[str] = set()
+        self._next_housekeeping = 0.0
+        self._next_heartbeat_event = 0.0
+        self._all_returned_at: float | None = None
 
     # ------------------------------------------------------------------- loop
     @property
@@ -116,22 +184,29 @@ class Controller:
             self.state = self._await_configuration(state)
         elif isinstance(state, Running):
             self.state = self._supervise(state)
+        elif isinstance(state, Settling):
+            self.state = self._settle(state)
 
-    # ----------------------------------------------------------------- states
+    # ----------------------------------------------------------- start, configure
     def _start(self, state: Starting) -> State:
-        self.group.start(state.mesh)
+        # Emitted before the actors start, so start-up counts against effective training time.
         self.events.emit("start", run_dir=str(self.events.path.parent) if self.events.path else None,
                          name=self.config.name, mesh=state.mesh.as_dict(), world_size=state.mesh.world_size,
                          steps=self.spec.steps, global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
                          config_hash=self.config.config_hash())
-        return self._configure(state.mesh, StartFrom(mode="fresh"))
+        self.group.start(state.mesh)
+        for _ in range(self.config.elastic.spare_actors // max(1, state.mesh.replica_size)):
+            self.group.start_replica_in_background(state.mesh)
+        starts = [StartFrom("fresh")] * state.mesh.world_size
+        return self._configure(state.mesh, starts, sync_replicas=False)
 
-    def _configure(self, mesh: MeshSpec, start: StartFrom) -> Configuring:
+    def _configure(self, mesh: MeshSpec, starts: list[StartFrom], *, sync_replicas: bool) -> Configuring:
         self.generation += 1
         self.router.set_mesh(mesh)
-        calls = self.group.configure(generation=self.generation, mesh=mesh, start=start)
-        return Configuring(self.generation, mesh, calls,
-                           deadline=time.monotonic() + self.config.runtime.start_timeout_s)
+        faults = tuple(f for f in self.pending_faults if f.step > self.last_step)
+        calls = self.group.configure(generation=self.generation, mesh=mesh, starts=starts,
+                                     sync_replicas=sync_replicas, faults=faults)
+        return Configuring(self.generation, mesh, calls, deadline=time.monotonic() + self.config.runtime.start_timeout_s)
 
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s)
@@ -145,30 +220,286 @@ class Controller:
                                   f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
             return state
         self.last_step = max(state.calls.results.values())
+        self.detector.reset(state.mesh.world_size, self.last_step)
         return Running(state.generation, state.mesh, self.group.run(last_step=self.spec.steps))
 
+    # ----------------------------------------------------------------- running
     def _supervise(self, state: Running) -> State:
         self._drain_reports()
         state.calls.collect(timeout=0)
         self._drain_reports()  # reports queued just before a rank returned
-        outcomes = {rank: _as_outcome(result, self.last_step) for rank, result in state.calls.results.items()}
-        failed = {rank: o for rank, o in outcomes.items() if o.status in ("failed", "died")}
-        if failed:
-            return self._on_failure(state, failed)
+        self._fire_driver_faults()
+        lost = self._losses(state)
+        returned = state.calls.results
+        if lost or any(_status(r) in ("failed", "died", "aborted") for r in returned.values()):
+            return self._begin_settling(state, "failure", lost=lost)
         if state.calls.done:
-            statuses = {o.status for o in outcomes.values()}
+            statuses = {_status(r) for r in returned.values()}
             if statuses == {"finished"}:
                 return Finished("finished", EXIT_OK)
             return self._fail("stopped", f"ranks ended with {sorted(statuses)}")
+        if time.monotonic() >= self._next_housekeeping:
+            self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
+            changed = self._housekeeping(state)
+            if changed is not None:
+                return changed
         time.sleep(self.poll_interval_s)
         return state
 
-    def _on_failure(self, state: Running, failed: dict[int, RunOutcome]) -> State:
-        message = group_errors({rank: o.error or o.status for rank, o in failed.items()})
-        kind = "rank_died" if any(o.status == "died" for o in failed.values()) else "rank_error"
-        self.events.emit("failure", kind=kind, ranks=sorted(failed), node=None, message=message)
-        return self._fail(kind, message)
+    def _losses(self, state: Running | Settling) -> dict[int, Lost]:
+        lost: dict[int, Lost] = {}
+        dead_nodes = self._dead_nodes(state) if any(_status(r) == "died" for r in state.calls.results.values()) else set()
+        for rank, result in state.calls.results.items():
+            node = self.group.active[rank].node_id if rank < len(self.group.active) else None
+            finding = Detector.from_outcome(_as_outcome(result, self.last_step), node not in dead_nodes, node)
+            if finding is not None:
+                lost[rank] = finding
+        for rank in self.detector.unresponsive():
+            if rank not in state.calls.results:
+                lost.setdefault(rank, Lost("unresponsive", f"no heartbeat for more than "
+                                           f"elastic.heartbeat_timeout_s={self.config.elastic.heartbeat_timeout_s:g}"))
+        if isinstance(state, Running):
+            culprits = self.detector.hung()
+            if culprits is not None:
+                stalled = self.detector.stalled_for()
+                for rank in culprits:
+                    where = self.detector.where.get(rank) or "unknown"
+                    lost.setdefault(rank, Lost("hang", f"no step completed for {stalled:.0f} s "
+                                               f"(elastic.hang_timeout_s={self.config.elastic.hang_timeout_s:g}); "
+                                               f"busy at {where}"))
+        return lost
 
+    def _dead_nodes(self, state: Running | Settling) -> set[str]:
+        nodes = {slot.node_id for slot in self.group.active if slot.node_id}
+        return cluster.dead_nodes(nodes) if nodes else set()
+
+    def _housekeeping(self, state: Running) -> State | None:
+        """Drains, grows and replacement actors; returns a new state when the mesh must change."""
+        self._emit_heartbeat()
+        draining = self._draining_ranks()
+        if draining:
+            return self._begin_settling(state, "drain", draining=draining)
+        self.group.refresh()
+        decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()), fits=self._fits)
+        if isinstance(decision, Grow):
+            return self._begin_settling(state, "grow")
+        self._start_replacements(state.mesh)
+        return None
+
+    def _start_replacements(self, mesh: MeshSpec) -> None:
+        """Start actors in the background for replica groups the job wants and cannot form yet."""
+        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size
+        have = len(self.group.warm()) + len(self.group.starting())
+        if wanted > have:
+            self.group.start_replica_in_background(mesh)
+
+    def _draining_ranks(self) -> frozenset[int]:
+        nodes = set(self._drain_nodes)
+        try:
+            nodes |= cluster.draining_nodes()
+        except Exception as error:  # noqa: BLE001 - a GCS hiccup must not end the run
+            log.debug("could not read draining nodes: %s", error)
+        if not nodes:
+            return frozenset()
+        stale = [slot for slot in self.group.warm() + self.group.starting() if slot.node_id in nodes]
+        if stale:
+            self.group.remove(stale)
+        return frozenset(rank for rank, slot in enumerate(self.group.active) if slot.node_id in nodes)
+
+    def _on_drain_notice(self, report: dict[str, Any]) -> None:
+        rank = report.get("rank")
+        if rank is not None and 0 <= rank < len(self.group.active):
+            node = self.group.active[rank].node_id
+            if node and node not in self._drain_nodes:
+                log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.get("reason"))
+                self._drain_nodes.add(node)
+
+    # ---------------------------------------------------------------- settling
+    def _begin_settling(self, state: Running, purpose: str, *, lost: dict[int, Lost] | None = None,
+                        draining: frozenset[int] = frozenset()) -> Settling:
+        now = time.monotonic()
+        if purpose == "failure":
+            hung = [self.group.active[rank] for rank, loss in (lost or {}).items() if loss.kind in ("hang", "unresponsive")]
+            self.group.kill(hung)
+            self._abort_generation(state, lost or {})
+        else:
+            if purpose == "drain":
+                nodes = sorted({self.group.active[r].node_id for r in draining})
+                self.events.emit("drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining),
+                                 reason="node draining")
+            everyone_leaves = purpose == "drain" and _replicas_of(state.mesh, draining) == state.mesh.dp_replicate
+            self.group.request_pause(state.generation, checkpoint=everyone_leaves)
+        return Settling(state.generation, state.mesh, state.calls, purpose, lost=dict(lost or {}),
+                        draining=draining, started_at=now, deadline=now + SETTLE_TIMEOUT_S)
+
+    def _abort_generation(self, state: Running | Settling, lost: dict[int, Lost]) -> None:
+        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
+        self.group.abort_step(state.generation, self.last_step + 1, survivors)
+
+    def _settle(self, state: Settling) -> State:
+        state.calls.collect(timeout=self.poll_interval_s)
+        self._drain_reports()
+        lost = {**self._losses(state), **state.lost}  # the first diagnosis stands (a hung rank, then killed)
+        if lost and state.purpose != "failure":
+            # A failure during a pause: treat it as a failure from here on.
+            self._abort_generation(state, lost)
+            state = Settling(state.generation, state.mesh, state.calls, "failure", lost, state.draining,
+                             state.started_at, state.deadline)
+        waiting_for = [rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results
+                       and rank not in lost]
+        if waiting_for:
+            if time.monotonic() < state.deadline:
+                return Settling(state.generation, state.mesh, state.calls, state.purpose, lost, state.draining,
+                                state.started_at, state.deadline)
+            for rank in waiting_for:
+                where = self.detector.where.get(rank) or "unknown"
+                lost[rank] = Lost("stuck", f"did not leave generation {state.generation} within {SETTLE_TIMEOUT_S:g} s "
+                                  f"(blocked at {where})")
+        if state.purpose == "failure" and not lost and time.monotonic() < max(state.started_at, self._last_return(state)) + CAUSE_GRACE_S:
+            return state
+        return self._decide(state, lost)
+
+    def _last_return(self, state: Settling) -> float:
+        if self._all_returned_at is None and state.calls.done:
+            self._all_returned_at = time.monotonic()
+        return self._all_returned_at or time.monotonic()
+
+    def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
+        self._all_returned_at = None
+        applied = [r.last_step for rank, r in state.calls.results.items()
+                   if rank not in lost and isinstance(r, RunOutcome)]
+        resume_step = min(applied) if applied else self.last_step
+        self.router.flush(resume_step)
+        self.last_step = max(self.last_step, resume_step)
+        if state.purpose == "failure" and not lost:
+            # Every rank left without a cause being found (all echoes): the whole generation
+            # counts as lost rather than retrying blindly.
+            lost = {rank: Lost("rank_error", "left the generation without a cause") for rank in range(state.mesh.world_size)}
+        if lost:
+            self._emit_failure(lost)
+        status = GroupStatus(mesh=state.mesh, lost_ranks=frozenset(lost), draining_ranks=state.draining,
+                             warm_actors=len(self.group.warm()) + self._healthy_in_hit_replicas(state.mesh, lost, state.draining),
+                             checkpoint_step=None, time=time.monotonic())
+        if state.purpose == "grow":
+            decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()), fits=self._fits)
+        else:
+            decision = self.failure_policy.decide(status, fits=self._fits, restore_mesh=lambda: None)
+        return self._carry_out(decision, state, lost, resume_step)
+
+    def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> State:
+        old_mesh = state.mesh
+        began = state.started_at
+        if isinstance(decision, Fail):
+            return self._fail("policy", decision.reason)
+        if isinstance(decision, Continue):
+            decision = Shrink(old_mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
+        if isinstance(decision, Shrink):
+            kept, spare_pool = self._split_replicas(old_mesh, lost, state.draining, decision.drop)
+            refill = self._pick_warm(spare_pool, decision.refill * old_mesh.replica_size)
+            new_mesh, added = decision.new_mesh, len(refill)
+            active, starts = kept + refill, [StartFrom("kept")] * len(kept) + [StartFrom("peer", resume_step)] * added
+            kind = "recovered"
+        elif isinstance(decision, Grow):
+            kept = list(self.group.active)
+            refill = self._pick_warm(self.group.warm(), decision.add * old_mesh.replica_size)
+            new_mesh, added = decision.new_mesh, len(refill)
+            active, starts = kept + refill, [StartFrom("kept")] * len(kept) + [StartFrom("peer", resume_step)] * added
+            kind = "grow"
+        else:
+            return self._fail("policy", f"cannot carry out {decision!r} yet")
+        self.group.set_active(active)
+        self.transition = Transition(
+            kind=kind, began_at=began, began_wall=time.time() - (time.monotonic() - began), old_mesh=old_mesh,
+            new_mesh=new_mesh, resume_step=resume_step, lost_steps=max(0, self.router.last_emitted_step - resume_step),
+            added_ranks=tuple(range(len(kept), len(active))), cause=state.purpose,
+        )
+        self._drain_nodes.clear()
+        return self._configure(new_mesh, starts, sync_replicas=added > 0)
+
+    def _split_replicas(self, mesh: MeshSpec, lost: dict[int, Lost], draining: frozenset[int],
+                        drop: tuple[int, ...]) -> tuple[list[RankSlot], list[RankSlot]]:
+        """Survivors to keep (rank order) and healthy actors of dropped replicas (now warm)."""
+        gone = [self.group.active[rank] for rank in sorted(set(lost) | set(draining))
+                if rank < len(self.group.active)]
+        kept, released = [], []
+        for replica in mesh.replica_groups():
+            slots = [self.group.active[rank] for rank in replica.ranks]
+            if replica.index in drop:
+                released.extend(slot for slot in slots if slot not in gone)
+            else:
+                kept.extend(slots)
+        self.group.remove(gone)
+        return kept, self.group.warm() + released
+
+    @staticmethod
+    def _pick_warm(pool: list[RankSlot], count: int) -> list[RankSlot]:
+        # Actors started together (one placement group, one node) stay together.
+        ordered = sorted(pool, key=lambda slot: (slot.batch_id, id(slot)))
+        return ordered[:count] if len(ordered) >= count else []
+
+    def _healthy_in_hit_replicas(self, mesh: MeshSpec, lost: dict[int, Lost], draining: frozenset[int]) -> int:
+        hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining)}
+        return sum(1 for replica in mesh.replica_groups() if replica.index in hit
+                   for rank in replica.ranks if rank not in lost and rank not in draining)
+
+    def _fits(self, mesh: MeshSpec) -> bool:
+        per_round = mesh.dp * self.spec.microbatches * self.spec.microbatch_size
+        return self.spec.global_batch % per_round == 0
+
+    def _emit_failure(self, lost: dict[int, Lost]) -> None:
+        kinds = sorted({loss.kind for loss in lost.values()})
+        nodes = sorted({loss.node for loss in lost.values() if loss.node})
+        self.events.emit("failure", kind=kinds[0] if len(kinds) == 1 else ",".join(kinds), ranks=sorted(lost),
+                         node=nodes[0] if len(nodes) == 1 else (nodes or None),
+                         message=group_errors({rank: loss.message for rank, loss in lost.items()}))
+        # Faults fired in this generation are consumed: a redo of the step must not fire them again.
+        self.pending_faults = [f for f in self.pending_faults if f.step > self.router.last_emitted_step + 1]
+
+    # ---------------------------------------------------------------- reports
+    def _drain_reports(self) -> None:
+        for rank, heartbeat in self.group.poll(min(1.0, self.config.elastic.heartbeat_timeout_s)).items():
+            if isinstance(heartbeat, CallFailed):
+                continue  # a dead actor: its run call says so
+            self.detector.heard(rank, heartbeat.waiting, heartbeat.where)
+            self.router.route(heartbeat.reports)
+        self.last_step = max(self.last_step, self.router.last_emitted_step)
+        self.detector.stepped(self.router.last_emitted_step)
+        self._report_transition()
+
+    def _report_transition(self) -> None:
+        transition = self.transition
+        if transition is None or self.router.last_emitted_step <= transition.resume_step:
+            return
+        completed_at = self.router.completed_at.get(transition.resume_step + 1, time.time())
+        elapsed = round(completed_at - transition.began_wall, 3)
+        if transition.kind == "grow":
+            self.events.emit("grow", new_mesh=transition.new_mesh.as_dict(), added_ranks=list(transition.added_ranks),
+                             join_s=elapsed, old_mesh=transition.old_mesh.as_dict())
+        else:
+            self.events.emit("recovered", mttr_s=elapsed, lost_steps=transition.lost_steps,
+                             old_mesh=transition.old_mesh.as_dict(), new_mesh=transition.new_mesh.as_dict(),
+                             cause=transition.cause, refilled_ranks=list(transition.added_ranks))
+        self.transition = None
+
+    def _emit_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat_event:
+            self._next_heartbeat_event = now + HEARTBEAT_EVENT_INTERVAL_S
+            self.events.emit("heartbeat", rank_age_s=self.detector.heartbeat_ages())
+
+    def _fire_driver_faults(self) -> None:
+        for fault in [f for f in self.pending_faults if f.kind in ("driver", "node")]:
+            if self.router.last_emitted_step < fault.step:
+                continue
+            self.pending_faults.remove(fault)
+            if fault.kind == "driver":
+                log.warning("firing injected fault %s: killing the driver", fault.describe())
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.node_fault is not None and fault.rank < len(self.group.active):
+                log.warning("firing injected fault %s", fault.describe())
+                self.node_fault(self.group.active[fault.rank].node_id)
+
+    # ---------------------------------------------------------------- endings
     def _fail(self, kind: str, message: str) -> Finished:
         log.error("run failed (%s): %s", kind, message)
         return Finished("failed", EXIT_FAILED, reason=message)
@@ -184,13 +515,13 @@ class Controller:
             self._drain_reports()
         return Finished("interrupted", EXIT_INTERRUPTED, reason="interrupted by the user")
 
-    # --------------------------------------------------------------- reports
-    def _drain_reports(self) -> None:
-        for heartbeat in self.group.poll(self.config.elastic.heartbeat_timeout_s).values():
-            if isinstance(heartbeat, CallFailed):
-                continue  # a dead actor: its run call says so
-            self.router.route(heartbeat.reports)
-        self.last_step = max(self.last_step, self.router.last_emitted_step)
+
+def group_errors(messages: dict[int, str]) -> str:
+    """Identical failures print once: ``[Rank 0, 1]: message``."""
+    by_message: dict[str, list[int]] = {}
+    for rank, text in sorted(messages.items()):
+        by_message.setdefault(_last_line(text), []).append(rank)
+    return "; ".join(f"[Rank {', '.join(map(str, ranks))}]: {message}" for message, ranks in by_message.items())
 
 
 def _as_outcome(result: Any, last_step: int) -> RunOutcome:
@@ -200,12 +531,14 @@ def _as_outcome(result: Any, last_step: int) -> RunOutcome:
     return result
 
 
-def group_errors(messages: dict[int, str]) -> str:
-    """Identical failures print once: ``[Rank 0, 1]: message``."""
-    by_message: dict[str, list[int]] = {}
-    for rank, text in sorted(messages.items()):
-        by_message.setdefault(_last_line(text), []).append(rank)
-    return "; ".join(f"[Rank {', '.join(map(str, ranks))}]: {message}" for message, ranks in by_message.items())
+def _status(result: Any) -> str:
+    if isinstance(result, CallFailed):
+        return "died" if result.kind == "died" else "failed"
+    return result.status
+
+
+def _replicas_of(mesh: MeshSpec, ranks: frozenset[int]) -> int:
+    return len({mesh.replica_of(rank) for rank in ranks})
 
 
 def _last_line(text: str) -> str:

@@ -31,6 +31,8 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "drain": ("node", "ranks", "reason"),
     "grow": ("new_mesh", "added_ranks", "join_s"),
     "log": ("rank", "level", "message"),
+    # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
+    "heartbeat": ("rank_age_s",),
     "done": ("status", "steps", "elapsed_s"),
 }
 

@@ -2,11 +2,12 @@
 
 Runs on the driver as an event subscriber. On a terminal it draws a rich progress bar; when
 output goes to a file or a CI log it prints one plain line every ~10% of the run instead.
+Everything else an operator must notice (failures, checkpoints, the end) is printed by
+``orchestrator.logs.ConsoleEventPrinter`` through the same console.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -30,16 +31,11 @@ class ProgressView:
             self._begin(event)
         elif kind == "step":
             self._advance(event)
-        elif kind in ("failure", "recovered", "drain", "grow", "checkpoint_committed", "checkpoint_failed", "restored"):
-            self._note(event)
         elif kind == "done":
-            self._finish(event)
+            self._finish()
 
     def _begin(self, event: dict[str, Any]) -> None:
         self._total = event["steps"]
-        mesh = " x ".join(f"{k}={v}" for k, v in event["mesh"].items())
-        self.console.print(f"[bold]meshpilot[/] {event['name']}: {event['world_size']} ranks ({mesh}), "
-                           f"{self._total} steps")
         if self.plain:
             return
         self._progress = Progress(
@@ -64,19 +60,8 @@ class ProgressView:
             self._last_plain = now
             self.console.print(f"step {event['step']}/{self._total}  loss {loss}  {rate} tok/s")
 
-    def _note(self, event: dict[str, Any]) -> None:
-        details = {k: v for k, v in event.items() if k not in ("event", "time")}
-        text = ", ".join(f"{k}={v}" for k, v in details.items() if k != "message")
-        message = f" — {details['message']}" if details.get("message") else ""
-        self.console.print(f"[yellow]{event['event']}[/] {text}{message}")
-
-    def _finish(self, event: dict[str, Any]) -> None:
+    def _finish(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        style = "green" if event["status"] == "finished" else "red"
-        self.console.print(f"[{style}]{event['status']}[/] after {event['steps']} steps in {event['elapsed_s']:.1f} s")
 
-
-def stderr_is_terminal() -> bool:
-    return sys.stderr.isatty()

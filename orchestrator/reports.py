@@ -25,14 +25,26 @@ class ReportRouter:
         self.handlers: dict[str, Handler] = {"step": self._on_step, "log": self._on_log}
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self.last_emitted_step = 0
+        # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
+        self.completed_at: dict[int, float] = {}
 
     def on(self, kind: str, handler: Handler) -> None:
         self.handlers[kind] = handler
 
     def set_mesh(self, mesh: MeshSpec) -> None:
-        """A new generation: steps still pending from the old mesh are dropped, never half-emitted."""
+        """A new generation: reports of steps the old mesh did not finish are dropped."""
         self.mesh = mesh
-        self._pending = {step: ranks for step, ranks in self._pending.items() if step <= self.last_emitted_step}
+        self._pending = {}
+
+    def flush(self, upto_step: int) -> None:
+        """Emit steps up to ``upto_step`` that every survivor applied but a lost rank never
+        reported (it died between the commit and its report): the run did take them."""
+        while self.last_emitted_step < upto_step:
+            step = self.last_emitted_step + 1
+            ranks = self._pending.pop(step, {})
+            if not ranks:
+                break
+            self._emit(step, ranks)
 
     def route(self, reports: list[dict[str, Any]]) -> None:
         for report in reports:
@@ -66,5 +78,10 @@ class ReportRouter:
             lr=any_report.get("lr"),
             grad_norm=any_report.get("grad_norm"),
             rank_step_time_s={str(rank): round(r["step_time_s"], 6) for rank, r in sorted(ranks.items())},
+            # When the slowest rank finished the step (its own clock): the driver learns of
+            # it up to one poll interval later.
+            completed_at=max(r["time"] for r in ranks.values()),
         )
         self.last_emitted_step = step
+        self.completed_at[step] = max(r["time"] for r in ranks.values())
+        self.completed_at.pop(step - 100, None)

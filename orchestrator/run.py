@@ -9,13 +9,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import ray
+
+from rich.console import Console
 
 from orchestrator import cluster
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller
 from orchestrator.events import EventLog
+from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
+from orchestrator.metrics import build_metrics
+from workers.faults import FaultSpec
 
 
 @dataclass(frozen=True)
@@ -37,17 +43,30 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
     return run_dir
 
 
-def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None) -> RunResult:
-    """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl."""
+def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
+                 console: Console | None = None, faults: tuple[FaultSpec, ...] = (),
+                 node_fault: Callable[[str], None] | None = None) -> RunResult:
+    """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
+
+    The event log feeds the metrics exporter, the per-rank log files and the console, so all
+    of them see the same run.
+    """
     run_dir = prepare_run_dir(config, run_dir)
-    events = EventLog(run_dir / "events.jsonl", subscribers)
+    logger = setup_logging(run_dir=run_dir, console=console)
+    metrics = build_metrics(config)
+    rank_logs = RankLogWriter(run_dir)
+    events = EventLog(run_dir / "events.jsonl", [*(subscribers or []), metrics, rank_logs, ConsoleEventPrinter(logger)])
     started_here = False
     try:
+        url = metrics.start_server(config.metrics.host, config.metrics.port)
+        if url:
+            logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
-        controller = Controller(config, events)
-        final = controller.run()
+        final = Controller(config, events, faults=faults, node_fault=node_fault).run()
     finally:
         events.close()
+        rank_logs.close()
+        metrics.close()
         if started_here:
             ray.shutdown()
     return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.config import load_config
+from orchestrator.errors import UserError
 from orchestrator.progress import ProgressView
 from orchestrator.run import run_training
+from workers.faults import FaultSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, "
                         "else an embedded local cluster)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
+    parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
+                        help="inject a fault (repeatable): kill, raise, hang, drain, s3_outage or driver, "
+                             "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1")
     parser.set_defaults(handler=handle)
 
 
@@ -27,12 +32,27 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config key, e.g. --set parallelism.tp=4 (repeatable)")
 
 
+def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
+    faults = []
+    for text in texts:
+        try:
+            fault = FaultSpec.parse(text)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        if fault.kind == "node":
+            raise UserError(f"--inject {text!r}: node faults need a multi-node test cluster "
+                            "(ray.cluster_utils.Cluster); use the pytest fault harness")
+        faults.append(fault)
+    return tuple(faults)
+
+
 def handle(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"runtime.address={args.address}")
     config = load_config(args.config, overrides)
+    faults = parse_faults(args.inject)
     view = ProgressView(force_plain=args.plain)
-    result = run_training(config, args.run_dir, subscribers=[view])
+    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults)
     view.console.print(f"run directory: {result.run_dir}")
     return result.exit_code

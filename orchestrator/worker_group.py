@@ -1,17 +1,23 @@
-"""The job's rank actors and where they run: placement groups, the store host, fan-out calls.
+"""The job's rank actors and where they run: a pool of slots, placement groups, fan-out calls.
 
-Runs on the driver. One placement group per replica group (bundles = whole tensor-parallel
-groups, strategy STRICT_PACK on a soft target node chosen to spread replicas over nodes, or
-PACK when a replica group is larger than any node), one actor per
-rank, and one ``StoreHost`` actor on the driver's node. Every method that talks to all ranks
-returns Ray object refs; the controller decides how long to wait for them.
+Runs on the driver. Actors are started a replica group at a time: one placement group per
+replica group (bundles = whole tensor-parallel groups, strategy STRICT_PACK on a soft target
+node chosen to spread replicas over nodes, or PACK when a replica group is larger than any
+node), one actor per rank, plus one ``StoreHost`` actor on the driver's node.
+
+Every actor is a slot in the pool: ``active`` slots hold the ranks of the current mesh, in
+rank order; ``warm`` slots are started, healthy and idle (spares, or survivors of a replica
+group that broke) and can take a rank at the next reconfiguration; ``starting`` slots are
+still coming up in the background. The controller decides who is active; this module only
+starts, calls and stops actors. Calls to many ranks return ``PendingCalls``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 import ray
@@ -82,14 +88,21 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-@dataclass
+_replica_ids = count()
+
+
+@dataclass(eq=False)
 class RankSlot:
-    """A live rank actor and where it sits."""
+    """One rank actor and where it sits."""
 
     actor: Any
-    replica: int
     placement_group: PlacementGroup
+    # Actors started together (one placement group) share this id: a replica group's worth.
+    batch_id: int
     node_id: str | None = None
+    state: str = "starting"  # starting | warm | active
+    ready_ref: Any = None
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class WorkerGroup:
@@ -102,12 +115,16 @@ class WorkerGroup:
         self.start_timeout_s = start_timeout_s
         self.data_ref = ray.put(data)
         self.slots: list[RankSlot] = []
+        self.active: list[RankSlot] = []
         self.store_host = None
         self.store_address: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ start
     def start(self, mesh: MeshSpec) -> None:
-        """Place and start one actor per rank of ``mesh``; raise ConfigError if it cannot fit."""
+        """Place and start one actor per rank of ``mesh`` and make them active, in rank order.
+
+        Raises ConfigError if the cluster cannot hold the mesh or the actors do not start.
+        """
         nodes = cluster.alive_nodes()
         problem = shortfall(mesh, self.per_rank, nodes)
         if problem:
@@ -115,9 +132,47 @@ class WorkerGroup:
                               "runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes")
         self._start_store_host()
         targets = spread_replicas(mesh.dp_replicate, self.per_rank, mesh.replica_size, nodes)
-        for replica, target in enumerate(targets):
-            self.slots.extend(self._start_replica(mesh, replica, target))
-        self._wait_ready()
+        started = [slot for target in targets for slot in self._start_replica(mesh, target)]
+        refs = [slot.ready_ref for slot in started]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
+        if pending:
+            raise ConfigError(
+                f"runtime.start_timeout_s={self.start_timeout_s:g}: only {len(ready)} of {len(refs)} rank actors "
+                "started; the cluster may lack the resources it reports, or actors fail to import torch")
+        for slot in started:
+            self._mark_ready(slot, ray.get(slot.ready_ref))
+        self.set_active(started)
+
+    def start_replica_in_background(self, mesh: MeshSpec) -> bool:
+        """Start one replica group's worth of actors without waiting; False if nothing has room now."""
+        nodes = cluster.free_nodes()
+        demand = RankResources(cpus=self.per_rank.cpus, gpus=self.per_rank.gpus)
+        if shortfall(mesh.with_replicas(1), demand, nodes):
+            return False
+        target = spread_replicas(1, demand, mesh.replica_size, nodes)[0]
+        self._start_replica(mesh, target)
+        return True
+
+    def refresh(self) -> list[RankSlot]:
+        """Move actors that finished starting to ``warm``; returns them. Never blocks."""
+        starting = [slot for slot in self.slots if slot.state == "starting"]
+        if not starting:
+            return []
+        ready, _ = ray.wait([s.ready_ref for s in starting], num_returns=len(starting), timeout=0)
+        warmed = []
+        for slot in starting:
+            if slot.ready_ref in ready:
+                result = _result_of(slot.ready_ref)
+                if isinstance(result, CallFailed):
+                    self.remove([slot])
+                    continue
+                self._mark_ready(slot, result)
+                warmed.append(slot)
+        return warmed
+
+    def _mark_ready(self, slot: RankSlot, info: dict[str, Any]) -> None:
+        slot.node_id = info["node_id"]
+        slot.state = "warm"
 
     def _start_store_host(self) -> None:
         if self.store_host is not None:
@@ -126,9 +181,10 @@ class WorkerGroup:
         self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
         self.store_address = ray.get(self.store_host.address.remote(), timeout=self.start_timeout_s)
 
-    def _start_replica(self, mesh: MeshSpec, replica: int, target: str | None) -> list[RankSlot]:
+    def _start_replica(self, mesh: MeshSpec, target: str | None) -> list[RankSlot]:
         bundles = tp_bundles(mesh, self.per_rank)
-        name = f"meshpilot-replica-{replica}-{time.time_ns()}"
+        batch_id = next(_replica_ids)
+        name = f"meshpilot-replica-{batch_id}-{time.time_ns()}"
         if target is not None:
             # The whole replica fits one node: keep it there, preferably on the chosen node.
             group = placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=target)
@@ -141,54 +197,87 @@ class WorkerGroup:
                 num_cpus=self.per_rank.cpus, num_gpus=self.per_rank.gpus, max_concurrency=ACTOR_CONCURRENCY,
                 scheduling_strategy=strategy,
             ).remote(spec=self.spec, data=self.data_ref)
-            slots.append(RankSlot(actor=actor, replica=replica, placement_group=group))
+            slot = RankSlot(actor=actor, placement_group=group, batch_id=batch_id, ready_ref=actor.info.remote())
+            slots.append(slot)
+        self.slots.extend(slots)
         return slots
 
-    def _wait_ready(self) -> None:
-        refs = [slot.actor.info.remote() for slot in self.slots]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
-        if pending:
-            raise ConfigError(
-                f"runtime.start_timeout_s={self.start_timeout_s:g}: only {len(ready)} of {len(refs)} rank actors "
-                "started; the cluster may lack the resources it reports, or actors fail to import torch")
-        for slot, info in zip(self.slots, ray.get(refs)):
-            slot.node_id = info["node_id"]
+    # ------------------------------------------------------------- membership
+    def set_active(self, slots: list[RankSlot]) -> None:
+        """These slots, in this order, are the ranks of the next generation; others go warm."""
+        for slot in self.slots:
+            if slot.state == "active":
+                slot.state = "warm"
+        for slot in slots:
+            slot.state = "active"
+        self.active = list(slots)
+
+    def warm(self) -> list[RankSlot]:
+        return [slot for slot in self.slots if slot.state == "warm"]
+
+    def starting(self) -> list[RankSlot]:
+        return [slot for slot in self.slots if slot.state == "starting"]
+
+    def kill(self, slots: list[RankSlot]) -> None:
+        """Kill these actors now; their slots stay (ranks keep their numbers) until removed."""
+        for slot in slots:
+            ray.kill(slot.actor, no_restart=True)
+
+    def remove(self, slots: list[RankSlot]) -> None:
+        """Kill these actors (dead ones too: harmless) and forget them; free emptied placement groups."""
+        doomed = {id(slot) for slot in slots}
+        for slot in slots:
+            ray.kill(slot.actor, no_restart=True)
+        self.slots = [slot for slot in self.slots if id(slot) not in doomed]
+        self.active = [slot for slot in self.active if id(slot) not in doomed]
+        still_used = {id(slot.placement_group) for slot in self.slots}
+        for group in {id(s.placement_group): s.placement_group for s in slots}.values():
+            if id(group) not in still_used:
+                remove_placement_group(group)
 
     # ---------------------------------------------------------------- fan-out
-    @property
-    def actors(self) -> list[Any]:
-        return [slot.actor for slot in self.slots]
-
-    def configure(self, *, generation: int, mesh: MeshSpec, start: StartFrom) -> PendingCalls:
+    def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
+                  faults: tuple = ()) -> PendingCalls:
         return PendingCalls([
-            slot.actor.configure.remote(generation=generation, rank=rank, mesh=mesh,
-                                        store_address=self.store_address, start=start)
-            for rank, slot in enumerate(self.slots)
+            slot.actor.configure.remote(generation=generation, rank=rank, mesh=mesh, store_address=self.store_address,
+                                        start=start, sync_replicas=sync_replicas, faults=faults)
+            for rank, (slot, start) in enumerate(zip(self.active, starts))
         ])
 
     def run(self, *, last_step: int) -> PendingCalls:
-        return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.slots])
+        return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.active])
 
     def poll(self, timeout: float) -> dict[int, Any]:
-        """Heartbeats (with queued reports) of every rank that answers within ``timeout``."""
-        calls = PendingCalls([slot.actor.poll.remote() for slot in self.slots])
+        """Heartbeats (with queued reports) of every active rank that answers within ``timeout``."""
+        calls = PendingCalls([slot.actor.poll.remote() for slot in self.active])
         calls.collect(timeout)
         return calls.results
 
+    def release(self, slots: list[RankSlot], *, keep_shards: bool) -> PendingCalls:
+        return PendingCalls([slot.actor.release.remote(keep_shards=keep_shards) for slot in slots])
+
     def request_stop(self) -> None:
-        for slot in self.slots:
+        for slot in self.active:
             slot.actor.request_stop.remote()
+
+    def request_pause(self, generation: int, *, checkpoint: bool = False) -> None:
+        """Every rank stops after the next step it commits (the step boundary)."""
+        self.store_host.request_pause.remote(generation, checkpoint)
+
+    def abort_step(self, generation: int, step: int, survivors: list[int]) -> None:
+        """Veto the in-flight step of ``generation`` so that no survivor applies it, and abort
+        the survivors' process groups so that none stays blocked on a lost rank."""
+        if self.store_host is not None:
+            ray.get(self.store_host.abort_from.remote(generation, step), timeout=10)
+        for rank in survivors:
+            self.active[rank].actor.abort_collectives.remote()
 
     def shutdown(self, *, grace_s: float = 5.0) -> None:
         """Stop every actor and free every placement group; safe to call twice."""
-        refs = [slot.actor.shutdown.remote() for slot in self.slots]
+        refs = [slot.actor.shutdown.remote() for slot in self.slots if slot.state != "starting"]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        for slot in self.slots:
-            ray.kill(slot.actor, no_restart=True)
-        for group in {id(s.placement_group): s.placement_group for s in self.slots}.values():
-            remove_placement_group(group)
-        self.slots = []
+        self.remove(list(self.slots))
         if self.store_host is not None:
             ray.kill(self.store_host, no_restart=True)
             self.store_host = None

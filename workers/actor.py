@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -29,17 +30,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.spec import MeshSpec
+from workers.faults import FaultInjector, FaultSpec
 from workers.reporting import RankLogHandler, ReportChannel
+from workers.sockets import shutdown_sockets, socket_inodes
 from workers.spec import TrainSpec
 
 log = logging.getLogger("meshpilot.rank")
 
 
+# Messages of errors that a rank sees because *another* rank failed (a closed socket, a
+# vetoed vote that timed out): such a rank is a survivor, not a cause.
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+    "Socket Timeout", "timed out", "Timeout", "NCCL communicator was aborted", "ProcessGroupNCCL",
+)
+
+
 @dataclass(frozen=True)
 class StartFrom:
-    """How ``configure`` fills the new trainer's state."""
+    """How ``configure`` fills the new trainer's state.
 
-    # "fresh": seeded init; "kept": rebind the slices this process already holds.
+    ``fresh``: seeded initialisation (step 0). ``kept``: rebind the slices this process kept
+    from the previous generation. ``peer``: receive them from replica group 0 of the new mesh
+    (every rank of such a generation is configured with ``sync_replicas=True``).
+    """
+
     mode: str = "fresh"
     step: int = 0
 
@@ -50,6 +65,8 @@ class RunOutcome:
     last_step: int  # the last step whose optimizer update this rank applied
     error: str | None = None
     error_kind: str | None = None
+    # True when the error is a consequence of another rank's failure (a closed connection).
+    caused_by_peer: bool = False
 
 
 @dataclass
@@ -59,6 +76,10 @@ class Heartbeat:
     step: int
     phase_age_s: float
     reports: list[dict[str, Any]] = field(default_factory=list)
+    # In a step: is the loop blocked waiting for other ranks (a collective, the commit vote)?
+    # A rank busy in a step that everyone else waits on is the one that hangs.
+    waiting: bool | None = None
+    where: str | None = None
 
 
 class RankActor:
@@ -88,6 +109,10 @@ class RankActor:
         self._kept_shards: dict | None = None
         self._stop = threading.Event()
         self._phase = ("starting", time.monotonic())
+        self._loop_thread: int | None = None
+        # Sockets opened by this generation's process groups (see workers/sockets.py).
+        self._group_sockets: set[str] = set()
+        self.faults = FaultInjector((), rank=-1)
 
     # ------------------------------------------------------------------ control
     def info(self) -> dict[str, Any]:
@@ -99,18 +124,17 @@ class RankActor:
 
     def poll(self) -> Heartbeat:
         phase, since = self._phase
-        return Heartbeat(rank=self.rank, phase=phase, step=self.last_step,
-                         phase_age_s=time.monotonic() - since, reports=self.channel.drain())
+        waiting, where = self._loop_position() if phase == "step" else (None, None)
+        return Heartbeat(rank=self.rank, phase=phase, step=self.last_step, phase_age_s=time.monotonic() - since,
+                         reports=self.channel.drain(), waiting=waiting, where=where)
 
     def request_stop(self) -> None:
         """Stop after the step in flight (Ctrl-C, end of job)."""
         self._stop.set()
 
     def configure(self, *, generation: int, rank: int, mesh: MeshSpec, store_address: tuple[str, int],
-                  start: StartFrom) -> int:
+                  start: StartFrom, sync_replicas: bool = False, faults: tuple[FaultSpec, ...] = ()) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
-        import torch.distributed as dist
-
         from workers.rendezvous import StepCommitter, connect_store
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
@@ -121,36 +145,54 @@ class RankActor:
         self._stop.clear()
         if self.store is None:
             self.store = connect_store(*store_address)
+        sockets_before = socket_inodes()
         init_generation(store=self.store, generation=generation, rank=rank, world_size=mesh.world_size,
                         backend=self.spec.backend, timeout_s=self.spec.collective_timeout_s)
-        self.committer = StepCommitter(dist.PrefixStore("", self.store), generation=generation,
+        self.committer = StepCommitter(self.store, generation=generation,
                                        world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s)
         self.trainer = Trainer(self.spec, mesh, rank, device=pick_device(self.spec.backend),
                                source=make_source(self.spec, self.data), committer=self.committer)
+        self._group_sockets = socket_inodes() - sockets_before
         if start.mode == "kept" and self._kept_shards is not None:
             self.trainer.load_local_shards(self._kept_shards)
         elif start.mode == "fresh":
             self.trainer.init_weights()
             self.last_step = 0
+        elif start.mode == "peer":
+            self.trainer.ensure_optimizer_state()
+            self.last_step = start.step
         else:
             raise ValueError(f"cannot start from {start!r} on rank {rank}")
         self._kept_shards = None
+        if sync_replicas:
+            self.trainer.sync_from_first_replica()
+        self.faults = FaultInjector(faults, rank=rank,
+                                    on_fire=lambda f: log.warning("firing injected fault %s", f.describe()))
         self._set_phase("ready")
         return self.last_step
 
     def run(self, *, last_step: int) -> RunOutcome:
-        """The training loop, from the step after ``self.last_step`` to ``last_step``."""
+        """The training loop, from the step after ``self.last_step`` to ``last_step``.
+
+        Unless it finished, the rank leaves the generation on the way out: it keeps its slices
+        and frees every process group, which also releases peers still blocked on it.
+        """
         from workers.trainer import StepAborted
 
+        self._loop_thread = threading.get_ident()
         outcome: RunOutcome
         try:
             outcome = self._loop(last_step)
         except StepAborted:
             outcome = RunOutcome("aborted", self.last_step)
         except Exception as error:  # noqa: BLE001 - reported to the driver, never swallowed
-            outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_kind=type(error).__name__)
-            del error  # a live traceback keeps the blocked collective's process group alive
-            self._drop_process_groups(keep_shards=True)
+            outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_kind=type(error).__name__,
+                                 caused_by_peer=_caused_by_peer(error))
+        # Outside the except block: the exception and its traceback (which pin the blocked
+        # collective and its process group) are gone by now.
+        self._loop_thread = None
+        if outcome.status != "finished":
+            self._drop_process_groups(keep_shards=outcome.status != "failed" or outcome.caused_by_peer)
         self._set_phase(outcome.status)
         return outcome
 
@@ -161,6 +203,7 @@ class RankActor:
                 return RunOutcome("stopped", self.last_step)
             step = self.last_step + 1
             self._set_phase("step")
+            self.faults.before_step(step)
             result = trainer.train_step(step)
             self.last_step = step
             self.channel.report("step", step=step, loss=result.loss, dp_rank=trainer.dp_rank,
@@ -180,10 +223,23 @@ class RankActor:
         self._set_phase("shutdown")
 
     # ------------------------------------------------------------------ helpers
+    def abort_collectives(self) -> None:
+        """Control thread, any time: abort every process group of this rank.
+
+        Shuts the rank's process-group connections down, so its own blocked collective fails
+        at once and so do peers blocked on it, instead of waiting for the collective timeout.
+        The driver calls it on every survivor when a generation fails: the whole generation
+        unblocks in well under a second.
+        """
+        shutdown_sockets(self._group_sockets)
+        _abort_all_groups()
+
     def _drop_process_groups(self, *, keep_shards: bool) -> None:
-        """Free every socket of every process group this rank is in (FACTS.md: the only way,
-        with gloo, to release peers blocked on us): keep the slices as plain tensors, drop
-        every object holding a group, destroy the groups, collect."""
+        """Leave the generation: keep the slices as plain tensors, drop every object holding a
+        process group, shut the groups' connections down, then abort and destroy the groups.
+        Destroying (or aborting) alone does not close gloo's connections while FSDP2 and
+        DeviceMesh internals still hold the backends; without the shutdown, peers blocked on
+        this rank would wait for the collective timeout."""
         import torch.distributed as dist
 
         if self.trainer is not None:
@@ -192,12 +248,47 @@ class RankActor:
             self.trainer.close()
         self.trainer = None
         self.committer = None
+        shutdown_sockets(self._group_sockets)
+        self._group_sockets = set()
+        _abort_all_groups()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as error:  # noqa: BLE001 - an aborted group may refuse a clean destroy
+                log.debug("destroy_process_group after abort: %s", error)
         gc.collect()
 
     def _set_phase(self, phase: str) -> None:
         self._phase = (phase, time.monotonic())
+
+    def _loop_position(self) -> tuple[bool | None, str | None]:
+        """Where the loop thread is now: (waiting on peers?, innermost frame as file:line)."""
+        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread else None
+        if frame is None:
+            return None, None
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        waiting = "torch/distributed/" in path or path.endswith("workers/rendezvous.py")
+        return waiting, where
+
+
+def _abort_all_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
+            log.debug("abort of process groups: %s", error)
+
+
+def _caused_by_peer(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    text = str(error)
+    return any(marker in text for marker in PEER_FAILURE_MARKERS)
 
 
 def _describe(error: BaseException) -> str:

@@ -9,8 +9,9 @@ are reduced and before the optimizer update) makes "was step s applied?" one ato
 the last rank to arrive writes ``commit`` into ``gen{n}/step/{s}`` with compare-and-set, and
 the driver, when it learns of a failure, writes ``abort`` the same way. Whichever write lands
 first is what every rank reads, so after any failure all survivors hold the same step.
-The driver can also ask for a pause: the deciding rank then writes ``commit_pause`` and every
-rank stops after applying that step — the step boundary at which drains and grows happen.
+The driver can also ask for a pause: the deciding rank then writes ``commit_pause`` (or
+``commit_pause_checkpoint``: save first) and every rank stops after applying that step — the
+step boundary at which drains and grows happen.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT
 
 # torch.distributed is imported inside the methods: the driver imports this module for the
 # StoreHost class handle and must not load torch.distributed itself.
@@ -44,8 +45,8 @@ class StoreHost:
     def address(self) -> tuple[str, int]:
         return self.host, self.store.port
 
-    def request_pause(self, generation: int) -> None:
-        self.store.set(f"gen{generation}/pause", "1")
+    def request_pause(self, generation: int, checkpoint: bool = False) -> None:
+        self.store.set(f"gen{generation}/pause", "checkpoint" if checkpoint else "1")
 
     def abort_from(self, generation: int, step: int) -> int:
         """Veto the first undecided step at or after ``step``; returns that step.
@@ -73,12 +74,18 @@ class StepCommitter:
         arrived = self.store.add(f"{self.prefix}step/{step}/ready", 1)
         key = f"{self.prefix}step/{step}"
         if arrived == self.world_size:
-            wanted = COMMIT_AND_PAUSE if self.store.check([f"{self.prefix}pause"]) else COMMIT
+            wanted = self._commit_decision()
             decided = self.store.compare_set(key, "", wanted).decode()
             self._forget(step - 2)
             return decided
         self.store.wait([key], self.timeout)
         return self.store.get(key).decode()
+
+    def _commit_decision(self) -> str:
+        key = f"{self.prefix}pause"
+        if not self.store.check([key]):
+            return COMMIT
+        return COMMIT_PAUSE_CHECKPOINT if self.store.get(key).decode() == "checkpoint" else COMMIT_AND_PAUSE
 
     def _forget(self, step: int) -> None:
         # Two steps back every rank has read its decision; keep the store small on long runs.

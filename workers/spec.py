@@ -93,6 +93,7 @@ def model_spec(preset: str, **overrides) -> ModelSpec:
 # The per-step commit vote's outcomes (see workers/rendezvous.py).
 COMMIT = "commit"
 COMMIT_AND_PAUSE = "commit_pause"
+COMMIT_PAUSE_CHECKPOINT = "commit_pause_checkpoint"
 ABORT = "abort"
 
 

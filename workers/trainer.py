@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, TrainSpec
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, TrainSpec
 
 class StepAborted(RuntimeError):
     """The step was vetoed (a failure elsewhere); nothing of it was applied."""
@@ -58,6 +58,8 @@ class StepResult:
     lr: float
     step_time_s: float
     pause: bool = False
+    # Save a checkpoint before pausing (a drain that takes the last replica group).
+    checkpoint_before_pause: bool = False
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -158,7 +160,8 @@ class Trainer:
         finished = time.perf_counter()
         return StepResult(
             step=step, loss=loss, grad_norm=float(grad_norm), lr=lr, step_time_s=finished - started,
-            pause=decision == COMMIT_AND_PAUSE,
+            pause=decision in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT),
+            checkpoint_before_pause=decision == COMMIT_PAUSE_CHECKPOINT,
             phases={"compute_s": computed - started, "sync_s": voted - computed, "optimizer_s": finished - voted},
         )
 
@@ -241,6 +244,32 @@ class Trainer:
             if target.shape != source.shape:
                 raise ValueError(f"{name}: kept slice {tuple(source.shape)} does not fit {tuple(target.shape)}")
             target.copy_(source)
+
+    @torch.no_grad()
+    def sync_from_first_replica(self) -> None:
+        """Collective over the replica dimension: copy replica group 0's state to every other.
+
+        How a grown or refilled replica gets its shards: peer to peer from the matching rank
+        of a healthy replica, no storage round trip. One broadcast per dtype of a flattened
+        buffer, so the cost is a few large messages, not one per tensor.
+        """
+        if self.mesh.dp_replicate == 1:
+            return
+        self.ensure_optimizer_state()
+        group = self.world_mesh["dp_replicate"].get_group()
+        source = dist.get_global_rank(group, 0)
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, value in sorted(self.named_state().items()):
+            local = par.local_slice(value)
+            buckets.setdefault((local.device, local.dtype), []).append(local)
+        for tensors in buckets.values():
+            # Optimizer step counters live on the CPU even in GPU runs; NCCL sends device memory.
+            flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device)
+            dist.broadcast(flat, src=source, group=group)
+            offset = 0
+            for tensor in tensors:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
 
     def close(self) -> None:
         """Drop every object that holds a process group, so that destroying them frees their sockets."""

@@ -33,43 +33,86 @@ class FakeCalls:
         return self.results
 
 
+class FakeSlot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.node_id = None
+        self.batch_id = index
+        self.state = "active"
+
+
 class FakeGroup:
-    """Ranks that 'train' instantly; the test decides what each run call returns."""
+    """Ranks that 'train' instantly; ``script`` decides what each generation's run returns."""
 
     script: dict[str, Any] = {}
 
     def __init__(self, *, spec, data, per_rank, start_timeout_s) -> None:
         self.spec = spec
-        self.world = 0
+        self.active: list[FakeSlot] = []
         self.queued: dict[int, list[dict[str, Any]]] = {}
-        self.stopped = False
+        self.configured: list[dict[str, Any]] = []
+        self.aborted: list[tuple[int, int]] = []
+        self.killed: list[int] = []
         self.shut_down = False
+        self.generation_runs = 0
 
     def start(self, mesh) -> None:
-        self.world = mesh.world_size
+        self.active = [FakeSlot(i) for i in range(mesh.world_size)]
 
-    def configure(self, *, generation, mesh, start):
-        return FakeCalls({rank: 0 for rank in range(self.world)}, after=self.script.get("configure_delay", 0))
+    def start_replica_in_background(self, mesh) -> bool:
+        return False
+
+    def refresh(self):
+        return []
+
+    def warm(self):
+        return []
+
+    def starting(self):
+        return []
+
+    def kill(self, slots) -> None:
+        self.killed += [slot.index for slot in slots]
+
+    def remove(self, slots) -> None:
+        self.active = [slot for slot in self.active if slot not in slots]
+
+    def set_active(self, slots) -> None:
+        self.active = list(slots)
+
+    def abort_step(self, generation, step, survivors) -> None:
+        self.aborted.append((generation, step))
+
+    def request_pause(self, generation, *, checkpoint=False) -> None:
+        pass
+
+    def configure(self, *, generation, mesh, starts, sync_replicas, faults=()):
+        self.configured.append({"mesh": mesh, "starts": starts, "sync": sync_replicas,
+                                "slots": [slot.index for slot in self.active]})
+        step = self.script.get("resume_step", 0) if generation > 1 else 0
+        return FakeCalls({rank: step for rank in range(len(self.active))}, after=self.script.get("configure_delay", 0))
 
     def run(self, *, last_step):
-        steps = self.script.get("steps_done", last_step)
-        for rank in range(self.world):
+        self.generation_runs += 1
+        plan = self.script.get("runs", {}).get(self.generation_runs, {})
+        first = (self.script.get("resume_step", 0) if self.generation_runs > 1 else 0) + 1
+        steps = plan.get("steps_done", last_step)
+        for rank in range(len(self.active)):
             self.queued[rank] = [
                 {"kind": "step", "rank": rank, "step": s, "loss": 5.0 - s * 0.1 if rank == 0 else None,
-                 "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0}
-                for s in range(1, steps + 1)
+                 "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0, "time": 1000.0 + s}
+                for s in range(first, steps + 1)
             ]
-        outcomes = {rank: RunOutcome("finished", steps) for rank in range(self.world)}
-        outcomes.update(self.script.get("outcomes", {}))
+        outcomes = {rank: RunOutcome("finished", steps) for rank in range(len(self.active))}
+        outcomes.update(plan.get("outcomes", {}))
         return FakeCalls(outcomes)
 
     def poll(self, timeout):
-        beats = {rank: Heartbeat(rank=rank, phase="step", step=0, phase_age_s=0.0, reports=self.queued.pop(rank, []))
-                 for rank in range(self.world)}
-        return beats
+        return {rank: Heartbeat(rank=rank, phase="step", step=0, phase_age_s=0.0, reports=self.queued.pop(rank, []))
+                for rank in range(len(self.active))}
 
     def request_stop(self) -> None:
-        self.stopped = True
+        pass
 
     def shutdown(self, **_) -> None:
         self.shut_down = True
@@ -113,21 +156,48 @@ def test_configuration_waits_until_every_rank_answers(controller):
     assert isinstance(controller.state, Running)
 
 
-def test_rank_failure_is_reported_grouped_and_ends_the_run(controller, tmp_path):
-    FakeGroup.script = {"steps_done": 2, "outcomes": {1: RunOutcome("failed", 2, error="Traceback...\nValueError: boom")}}
+def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_path):
+    FakeGroup.script = {"runs": {1: {"steps_done": 2, "outcomes": {
+        0: RunOutcome("aborted", 2), 1: RunOutcome("failed", 2, error="Traceback...\nValueError: boom")}}}}
     final = controller.run()
     assert final.status == "failed" and final.exit_code == 1
     events = read_events(tmp_path / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["kind"] == "rank_error" and failure["ranks"] == [1]
     assert failure["message"] == "[Rank 1]: ValueError: boom"
+    assert "no complete replica group survived" in final.reason
 
 
 def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
-    FakeGroup.script = {"outcomes": {0: CallFailed("died", "The actor died unexpectedly")}}
+    FakeGroup.script = {"runs": {1: {"outcomes": {0: CallFailed("died", "The actor died unexpectedly"),
+                                                  1: RunOutcome("failed", 0, caused_by_peer=True)}}}}
     assert controller.run().status == "failed"
     failure = next(e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure")
     assert failure["kind"] == "rank_died"
+
+
+def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(Controller, "worker_group_class", FakeGroup)
+    FakeGroup.script = {"resume_step": 2, "runs": {1: {"steps_done": 2, "outcomes": {
+        0: RunOutcome("aborted", 2), 1: RunOutcome("aborted", 2),
+        2: CallFailed("died", "The actor died unexpectedly"), 3: RunOutcome("failed", 2, caused_by_peer=True)}}}}
+    config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1",
+                                       "parallelism.dp_replicate=2", "parallelism.dp_shard=2"])
+    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
+    final = controller.run()
+    assert final.status == "finished"
+    second = controller.group.configured[1]
+    assert second["mesh"].dp_replicate == 1 and second["mesh"].world_size == 2
+    assert second["slots"] == [0, 1]  # the surviving replica's processes, not restarted
+    assert [start.mode for start in second["starts"]] == ["kept", "kept"] and not second["sync"]
+    assert controller.group.aborted == [(1, 3)]
+    events = read_events(tmp_path / "events.jsonl")
+    failure = next(e for e in events if e["event"] == "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [2]
+    recovered = next(e for e in events if e["event"] == "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
 
 
 def test_identical_errors_print_once():

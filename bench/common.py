@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmarks: subprocess timing, JSON output, the results file.
+
+Every benchmark prints human-readable lines, then, as its last stdout line, one JSON object
+with our figure, the reference measured in the same run, and their ratio. The latest figures
+are also merged into bench/results/latest.json (read by `meshpilot simulate` for defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "latest.json"
+
+
+def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Run to completion; returns (launch wall-clock time, combined output). Raises on failure."""
+    launched = time.time()
+    process = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if process.returncode != 0:
+        sys.stderr.write(process.stdout[-4000:] + process.stderr[-4000:])
+        raise SystemExit(f"{argv[0]} failed with exit code {process.returncode}")
+    return launched, process.stdout + process.stderr
+
+
+def steady_step_time(completions: list[float], warmup: int) -> float:
+    """Median wall-clock gap between consecutive step completions after ``warmup`` steps."""
+    gaps = [b - a for a, b in zip(completions[warmup:], completions[warmup + 1:])]
+    return statistics.median(gaps)
+
+
+def emit(result: dict[str, Any], *, section: str) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    merged = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    merged[section] = {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    RESULTS.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result))

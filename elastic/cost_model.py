@@ -1,0 +1,410 @@
+"""What one layout costs per GPU: memory, pipeline bubble, communication, step time and MFU.
+
+Pure arithmetic (no ray, no torch): ``elastic.planner`` calls ``estimate`` for every candidate
+layout, on the driver or on a laptop, in microseconds.
+
+The model, and where each piece comes from:
+
+* Model state follows the ZeRO paper (Rajbhandari et al. 2020, section 3/5): mixed-precision
+  Adam keeps 2 bytes of bf16 parameters, 2 bytes of gradients and K = 12 bytes of optimizer
+  state (fp32 master copy, momentum, variance) per parameter. ZeRO-1 shards the K bytes over
+  the data-parallel group, ZeRO-2 also the gradients, ZeRO-3 also the parameters. FSDP2's full
+  shard is ZeRO-3 (its fp32 sharded parameter + fp32 gradient + Adam's two moments are the same
+  16 bytes); HSDP is ZeRO-3 inside ``dp_shard`` and a replica per ``dp_replicate`` slice.
+* FSDP2 working buffers: without pipelining it gathers about two layers at a time (prefetch);
+  with pipelining the parameters stay gathered across microbatches (torchtitan sets
+  ``reshard_after_forward=False`` with PP) and the pipeline stage skips gradient sync until the
+  last microbatch, so the stage's unsharded gradients accumulate in the fp32 reduce dtype.
+* Activations: bytes per token per layer of a Llama block in bf16 with flash attention (no
+  score matrix kept), derived in ``activation_bytes_per_token``; tensor parallel with sequence
+  parallel divides all of it by ``tp`` (Korthikanti et al. 2022). Full activation checkpointing
+  keeps only each layer's input (2·h bytes per token, sequence-sharded) and recomputes the
+  forward (+1/3 of the layer FLOPs). Microbatches held in flight per schedule follow
+  Narayanan et al. 2021 (1F1B warm-up, interleaved warm-up).
+* Bubble: ``(p - 1) / (v·m + p - 1)`` for ``p`` stages, ``m`` microbatches, ``v`` virtual
+  stages per rank (Narayanan et al. 2021: the bubble time shrinks by ``v``).
+* Communication: ring collectives move ``(n - 1)/n`` of the tensor per GPU; TP (with sequence
+  parallel) does 4 all-gathers/reduce-scatters of the layer activation per microbatch forward
+  and 4 backward (+4 when recomputing), on the critical path; PP sends one activation and one
+  gradient per chunk and microbatch; FSDP all-gathers bf16 parameters and reduce-scatters fp32
+  gradients, hidden behind compute except what exceeds the compute it can overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from elastic.hardware import GpuSpec
+from elastic.spec import MeshSpec
+from workers.spec import ModelSpec
+
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
+
+# ZeRO paper's mixed-precision Adam: bf16 params + bf16 grads + K=12 optimizer bytes.
+PARAM_BYTES = 2
+GRAD_BYTES = 2
+ADAM_BYTES = 12
+# FSDP2 reduces (and, with no-sync, accumulates) gradients in fp32.
+REDUCE_BYTES = 4
+ACTIVATION_BYTES = 2  # bf16
+# Logits kept for the loss: the bf16 logits and their fp32 upcast.
+LOGIT_BYTES = 2 + 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the model, the sequence length and the global batch in sequences."""
+
+    model: ModelSpec
+    seq_len: int
+    global_batch: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where it is trained: how many GPUs of which kind, and how many share a node (NVLink)."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu: GpuSpec
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The few efficiency figures the model cannot derive; all are flags of ``meshpilot plan``."""
+
+    # Fraction of peak bf16 FLOP/s that the large GEMMs and flash attention reach.
+    compute_efficiency: float = 0.7
+    # Fraction of the line rate that NCCL collectives reach (bus bandwidth / link bandwidth).
+    link_efficiency: float = 0.8
+    # Fraction of GPU memory kept back for the CUDA context, NCCL buffers and fragmentation.
+    memory_reserve: float = 0.1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: a mesh plus how the pipeline and activations are run."""
+
+    mesh: MeshSpec
+    schedule: str = "none"  # "none" when pp == 1
+    virtual_stages: int = 1
+    # Pipeline microbatches with pp > 1; gradient-accumulation microbatches without.
+    microbatches: int = 1
+    activation_checkpointing: bool = False
+
+    def describe(self) -> str:
+        schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
+        ac = "AC on" if self.activation_checkpointing else "AC off"
+        return f"{self.mesh.describe()}, {schedule}, {self.microbatches} microbatches, {ac}"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on the most loaded GPU, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations + self.logits
+
+    def as_dict(self) -> dict[str, float]:
+        names = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "logits", "total")
+        return {f"{name}_gb": round(getattr(self, name) / 1e9, 3) for name in names}
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One mesh dimension's traffic per GPU per step and the time it adds to the step."""
+
+    bytes_per_step: float
+    link: str  # "nvlink", "network" or "-" when the dimension has degree 1
+    busy_s: float
+    exposed_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"gb_per_step": round(self.bytes_per_step / 1e9, 3), "link": self.link,
+                "busy_s": round(self.busy_s, 4), "exposed_s": round(self.exposed_s, 4)}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Everything the planner ranks and prints about one layout."""
+
+    layout: Layout
+    microbatch_size: int
+    memory: MemoryEstimate
+    usable_memory: float
+    bubble: float
+    stage_imbalance: float
+    compute_s: float
+    comm: dict[str, CommCost] = field(default_factory=dict)
+    step_s: float = 0.0
+    mfu: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_memory
+
+
+# ---------------------------------------------------------------------------- pieces
+def zero_memory_per_gpu(
+    num_params: float,
+    *,
+    stage: int,
+    dp: int,
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    optimizer_bytes: float = ADAM_BYTES,
+) -> float:
+    """Model-state bytes per GPU under ZeRO stage 0 (replicate), 1, 2 or 3 over ``dp`` GPUs.
+
+    The ZeRO paper's arithmetic: (2 + 2 + K)·Ψ unsharded; stage 1 divides the K·Ψ optimizer
+    bytes by N_d, stage 2 also the gradients, stage 3 also the parameters.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp!r}")
+    params = param_bytes * num_params / (dp if stage >= 3 else 1)
+    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
+    optimizer = optimizer_bytes * num_params / (dp if stage >= 1 else 1)
+    return params + grads + optimizer
+
+
+def pipeline_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Fraction of the step a pipeline rank idles: (p - 1) / (v·m + p - 1)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def activation_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes one token leaves behind in one layer for the backward pass (bf16, flash attention).
+
+    Attention: RMSNorm input and output (2h), q (h), k and v (2·kv), the attention output that
+    also feeds wo (h). Feed-forward: RMSNorm input and output (2h), w1 and w3 outputs, silu(w1)
+    and the product feeding w2 (4·ffn). Each value is 2 bytes.
+    """
+    kv_dim = model.n_kv_heads * model.head_dim
+    elements = 2 * model.dim + model.dim + 2 * kv_dim + model.dim + 2 * model.dim + 4 * model.ffn_dim
+    return ACTIVATION_BYTES * elements
+
+
+def layer_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Forward + backward FLOPs of one decoder layer per token (6·params + attention scores)."""
+    return 6.0 * model.params_per_layer + 12.0 * model.n_heads * model.head_dim * seq_len
+
+
+def chunk_layers(n_layers: int, chunks: int) -> int:
+    """Layers in the largest pipeline chunk when ``n_layers`` are spread as evenly as possible."""
+    return math.ceil(n_layers / chunks)
+
+
+def _bottleneck_load(n_layers: int, chunks: int, output_layers: float) -> float:
+    """Work of the slowest chunk, in layers, when the last chunk also runs the output projection.
+
+    Layers are whole; the last chunk may take fewer of them to make room for the output (as
+    Llama 3 did with its first and last stages).
+    """
+    if chunks == 1:
+        return n_layers + output_layers
+    base = math.ceil(n_layers / chunks)
+    candidates = sorted({float(k) for k in range(base, base + 2)} | {k + output_layers for k in range(base - 1, base + 1)})
+    for load in candidates:
+        capacity = (chunks - 1) * math.floor(load) + max(0, math.floor(load - output_layers + 1e-9))
+        if capacity >= n_layers:
+            return load
+    return base + output_layers
+
+
+def in_flight_chunk_microbatches(layout: Layout, stage: int) -> int:
+    """Chunk-microbatches whose activations pipeline rank ``stage`` holds at its peak.
+
+    1F1B: rank i warms up with ``p - i - 1`` forwards, so it holds ``p - i`` microbatches.
+    Interleaved (Megatron): ``2·(p - i - 1) + (v - 1)·p + 1`` chunk-microbatches.
+    GPipe: every microbatch. Without a pipeline: one microbatch at a time.
+    """
+    pp, v, m = layout.mesh.pp, layout.virtual_stages, layout.microbatches
+    if pp == 1 or layout.schedule == "none":
+        return 1
+    if layout.schedule == "gpipe":
+        return m * v
+    if v == 1:
+        return min(m, pp - stage)
+    return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+
+
+# ---------------------------------------------------------------------------- estimate
+def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions = Assumptions()) -> Estimate:
+    """Memory, bubble, communication, step time and MFU of one layout.
+
+    The caller has checked that the layout divides the model and batch; this only prices it.
+    """
+    model, mesh = workload.model, layout.mesh
+    tp, pp, v, m = mesh.tp, mesh.pp, layout.virtual_stages, layout.microbatches
+    microbatch_size = workload.global_batch // (mesh.dp * m)
+    tokens = microbatch_size * workload.seq_len  # per microbatch, before tp splits it
+    chunks = pp * v
+    layers_per_chunk = chunk_layers(model.n_layers, chunks)
+    layers_on_rank = layers_per_chunk * v
+
+    memory, params_on_rank = _memory(workload, layout, layers_per_chunk, layers_on_rank, tokens)
+    usable = cluster.gpu.memory_bytes * (1.0 - assumptions.memory_reserve)
+
+    # ---- compute and tensor-parallel time per layer and microbatch, on one GPU
+    flops_rate = cluster.gpu.peak_flops * assumptions.compute_efficiency
+    recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
+    layer_flops = layer_flops_per_token(model, workload.seq_len)
+    output_flops = model.flops_per_token(workload.seq_len) - model.n_layers * layer_flops
+    layer_s = layer_flops * recompute * tokens / (tp * flops_rate)
+    output_s = output_flops * tokens / (tp * flops_rate)
+
+    tp_link, tp_bw = _link(mesh, "tp", cluster, assumptions)
+    collectives = 8 + (4 if layout.activation_checkpointing else 0)
+    tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * model.dim
+    tp_layer_s = tp_bytes_layer / tp_bw if tp > 1 else 0.0
+
+    pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
+    p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
+    p2p_s = p2p_bytes / pp_bw if pp > 1 else 0.0
+
+    output_layers = output_s / layer_s
+    load = _bottleneck_load(model.n_layers, chunks, output_layers)
+    imbalance = load * chunks / (model.n_layers + output_layers)
+    if pp == 1:
+        compute_s = m * (model.n_layers * (layer_s + tp_layer_s) + output_s)
+        rank_microbatch_s = compute_s / m
+    else:
+        chunk_s = load * (layer_s + tp_layer_s) + p2p_s
+        compute_s = (m * v + pp - 1) * chunk_s
+        rank_microbatch_s = v * chunk_s
+    bubble = pipeline_bubble(pp, m, v)
+
+    dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
+    comm = {
+        "tp": CommCost(tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0, tp_link, tp_layer_s * layers_on_rank * m,
+                       tp_layer_s * layers_on_rank * m),
+        "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
+        **dp_costs,
+    }
+    step_s = compute_s + sum(cost.exposed_s for cost in dp_costs.values())
+    model_flops = model.flops_per_token(workload.seq_len) * workload.tokens_per_step
+    return Estimate(
+        layout=layout,
+        microbatch_size=microbatch_size,
+        memory=memory,
+        usable_memory=usable,
+        bubble=bubble,
+        stage_imbalance=imbalance,
+        compute_s=compute_s,
+        comm=comm,
+        step_s=step_s,
+        mfu=model_flops / (cluster.gpus * cluster.gpu.peak_flops * step_s),
+        tokens_per_s_per_gpu=workload.tokens_per_step / (step_s * cluster.gpus),
+    )
+
+
+def _memory(workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int,
+            tokens: int) -> tuple[MemoryEstimate, float]:
+    """Peak memory over the first and the last pipeline rank (embedding vs output + logits)."""
+    model, mesh = workload.model, layout.mesh
+    tp, pp, shard = mesh.tp, mesh.pp, mesh.dp_shard
+    embedding = model.embedding_params
+    output = model.embedding_params + model.dim  # untied output projection and final norm
+    per_token_layer = activation_bytes_per_token(model) / tp
+    kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
+    stages = [(0, embedding + (output if pp == 1 else 0))]
+    if pp > 1:
+        stages.append((pp - 1, output))
+    worst: MemoryEstimate | None = None
+    worst_params = 0.0
+    for stage, extra in stages:
+        params = (layers_on_rank * model.params_per_layer + extra) / tp
+        if shard > 1 and pp > 1:
+            buffers = (PARAM_BYTES + REDUCE_BYTES) * params
+        elif shard > 1:
+            buffers = 2 * (PARAM_BYTES + REDUCE_BYTES) * model.params_per_layer / tp
+        else:
+            buffers = 0.0
+        held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
+        # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
+        activations = tokens * (held * kept_per_token_layer + per_token_layer)
+        logits = 0.0
+        if stage == pp - 1:
+            logit_microbatches = layout.microbatches if layout.schedule == "gpipe" else 1
+            logits = logit_microbatches * tokens * model.vocab_size * LOGIT_BYTES / tp
+        estimate_ = MemoryEstimate(
+            params=PARAM_BYTES * params / shard,
+            grads=GRAD_BYTES * params / shard,
+            optimizer=ADAM_BYTES * params / shard,
+            fsdp_buffers=buffers,
+            activations=activations,
+            logits=logits,
+        )
+        if worst is None or estimate_.total > worst.total:
+            worst = estimate_
+        worst_params = max(worst_params, params)
+    assert worst is not None
+    return worst, worst_params
+
+
+def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:
+    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction."""
+    degree = getattr(mesh, dim)
+    if degree == 1:
+        return "-", math.inf
+    within_node = mesh.stride(dim) * degree <= cluster.gpus_per_node
+    if within_node:
+        return "nvlink", cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency
+    return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
+
+
+def _data_parallel(mesh: MeshSpec, cluster: Cluster, assumptions: Assumptions, layout: Layout,
+                   params_on_rank: float, rank_microbatch_s: float, layers_on_rank: int) -> dict[str, CommCost]:
+    """FSDP/HSDP traffic and how much of it compute cannot hide.
+
+    Without a pipeline every microbatch all-gathers the parameters twice (forward, and again in
+    backward after resharding) and reduce-scatters the gradients, overlapped with that
+    microbatch's compute. With a pipeline the stage gathers once during the first microbatch's
+    forward and reduces once during the last one's backward. The first gather and last reduce
+    of a layer cannot overlap anything (the ``tail``).
+    """
+    shard, replicas, m = mesh.dp_shard, mesh.dp_replicate, layout.microbatches
+    shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
+    repl_link, repl_bw = _link(mesh, "dp_replicate", cluster, assumptions)
+    gather_bytes = (shard - 1) / shard * PARAM_BYTES * params_on_rank
+    reduce_bytes = (shard - 1) / shard * REDUCE_BYTES * params_on_rank
+    allreduce_bytes = 2 * (replicas - 1) / replicas * REDUCE_BYTES * params_on_rank / shard
+    gather_s = gather_bytes / shard_bw if shard > 1 else 0.0
+    reduce_s = reduce_bytes / shard_bw if shard > 1 else 0.0
+    allreduce_s = allreduce_bytes / repl_bw if replicas > 1 else 0.0
+    forward_share = 0.25 if layout.activation_checkpointing else 1.0 / 3.0
+    forward_window = forward_share * rank_microbatch_s
+    backward_window = rank_microbatch_s - forward_window
+    regather_s = gather_s if mesh.pp == 1 else 0.0  # resharded after forward: gather again for backward
+    rounds = m if mesh.pp == 1 else 1
+    exposed = rounds * (max(0.0, gather_s - forward_window)
+                        + max(0.0, regather_s + reduce_s + allreduce_s - backward_window))
+    exposed += (gather_s + reduce_s + allreduce_s) / max(1, layers_on_rank)
+    shard_busy = rounds * (gather_s + regather_s + reduce_s)
+    shard_bytes = rounds * (gather_bytes * (2 if mesh.pp == 1 else 1) + reduce_bytes) if shard > 1 else 0.0
+    repl_busy = rounds * allreduce_s
+    busy = shard_busy + repl_busy
+    shard_share = shard_busy / busy if busy else 0.0
+    return {
+        "dp_shard": CommCost(shard_bytes, shard_link, shard_busy, exposed * shard_share),
+        "dp_replicate": CommCost(rounds * allreduce_bytes if replicas > 1 else 0.0, repl_link, repl_busy,
+                                 exposed * (1.0 - shard_share) if busy else 0.0),
+    }

@@ -1,0 +1,523 @@
+"""The parallelism planner: every valid mesh for a model on N GPUs, priced, ranked and explained.
+
+Pure (no ray, no torch): ``meshpilot plan`` runs it on a laptop for 16,384 GPUs in well under a
+second, and the elastic scaling policy calls ``best_mesh`` on the driver when capacity changes.
+
+Search, smallest first so whole families are rejected with one reason:
+
+1. ``tp`` over the divisors of N: it must divide the heads, KV heads, FFN width and sequence
+   (sequence parallel), and stay inside a node unless ``tp_across_nodes``.
+2. ``pp`` over the divisors of N / tp: at least one layer per stage (or equal layers per stage
+   with ``even_stages``).
+3. ``dp = N / (tp·pp)`` must split the global batch, and with a pipeline leave at least ``pp``
+   microbatches per data-parallel rank.
+4. every ``dp_replicate x dp_shard = dp`` split, every schedule (GPipe, 1F1B, interleaved 1F1B
+   with 2..16 virtual stages) and activation checkpointing on/off are priced by
+   ``elastic.cost_model.estimate``. Microbatches: with a pipeline, as many as the batch allows
+   (one sequence each: the smallest bubble and the least activation memory); without one, the
+   fewest gradient-accumulation steps that fit (each costs FSDP another gather).
+
+Rank order is ``MeshSpec``'s (``dp_replicate`` outermost, then ``pp``, ``dp_shard``, ``tp``), so TP
+is packed inside a node and PP and DP cross the network; the cost model reads which link each
+group uses from ``MeshSpec.stride``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
+from elastic.hardware import GpuSpec
+from elastic.spec import DIM_ORDER, MeshSpec
+from workers.spec import ModelSpec
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+MAX_VIRTUAL_STAGES = 16
+# best_mesh tries at most this many world sizes, largest first.
+MAX_WORLD_SIZES_TRIED = 64
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the search may not change or must respect (CLI flags; the elastic policy's limits)."""
+
+    # Degrees that are given, e.g. {"tp": 8, "pp": 16}; keys from DIM_ORDER.
+    fixed: Mapping[str, int] = field(default_factory=dict)
+    tp_across_nodes: bool = False
+    # True: every pipeline stage holds the same number of layers (n_layers % (pp·v) == 0).
+    even_stages: bool = False
+    min_replicas: int = 1
+    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    activation_checkpointing: tuple[bool, ...] = (False, True)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A family of layouts that cannot run, and why, in one line."""
+
+    layout: str
+    reason: str
+    kind: str  # "tp", "pp", "batch", "memory"
+    layouts: int = 1  # how many (dp_replicate, dp_shard, tp, pp) meshes this line covers
+    needs_gb: float | None = None
+
+    def line(self) -> str:
+        return f"{self.layout}: {self.reason}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"layout": self.layout, "reason": self.reason, "kind": self.kind, "layouts": self.layouts,
+                "needs_gb": None if self.needs_gb is None else round(self.needs_gb, 3)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A feasible layout with its estimate and the one-line reasons a user reads."""
+
+    estimate: Estimate
+    reasons: tuple[str, ...]
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self.estimate.layout.mesh
+
+    @property
+    def layout(self) -> Layout:
+        return self.estimate.layout
+
+
+@dataclass
+class PlanResult:
+    """Everything the search found: feasible plans best first, rejected families, counts."""
+
+    workload: Workload
+    cluster: Cluster
+    assumptions: Assumptions
+    plans: list[Plan]
+    rejections: list[Rejection]
+    meshes_considered: int
+    layouts_priced: int
+    elapsed_s: float
+
+    def top(self, k: int) -> list[Plan]:
+        """The best ``k`` plans with distinct (tp, pp): the dp split and schedule each at its best."""
+        seen: set[tuple[int, int]] = set()
+        chosen = []
+        for plan in self.plans:
+            key = (plan.mesh.tp, plan.mesh.pp)
+            if key in seen:
+                continue
+            seen.add(key)
+            chosen.append(plan)
+            if len(chosen) == k:
+                break
+        return chosen
+
+
+# ---------------------------------------------------------------------------- search
+def plan_layouts(
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    constraints: Constraints = Constraints(),
+    assumptions: Assumptions = Assumptions(),
+) -> PlanResult:
+    """Enumerate, price and rank every layout of ``workload`` on ``cluster``."""
+    started = time.perf_counter()
+    rejections: list[Rejection] = []
+    plans: list[Plan] = []
+    considered = priced = 0
+    gpus = cluster.gpus
+    for tp in _divisors(gpus):
+        if not _allowed(constraints, "tp", tp):
+            continue
+        family = _count_meshes(gpus // tp, constraints)
+        considered += family
+        problem = _tp_problem(workload, cluster, constraints, tp)
+        if problem:
+            rejections.append(Rejection(f"tp={tp}", problem, "tp", family))
+            continue
+        families: list[tuple[int, int, str, str, int]] = []  # (pp, dp, kind, reason, meshes)
+        for pp in _divisors(gpus // tp):
+            if not _allowed(constraints, "pp", pp):
+                continue
+            dp = gpus // (tp * pp)
+            splits = [s for s in _divisors(dp) if _split_allowed(constraints, dp, s)]
+            if not splits:
+                continue
+            name = f"tp={tp} pp={pp} dp={dp}"
+            problem, kind = _family_problem(workload, constraints, tp, pp, dp)
+            if problem:
+                families.append((pp, dp, kind, problem, len(splits)))
+                continue
+            best_failure: Estimate | None = None
+            for shard in splits:
+                mesh = MeshSpec(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
+                fitting, closest, count = _price_mesh(workload, cluster, constraints, assumptions, mesh)
+                priced += count
+                if fitting is not None:
+                    plans.append(Plan(fitting, _reasons(workload, cluster, constraints, assumptions, fitting)))
+                elif closest is not None and (best_failure is None or closest.memory.total < best_failure.memory.total):
+                    best_failure = closest
+            if best_failure is not None and not any(p.mesh.tp == tp and p.mesh.pp == pp for p in plans):
+                rejections.append(_memory_rejection(name, best_failure, len(splits)))
+        rejections.extend(_merge_families(tp, families))
+    plans.sort(key=lambda plan: (round(plan.estimate.step_s, 9), plan.estimate.memory.total))
+    rejections = _merge_tp(rejections)
+    return PlanResult(workload, cluster, assumptions, plans, rejections, considered, priced,
+                      time.perf_counter() - started)
+
+
+def _price_mesh(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
+                mesh: MeshSpec) -> tuple[Estimate | None, Estimate | None, int]:
+    """The fastest fitting variant of ``mesh`` (or None), the smallest non-fitting one, and how many were priced."""
+    best: Estimate | None = None
+    smallest: Estimate | None = None
+    priced = 0
+    settled: set[bool] = set()  # without a pipeline: checkpointing choices that already fit
+    for layout in _variants(workload, constraints, mesh):
+        if layout.activation_checkpointing in settled:
+            continue
+        result = estimate(workload, cluster, layout, assumptions)
+        priced += 1
+        if result.fits:
+            if best is None or (result.step_s, result.memory.total) < (best.step_s, best.memory.total):
+                best = result
+            if mesh.pp == 1:
+                # Gradient-accumulation steps are tried fewest first; more would only add gathers.
+                settled.add(layout.activation_checkpointing)
+        elif smallest is None or result.memory.total < smallest.memory.total:
+            smallest = result
+    return best, smallest, priced
+
+
+def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> Iterator[Layout]:
+    """Schedules x virtual stages x activation checkpointing x microbatches worth pricing."""
+    model = workload.model
+    per_rank = workload.global_batch // mesh.dp
+    for checkpointing in constraints.activation_checkpointing:
+        if mesh.pp == 1:
+            for microbatches in _divisors(per_rank):
+                yield Layout(mesh, "none", 1, microbatches, checkpointing)
+            continue
+        for schedule in constraints.schedules:
+            microbatches = _pipeline_microbatches(per_rank, mesh.pp, schedule)
+            if microbatches is None:
+                continue
+            stage_counts = range(2, MAX_VIRTUAL_STAGES + 1) if schedule == "interleaved_1f1b" else (1,)
+            for virtual in stage_counts:
+                problems = mesh.check_divides(
+                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
+                    ffn_dim=model.ffn_dim, global_batch=workload.global_batch, microbatches=microbatches,
+                    seq_len=workload.seq_len, stages_per_rank=virtual, even_stages=constraints.even_stages,
+                )
+                if problems:
+                    continue
+                yield Layout(mesh, schedule, virtual, microbatches, checkpointing)
+
+
+def _pipeline_microbatches(per_rank: int, pp: int, schedule: str) -> int | None:
+    """The most microbatches the rank's batch splits into (>= pp; a multiple of pp when interleaved)."""
+    for microbatches in sorted(_divisors(per_rank), reverse=True):
+        if microbatches < pp:
+            return None
+        if schedule != "interleaved_1f1b" or microbatches % pp == 0:
+            return microbatches
+    return None
+
+
+def check_layout(
+    workload: Workload,
+    cluster: Cluster,
+    layout: Layout,
+    *,
+    constraints: Constraints = Constraints(),
+    assumptions: Assumptions = Assumptions(),
+) -> tuple[Estimate | None, list[str]]:
+    """Price one given layout (a config's, a published one) and list why it cannot run, if it cannot.
+
+    Returns (estimate, problems): the estimate is None when the layout does not even divide the
+    model and batch; problems is empty when it runs and fits.
+    """
+    mesh, model = layout.mesh, workload.model
+    problems: list[str] = []
+    if mesh.world_size != cluster.gpus:
+        problems.append(f"{mesh.describe()} has {mesh.world_size} ranks, not the {cluster.gpus} GPUs planned for")
+    tp_problem = _tp_problem(workload, cluster, constraints, mesh.tp)
+    if tp_problem:
+        problems.append(f"tp={mesh.tp}: {tp_problem}")
+    if mesh.pp == 1 and layout.schedule != "none":
+        problems.append(f"schedule {layout.schedule!r} needs pp > 1")
+    if mesh.pp > 1:
+        if layout.schedule not in PIPELINE_SCHEDULES:
+            problems.append(f"pp={mesh.pp} needs a schedule from {', '.join(PIPELINE_SCHEDULES)}")
+        if layout.microbatches < mesh.pp:
+            problems.append(f"microbatches={layout.microbatches} must be >= pp={mesh.pp} so every stage has work")
+        if layout.schedule == "interleaved_1f1b" and layout.microbatches % mesh.pp:
+            problems.append(f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} "
+                            "for interleaved_1f1b")
+    if (layout.schedule == "interleaved_1f1b") != (layout.virtual_stages > 1):
+        problems.append(f"virtual_stages={layout.virtual_stages} goes with interleaved_1f1b only (and it needs >= 2)")
+    problems.extend(mesh.check_divides(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
+        global_batch=workload.global_batch, microbatches=layout.microbatches, seq_len=workload.seq_len,
+        stages_per_rank=layout.virtual_stages, even_stages=constraints.even_stages,
+    ))
+    if problems:
+        return None, problems
+    result = estimate(workload, cluster, layout, assumptions)
+    if not result.fits:
+        problems.append(_memory_rejection(layout.describe(), result, 1).reason)
+    return result, problems
+
+
+# ---------------------------------------------------------------------------- rules
+def _tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, tp: int) -> str | None:
+    model = workload.model
+    problems = MeshSpec(tp=tp).check_divides(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
+        global_batch=1, microbatches=1, seq_len=workload.seq_len,
+    )
+    if problems:
+        return "; ".join(problems)
+    if tp > cluster.gpus_per_node and not constraints.tp_across_nodes:
+        nodes = -(-tp // cluster.gpus_per_node)
+        return (f"spans {nodes} nodes of {cluster.gpus_per_node} GPUs; tensor parallel stays inside a node "
+                "(NVLink) unless --tp-across-nodes")
+    return None
+
+
+def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: int, dp: int) -> tuple[str | None, str]:
+    model = workload.model
+    mesh = MeshSpec(dp_shard=dp, tp=tp, pp=pp)
+    stage_problems = mesh.check_divides(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
+        global_batch=dp, microbatches=1, seq_len=workload.seq_len, even_stages=constraints.even_stages,
+    )
+    if stage_problems:
+        if constraints.even_stages:
+            return (f"pp (x virtual stages) must divide model.n_layers={model.n_layers} "
+                    "(--even-stages)"), "pp"
+        return f"more pipeline stages than model.n_layers={model.n_layers}", "pp"
+    if workload.global_batch % dp:
+        return (f"dp must divide the global batch of {workload.global_batch} sequences "
+                "(every data-parallel rank takes an equal share)"), "batch"
+    per_rank = workload.global_batch // dp
+    if pp > 1 and per_rank < pp:
+        return ("fewer sequences per data-parallel rank than pipeline stages, so some stage idles; "
+                "raise --global-batch or give dp fewer GPUs"), "batch"
+    return None, ""
+
+
+def _memory_rejection(name: str, closest: Estimate, splits: int) -> Rejection:
+    memory, layout = closest.memory, closest.layout
+    state = memory.params + memory.grads + memory.optimizer
+    detail = (f"params+grads+optimizer {format_gb(state)}, FSDP buffers {format_gb(memory.fsdp_buffers)}, "
+              f"activations {format_gb(memory.activations)}, logits {format_gb(memory.logits)}")
+    ac = " with activation checkpointing" if layout.activation_checkpointing else ""
+    across = f" (best of {splits} dp splits: {layout.mesh.describe()})" if splits > 1 else ""
+    return Rejection(
+        name,
+        f"needs {format_gb(memory.total)} GB per GPU{ac} > {format_gb(closest.usable_memory)} GB usable "
+        f"({detail}){across}",
+        "memory", splits, needs_gb=memory.total / 1e9,
+    )
+
+
+def _reasons(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
+             chosen: Estimate) -> tuple[str, ...]:
+    layout, memory = chosen.layout, chosen.memory
+    reasons = [f"fits {format_gb(memory.total)} of {format_gb(chosen.usable_memory)} GB usable "
+               f"(state {format_gb(memory.params + memory.grads + memory.optimizer)}, "
+               f"FSDP buffers {format_gb(memory.fsdp_buffers)}, activations {format_gb(memory.activations)}, "
+               f"logits {format_gb(memory.logits)})"]
+    if layout.mesh.pp > 1:
+        schedule = layout.schedule if layout.virtual_stages == 1 else f"{layout.schedule} v={layout.virtual_stages}"
+        reasons.append(f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
+                       f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})")
+    for dim in ("tp", "pp", "dp_shard", "dp_replicate"):
+        cost = chosen.comm[dim]
+        if cost.bytes_per_step > 0:
+            reasons.append(f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
+                           f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed")
+    chunks = layout.mesh.pp * layout.virtual_stages
+    if workload.model.n_layers % chunks:
+        low, high = workload.model.n_layers // chunks, -(-workload.model.n_layers // chunks)
+        reasons.append(f"uneven pipeline split: {workload.model.n_layers} layers in {chunks} chunks of {low}-{high} "
+                       "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)")
+    if layout.activation_checkpointing and False in constraints.activation_checkpointing:
+        without = estimate(workload, cluster, Layout(layout.mesh, layout.schedule, layout.virtual_stages,
+                                                     layout.microbatches, False), assumptions)
+        if not without.fits:
+            reasons.append(f"activation checkpointing needed (off: {format_gb(without.memory.total)} GB)")
+    return tuple(reasons)
+
+
+def _merge_families(tp: int, families: list[tuple[int, int, str, str, int]]) -> list[Rejection]:
+    """One line per run of consecutive pp values rejected for the same reason."""
+    merged: list[Rejection] = []
+    run: list[tuple[int, int, str, str, int]] = []
+    for family in families + [(0, 0, "", "", 0)]:
+        if run and (family[2], family[3]) != (run[0][2], run[0][3]):
+            pps = [f[0] for f in run]
+            dps = [f[1] for f in run]
+            if len(run) == 1:
+                name = f"tp={tp} pp={pps[0]} dp={dps[0]}"
+            else:
+                name = f"tp={tp} pp={_span(pps)} (dp={_span(dps)})"
+            merged.append(Rejection(name, run[0][3], run[0][2], sum(f[4] for f in run)))
+            run = []
+        run.append(family)
+    return merged
+
+
+def _merge_tp(rejections: list[Rejection]) -> list[Rejection]:
+    """Consecutive tp degrees rejected for the same kind of reason become one line."""
+    merged: list[Rejection] = []
+    for rejection in rejections:
+        previous = merged[-1] if merged else None
+        if (previous is not None and rejection.kind == "tp" == previous.kind
+                and _reason_shape(rejection.reason) == _reason_shape(previous.reason)):
+            first = previous.layout.split("..")[0]
+            last = rejection.layout.removeprefix("tp=")
+            merged[-1] = Rejection(f"{first}..{last}", previous.reason + _LIKEWISE if not previous.reason.endswith(
+                _LIKEWISE) else previous.reason, "tp", previous.layouts + rejection.layouts)
+        else:
+            merged.append(rejection)
+    return merged
+
+
+_LIKEWISE = " (and likewise for the larger tp)"
+
+
+def _reason_shape(reason: str) -> str:
+    """A reason with its numbers taken out, so tp=16 and tp=32 failing alike compare equal."""
+    return re.sub(r"\d+", "#", reason.removesuffix(_LIKEWISE))
+
+
+def _span(values: list[int]) -> str:
+    if len(values) <= 3:
+        return ",".join(str(v) for v in values)
+    return f"{values[0]}..{values[-1]}"
+
+
+# ---------------------------------------------------------------------------- helpers
+def format_gb(num_bytes: float) -> str:
+    """Gigabytes with three significant digits, so 0.0123 and 361 both read well."""
+    value = num_bytes / 1e9
+    return f"{value:.1f}" if 10 <= value < 1000 else f"{value:.3g}"
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def _allowed(constraints: Constraints, dim: str, degree: int) -> bool:
+    fixed = constraints.fixed.get(dim)
+    return fixed is None or fixed == degree
+
+
+def _split_allowed(constraints: Constraints, dp: int, shard: int) -> bool:
+    replicas = dp // shard
+    return (_allowed(constraints, "dp_shard", shard) and _allowed(constraints, "dp_replicate", replicas)
+            and replicas >= constraints.min_replicas)
+
+
+def _count_meshes(remaining: int, constraints: Constraints) -> int:
+    """(pp, dp_shard, dp_replicate) choices multiplying to ``remaining`` that the constraints allow."""
+    count = 0
+    for pp in _divisors(remaining):
+        if not _allowed(constraints, "pp", pp):
+            continue
+        dp = remaining // pp
+        count += sum(1 for shard in _divisors(dp) if _split_allowed(constraints, dp, shard))
+    return count
+
+
+# ---------------------------------------------------------------------------- elastic entry point
+def best_plan(
+    model: ModelSpec,
+    *,
+    available_ranks: int,
+    gpus_per_node: int,
+    hardware: GpuSpec,
+    global_batch: int,
+    seq_len: int,
+    fixed: Mapping[str, int] | None = None,
+    min_replicas: int = 1,
+    even_stages: bool = True,
+    assumptions: Assumptions = Assumptions(),
+) -> Estimate | None:
+    """The fastest feasible layout using as many of ``available_ranks`` as possible; see ``best_mesh``."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(DIM_ORDER))
+    if unknown:
+        raise ValueError(f"fixed degrees {unknown} are not mesh dimensions; use {', '.join(DIM_ORDER)}")
+    unit = 1
+    for degree in fixed.values():
+        unit *= degree
+    if not fixed and available_ranks >= gpus_per_node:
+        unit = gpus_per_node  # nothing pinned: whole nodes
+    constraints = Constraints(fixed=fixed, min_replicas=min_replicas, even_stages=even_stages)
+    workload = Workload(model, seq_len, global_batch)
+    tried = 0
+    for world_size in range(available_ranks - available_ranks % unit, 0, -unit):
+        if tried == MAX_WORLD_SIZES_TRIED:
+            break
+        tried += 1
+        cluster = Cluster(world_size, min(gpus_per_node, world_size), hardware)
+        result = plan_layouts(workload, cluster, constraints=constraints, assumptions=assumptions)
+        if result.plans:
+            return result.plans[0].estimate
+    return None
+
+
+def best_mesh(
+    model: ModelSpec,
+    *,
+    available_ranks: int,
+    gpus_per_node: int,
+    hardware: GpuSpec,
+    global_batch: int,
+    seq_len: int,
+    fixed: Mapping[str, int] | None = None,
+    min_replicas: int = 1,
+    even_stages: bool = True,
+    assumptions: Assumptions = Assumptions(),
+) -> MeshSpec | None:
+    """The mesh the elastic scaling policy should run on ``available_ranks`` ranks, or None.
+
+    Runs on the driver (pure: no Ray, no torch); the policy calls it when capacity changes.
+
+    * ``available_ranks``: ranks (GPUs) the job may use now. The result may use fewer: world
+      sizes are tried from ``available_ranks`` downwards in steps of the product of the fixed
+      degrees (of ``gpus_per_node`` when nothing is fixed), at most 64 sizes, and the first
+      size with any feasible layout wins with its fastest layout, because more ranks train
+      faster whenever a layout fits.
+    * ``fixed``: degrees that may not change, e.g. ``{"tp": 2, "pp": 2, "dp_shard": 2}`` for
+      an in-place shrink or grow, where only ``dp_replicate`` (whole replica groups) changes
+      and the surviving shards stay where they are. Keys are ``MeshSpec`` field names.
+    * ``global_batch`` (sequences) and ``seq_len`` stay as configured: the mesh must split the
+      global batch evenly (``MeshSpec.check_divides``), so a shrink keeps the same batch.
+    * ``min_replicas``: fewest ``dp_replicate`` groups acceptable (the config's
+      ``elastic.min_replicas``).
+    * ``even_stages``: True (the default) keeps to meshes whose pipeline stages hold equal
+      numbers of layers, which is what meshpilot's trainer builds (``workers.parallelize``).
+
+    Returns None when no world size up to ``available_ranks`` has a layout that divides the
+    model and batch and fits in ``hardware``'s memory; the policy then fails or waits.
+    """
+    chosen = best_plan(model, available_ranks=available_ranks, gpus_per_node=gpus_per_node, hardware=hardware,
+                       global_batch=global_batch, seq_len=seq_len, fixed=fixed, min_replicas=min_replicas,
+                       even_stages=even_stages, assumptions=assumptions)
+    return chosen.layout.mesh if chosen is not None else None

@@ -1,0 +1,169 @@
+"""What to do when ranks are lost or capacity comes back: plain values in, a decision out.
+
+Pure (no ray, no torch). The driver's detector describes the job in a ``GroupStatus``; the
+failure policy and the scaling policy each return one decision value; the controller carries
+it out. Replica groups (``dp_replicate`` slices) are the unit: a replica group with any lost
+or draining rank leaves the mesh whole, its healthy ranks become warm actors, and warm actors
+are what refills or grows the mesh (taking their state from a surviving replica, peer to
+peer). Only when no complete replica survives does the job restore from stored state.
+
+Decisions:
+    Continue()                              nothing to do
+    Shrink(new_mesh, drop, refill)          go on without replica groups ``drop``; ``refill``
+                                            of them are rebuilt at once from warm actors
+    Grow(new_mesh, add)                     add ``add`` replica groups built from warm actors
+    RestoreFromCheckpoint(step, new_mesh)   no replica survived: reload stored state
+    Fail(reason)                            give up, saying why
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from elastic.spec import MeshSpec
+
+
+@dataclass(frozen=True)
+class Continue:
+    pass
+
+
+@dataclass(frozen=True)
+class Shrink:
+    new_mesh: MeshSpec
+    drop: tuple[int, ...]
+    refill: int = 0
+
+
+@dataclass(frozen=True)
+class Grow:
+    new_mesh: MeshSpec
+    add: int
+
+
+@dataclass(frozen=True)
+class RestoreFromCheckpoint:
+    step: int | None  # None: the latest committed checkpoint
+    new_mesh: MeshSpec
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Continue | Shrink | Grow | RestoreFromCheckpoint | Fail
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """The job as the detector sees it at one moment (driver side)."""
+
+    mesh: MeshSpec
+    # Ranks whose process or state is gone: dead, raised, hung, unresponsive.
+    lost_ranks: frozenset[int] = frozenset()
+    # Ranks that are healthy but must leave (their node is being drained or preempted).
+    draining_ranks: frozenset[int] = frozenset()
+    # Healthy, idle actors that can take a rank now (spares, survivors of broken replicas).
+    warm_actors: int = 0
+    # Newest committed checkpoint step, if checkpoints are on and one exists.
+    checkpoint_step: int | None = None
+    # When the detector made this status (seconds, any monotonic clock).
+    time: float = 0.0
+
+    def hit_replicas(self) -> tuple[int, ...]:
+        touched = self.lost_ranks | self.draining_ranks
+        return tuple(sorted({self.mesh.replica_of(rank) for rank in touched}))
+
+
+# A predicate: can the job run on this mesh (batch split, resources, ...)?
+MeshFits = Callable[[MeshSpec], bool]
+
+
+@dataclass
+class FailurePolicy:
+    """Recover in place when a replica survives, else restore, within a failure budget."""
+
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    max_failures: int = 5
+    window_s: float = 3600.0
+    failure_times: list[float] = field(default_factory=list)
+
+    def decide(self, status: GroupStatus, *, fits: MeshFits, restore_mesh: Callable[[], MeshSpec | None]) -> Decision:
+        """A decision for ranks lost or draining. ``restore_mesh`` picks a mesh for a restore."""
+        hit = status.hit_replicas()
+        if not hit:
+            return Continue()
+        if status.lost_ranks:
+            self.failure_times.append(status.time)
+            recent = [t for t in self.failure_times if status.time - t <= self.window_s]
+            self.failure_times = recent
+            if len(recent) > self.max_failures:
+                return Fail(f"{len(recent)} failures within {self.window_s:g} s exceed the failure budget "
+                            f"(elastic.max_failures={self.max_failures}, elastic.failure_window_s={self.window_s:g})")
+        mesh = status.mesh
+        survivors = mesh.dp_replicate - len(hit)
+        if survivors >= 1:
+            refill = min(len(hit), status.warm_actors // mesh.replica_size)
+            if self.max_replicas is not None:
+                refill = min(refill, max(0, self.max_replicas - survivors))
+            while refill >= 0:
+                candidate = mesh.with_replicas(survivors + refill)
+                if fits(candidate):
+                    break
+                refill -= 1
+            else:
+                candidate = None
+            if candidate is not None and candidate.dp_replicate >= self.min_replicas:
+                return Shrink(candidate, drop=hit, refill=refill)
+            smallest = _fewest_replicas_that_fit(mesh, survivors, fits)
+            if smallest is not None and smallest.dp_replicate >= self.min_replicas:
+                return Shrink(smallest, drop=hit + _extra_drops(mesh, hit, survivors - smallest.dp_replicate), refill=0)
+        if status.checkpoint_step is None:
+            return Fail(f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit) and there is "
+                        "no committed checkpoint to restore; set checkpoint.uri, or raise parallelism.dp_replicate")
+        target = restore_mesh()
+        if target is None:
+            return Fail("no complete replica group survived and the remaining resources cannot hold any mesh "
+                        "for this model and batch")
+        return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
+
+
+@dataclass
+class ScalingPolicy:
+    """Grow back, at a step boundary, when warm actors can form whole replica groups."""
+
+    target_replicas: int
+    max_replicas: int | None = None
+
+    def decide(self, mesh: MeshSpec, *, warm_actors: int, fits: MeshFits) -> Decision:
+        ceiling = self.target_replicas if self.max_replicas is None else self.max_replicas
+        room = ceiling - mesh.dp_replicate
+        add = min(room, warm_actors // mesh.replica_size)
+        while add > 0:
+            candidate = mesh.with_replicas(mesh.dp_replicate + add)
+            if fits(candidate):
+                return Grow(candidate, add=add)
+            add -= 1
+        return Continue()
+
+    def wanted_replicas(self, mesh: MeshSpec) -> int:
+        """Replica groups the job would add if it had the actors."""
+        ceiling = self.target_replicas if self.max_replicas is None else self.max_replicas
+        return max(0, ceiling - mesh.dp_replicate)
+
+
+def _fewest_replicas_that_fit(mesh: MeshSpec, survivors: int, fits: MeshFits) -> MeshSpec | None:
+    for count in range(survivors, 0, -1):
+        candidate = mesh.with_replicas(count)
+        if fits(candidate):
+            return candidate
+    return None
+
+
+def _extra_drops(mesh: MeshSpec, hit: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """Healthy replica groups to leave out as well (highest index first) when the batch needs it."""
+    healthy = [index for index in range(mesh.dp_replicate) if index not in hit]
+    return tuple(sorted(healthy[len(healthy) - count:])) if count > 0 else ()

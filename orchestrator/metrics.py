@@ -1,0 +1,527 @@
+"""Prometheus metrics of a run: every name declared here, every value driven by events.
+
+Runs on the driver, and only there: ranks report through the controller, the controller
+emits events (``orchestrator/events.py``), and ``MetricsExporter`` is one more subscriber of
+the ``EventLog``. So one job is one scrape target, and the metrics, ``events.jsonl`` and the
+terminal can never disagree. Usage (in the controller)::
+
+    metrics = build_metrics(config)                  # NullMetrics when metrics.enabled is false
+    event_log.subscribe(metrics)
+    url = metrics.start_server(config.metrics.host, config.metrics.port)   # port 0: a free one
+    ...
+    metrics.close()                                  # after the "done" event
+
+Gauges that depend on "now" (goodput, checkpoint age, heartbeat age) are computed when
+Prometheus scrapes, so they keep moving while the job is stuck.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_wsgi_server
+
+from orchestrator.errors import UserError
+from workers.spec import ModelSpec
+
+log = logging.getLogger("meshpilot.metrics")
+
+PREFIX = "meshpilot_"
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "pp")
+
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_STALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TRANSFER_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+# Dense bf16 peak per device, TFLOP/s, matched as a substring of the device name, first match wins.
+DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+    ("L4", 121.0),
+    ("MI300X", 1307.0),
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One Prometheus metric: its family name (without ``_total``), kind, help text and labels."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    def sample_names(self) -> frozenset[str]:
+        """Names as they appear in the exposition and in PromQL."""
+        if self.kind == "counter":
+            return frozenset({f"{self.name}_total", f"{self.name}_created"})
+        if self.kind == "histogram":
+            return frozenset(f"{self.name}{suffix}" for suffix in ("_bucket", "_sum", "_count", "_created"))
+        return frozenset({self.name})
+
+    def create(self, registry: CollectorRegistry) -> Any:
+        if self.kind == "counter":
+            return Counter(self.name, self.help, self.labels, registry=registry)
+        if self.kind == "gauge":
+            return Gauge(self.name, self.help, self.labels, registry=registry)
+        return Histogram(self.name, self.help, self.labels, registry=registry, buckets=self.buckets)
+
+
+def _counter(name: str, text: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "counter", text, labels)
+
+
+def _gauge(name: str, text: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "gauge", text, labels)
+
+
+def _histogram(name: str, text: str, buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "histogram", text, (), buckets)
+
+
+# The one list of what meshpilot exports; dashboards and alert rules are tested against it.
+METRICS: dict[str, MetricSpec] = {
+    # run
+    "run_info": _gauge("run_info", "Always 1; labels name the run.", ("name", "config_hash")),
+    "running": _gauge("running", "1 while the run trains, 0 once it is done."),
+    "run_start_time": _gauge("run_start_timestamp_seconds", "Unix time the run started."),
+    "target_steps": _gauge("target_steps", "Optimizer steps the run is configured to reach."),
+    # progress
+    "step": _gauge("step", "Last completed optimizer step (goes back after a restore)."),
+    "steps": _counter("steps", "Optimizer steps completed by this driver, redone steps included."),
+    "last_step_time": _gauge("last_step_timestamp_seconds",
+                             "Unix time of the last completed step (the run start before the first)."),
+    "loss": _gauge("loss", "Training loss of the last step."),
+    "learning_rate": _gauge("learning_rate", "Learning rate of the last step."),
+    "grad_norm": _gauge("grad_norm", "Gradient norm of the last step, before clipping."),
+    "tokens": _counter("tokens", "Tokens trained on."),
+    "tokens_per_second": _gauge("tokens_per_second", "Throughput of the last step, whole job."),
+    "step_time": _histogram("step_time_seconds", "Wall time of one optimizer step.", _STEP_BUCKETS),
+    "rank_step_time": _gauge("rank_step_time_seconds", "Last step's time as seen by each rank.", ("rank",)),
+    "straggler_ratio": _gauge("straggler_ratio",
+                              "Slowest rank's step time over the median rank's, last step (1 = even)."),
+    "slowest_rank": _gauge("slowest_rank", "Rank with the longest step time, last step."),
+    "mfu": _gauge("mfu_ratio", "Model FLOPs utilisation estimate, 0..1 (NaN when the device peak is unknown)."),
+    "effective_seconds": _gauge("effective_training_seconds",
+                                "Wall time spent in completed steps; steps lost to a restore are taken back out."),
+    "goodput": _gauge("goodput_ratio", "Effective training time: time in completed steps / wall time since start."),
+    # mesh
+    "world_size": _gauge("world_size", "Ranks training now."),
+    "world_size_min": _gauge("world_size_min", "Smallest world size the job may shrink to (elastic.min_replicas)."),
+    "world_size_target": _gauge("world_size_target", "World size the job was configured with."),
+    "mesh_degree": _gauge("mesh_degree", "Degree of each parallel dimension of the current mesh.", ("dim",)),
+    # checkpoints
+    "checkpoint_enabled": _gauge("checkpoint_enabled", "1 when the job writes checkpoints."),
+    "checkpoint_interval": _gauge("checkpoint_interval_steps", "Steps between checkpoints."),
+    "checkpoint_stall": _histogram("checkpoint_stall_seconds",
+                                   "Time the training loop stood still to stage a checkpoint.", _STALL_BUCKETS),
+    "checkpoint_upload": _histogram("checkpoint_upload_seconds",
+                                    "Time from staging to commit of a checkpoint (in the background).",
+                                    _TRANSFER_BUCKETS),
+    "checkpoint_bytes": _counter("checkpoint_bytes", "Bytes of committed checkpoints."),
+    "checkpoint_last_bytes": _gauge("checkpoint_last_bytes", "Size of the last committed checkpoint."),
+    "checkpoints": _counter("checkpoints_committed", "Checkpoints committed."),
+    "checkpoint_failures": _counter("checkpoint_failures", "Checkpoints given up after retries."),
+    "checkpoint_last_step": _gauge("checkpoint_last_committed_step", "Step of the last committed checkpoint."),
+    "checkpoint_last_time": _gauge("checkpoint_last_committed_timestamp_seconds",
+                                   "Unix time of the last commit."),
+    "checkpoint_age": _gauge("checkpoint_age_seconds",
+                             "Seconds since the last commit (since the start before the first)."),
+    # failures and elasticity
+    "failures": _counter("failures", "Failures detected, by kind.", ("kind",)),
+    # Unlabelled, so it exists from the start and changes() sees even the first failure.
+    "last_failure_time": _gauge("last_failure_timestamp_seconds", "Unix time of the last failure (0 before any)."),
+    "recoveries": _counter("recoveries", "Recoveries completed."),
+    "recovery_time": _histogram("recovery_seconds", "Failure to training again (MTTR).", _RECOVERY_BUCKETS),
+    "lost_steps": _counter("lost_steps", "Completed steps lost and redone because of failures."),
+    "restores": _counter("restores", "Restores from a checkpoint."),
+    "restore_time": _histogram("restore_seconds", "Time to load a checkpoint into the mesh.", _TRANSFER_BUCKETS),
+    "drains": _counter("drains", "Nodes drained ahead of a spot reclaim or shutdown."),
+    "grows": _counter("grows", "Times the mesh grew back."),
+    "heartbeat_age": _gauge("heartbeat_age_seconds", "Oldest heartbeat among the ranks, seconds."),
+    "log_messages": _counter("log_messages", "Log messages reported by ranks, by level.", ("level",)),
+}
+
+
+def exported_names() -> frozenset[str]:
+    """Every sample name meshpilot exports (``_total``, ``_bucket`` ... included)."""
+    return frozenset().union(*(spec.sample_names() for spec in METRICS.values()))
+
+
+def exported_labels() -> frozenset[str]:
+    """Every label name meshpilot puts on its samples, plus what Prometheus adds."""
+    labels = {"job", "instance", "le"}
+    for spec in METRICS.values():
+        labels.update(spec.labels)
+    return frozenset(labels)
+
+
+def peak_flops(configured_tflops: float | None, device_name: str | None = None) -> float | None:
+    """Peak FLOP/s of one device: the configured value, else a known device's, else None."""
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    for needle, tflops in DEVICE_PEAK_TFLOPS:
+        if device_name and needle.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def _mesh_dict(mesh: Any) -> dict[str, int] | None:
+    """A mesh as {dim: degree}: subscribers see MeshSpec objects, the file holds dicts."""
+    if mesh is None:
+        return None
+    if hasattr(mesh, "as_dict"):
+        return mesh.as_dict()
+    if isinstance(mesh, dict):
+        return {dim: int(mesh[dim]) for dim in MESH_DIMS if dim in mesh}
+    return None
+
+
+class MetricsExporter:
+    """Turns events into Prometheus metrics; an ``EventLog`` subscriber on the driver.
+
+    Construct it with what the estimates need (``from_config`` does it from a JobConfig).
+    ``on_event`` is called from the controller's thread, the scrape from the HTTP server's:
+    prometheus-client's metrics are thread-safe, the few plain floats here are written whole.
+    """
+
+    def __init__(self, *, model: ModelSpec | None = None, seq_len: int = 0, world_size: int = 0,
+                 min_world_size: int = 0, device_peak_flops: float | None = None,
+                 checkpoint_interval_steps: int | None = None, run_name: str = "",
+                 targets_dir: str | Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.m = SimpleNamespace(**{key: spec.create(self.registry) for key, spec in METRICS.items()})
+        self._flops_per_token = model.flops_per_token(seq_len) if model is not None and seq_len else None
+        self._peak_flops = device_peak_flops
+        self._clock = clock
+        self._run_name = run_name
+        self._targets_dir = Path(targets_dir) if targets_dir else None
+        self._targets_file: Path | None = None
+        self._server = None
+        self._server_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        # Scrape-time state (plain floats, written whole by on_event).
+        self._start_time: float | None = None
+        self._end_time: float | None = None
+        self._last_commit_time: float | None = None
+        self._heartbeat_time: float | None = None
+        self._heartbeat_extra_age = 0.0
+        self._productive = 0.0
+        # Step times since the last commit, so a restore can take lost steps back out of goodput.
+        self._uncommitted_step_seconds: dict[int, float] = {}
+        self._rank_children: dict[str, Any] = {}
+        self._mesh_shown: dict[str, int] | None = None
+        self._warned: set[Any] = set()
+        m = self.m
+        m.world_size.set(world_size)
+        m.world_size_target.set(world_size)
+        m.world_size_min.set(min_world_size)
+        m.checkpoint_enabled.set(1 if checkpoint_interval_steps else 0)
+        m.checkpoint_interval.set(checkpoint_interval_steps or 0)
+        m.mfu.set(math.nan)
+        m.goodput.set_function(self._goodput)
+        m.checkpoint_age.set_function(self._checkpoint_age)
+        m.heartbeat_age.set_function(self._heartbeat_age)
+
+    @classmethod
+    def from_config(cls, config: Any, *, device_name: str | None = None,
+                    clock: Callable[[], float] = time.time) -> "MetricsExporter":
+        """An exporter sized from a ``JobConfig`` (driver, before the first event)."""
+        mesh = config.mesh
+        return cls(
+            model=config.model_spec,
+            seq_len=config.training.seq_len,
+            world_size=mesh.world_size,
+            min_world_size=config.elastic.min_replicas * mesh.replica_size,
+            device_peak_flops=peak_flops(config.metrics.device_peak_tflops, device_name),
+            checkpoint_interval_steps=config.checkpoint.interval_steps if config.checkpoint.uri else None,
+            run_name=config.name,
+            targets_dir=config.metrics.targets_dir,
+            clock=clock,
+        )
+
+    # ------------------------------------------------------------------ events
+    def on_event(self, event: dict[str, Any]) -> None:
+        handler = getattr(self, f"_on_{event.get('event')}", None)
+        if handler is None:
+            return
+        try:
+            handler(event)
+        except Exception as error:  # noqa: BLE001 - a metrics bug must never stop training
+            kind = event.get("event")
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("metrics: cannot use a %r event (%s: %s); its metrics may be stale",
+                            kind, type(error).__name__, error)
+
+    def _on_start(self, event: dict[str, Any]) -> None:
+        m, now = self.m, float(event["time"])
+        self._start_time = self._heartbeat_time = now
+        self._end_time = None
+        m.run_info.labels(name=str(event.get("name") or self._run_name),
+                          config_hash=str(event.get("config_hash") or "")).set(1)
+        m.running.set(1)
+        m.run_start_time.set(now)
+        m.last_step_time.set(now)
+        if event.get("steps") is not None:
+            m.target_steps.set(event["steps"])
+        if event.get("world_size"):
+            m.world_size_target.set(event["world_size"])
+        self._set_mesh(event.get("mesh"), event.get("world_size"))
+
+    def _on_step(self, event: dict[str, Any]) -> None:
+        m, now = self.m, float(event["time"])
+        step_time = float(event.get("step_time_s") or 0.0)
+        tokens = int(event.get("tokens") or 0)
+        m.step.set(event["step"])
+        m.steps.inc()
+        m.last_step_time.set(now)
+        self._heartbeat_time, self._heartbeat_extra_age = now, 0.0  # every rank just reported
+        if event.get("loss") is not None:
+            m.loss.set(event["loss"])
+        if event.get("lr") is not None:
+            m.learning_rate.set(event["lr"])
+        if event.get("grad_norm") is not None:
+            m.grad_norm.set(event["grad_norm"])
+        m.tokens.inc(tokens)
+        m.step_time.observe(step_time)
+        self._productive += step_time
+        m.effective_seconds.set(self._productive)
+        self._uncommitted_step_seconds[int(event["step"])] = step_time
+        world_size = event.get("world_size")
+        self._set_mesh(event.get("mesh"), world_size)
+        if step_time > 0:
+            throughput = tokens / step_time
+            m.tokens_per_second.set(throughput)
+            if self._flops_per_token and self._peak_flops and world_size:
+                m.mfu.set(throughput * self._flops_per_token / (world_size * self._peak_flops))
+        self._set_rank_times(event.get("rank_step_time_s"))
+
+    def _on_checkpoint_staged(self, event: dict[str, Any]) -> None:
+        self.m.checkpoint_stall.observe(float(event.get("stall_s") or 0.0))
+
+    def _on_checkpoint_committed(self, event: dict[str, Any]) -> None:
+        m, now = self.m, float(event["time"])
+        size = int(event.get("bytes") or 0)
+        m.checkpoints.inc()
+        m.checkpoint_bytes.inc(size)
+        m.checkpoint_last_bytes.set(size)
+        m.checkpoint_last_step.set(event["step"])
+        m.checkpoint_last_time.set(now)
+        if event.get("upload_s") is not None:
+            m.checkpoint_upload.observe(float(event["upload_s"]))
+        self._last_commit_time = now
+        committed = int(event["step"])
+        self._uncommitted_step_seconds = {
+            step: seconds for step, seconds in self._uncommitted_step_seconds.items() if step > committed
+        }
+
+    def _on_checkpoint_failed(self, event: dict[str, Any]) -> None:
+        self.m.checkpoint_failures.inc()
+
+    def _on_restored(self, event: dict[str, Any]) -> None:
+        m = self.m
+        m.restores.inc()
+        if event.get("restore_s") is not None:
+            m.restore_time.observe(float(event["restore_s"]))
+        restored_step = int(event["step"])
+        m.step.set(restored_step)
+        # Steps after the restored one were done for nothing: they leave the productive time.
+        lost = [s for step, s in self._uncommitted_step_seconds.items() if step > restored_step]
+        self._productive -= sum(lost)
+        m.effective_seconds.set(self._productive)
+        self._uncommitted_step_seconds = {
+            step: s for step, s in self._uncommitted_step_seconds.items() if step <= restored_step
+        }
+        self._set_mesh(event.get("to_mesh"), None)
+
+    def _on_failure(self, event: dict[str, Any]) -> None:
+        self.m.failures.labels(kind=str(event.get("kind") or "unknown")).inc()
+        self.m.last_failure_time.set(float(event["time"]))
+
+    def _on_recovered(self, event: dict[str, Any]) -> None:
+        m = self.m
+        m.recoveries.inc()
+        if event.get("mttr_s") is not None:
+            m.recovery_time.observe(float(event["mttr_s"]))
+        m.lost_steps.inc(int(event.get("lost_steps") or 0))
+        self._set_mesh(event.get("new_mesh"), None)
+        self._heartbeat_time, self._heartbeat_extra_age = float(event["time"]), 0.0
+
+    def _on_drain(self, event: dict[str, Any]) -> None:
+        self.m.drains.inc()
+
+    def _on_grow(self, event: dict[str, Any]) -> None:
+        self.m.grows.inc()
+        self._set_mesh(event.get("new_mesh"), None)
+
+    def _on_heartbeat(self, event: dict[str, Any]) -> None:
+        ages = event.get("rank_age_s") or {}
+        self._heartbeat_extra_age = max((float(age) for age in ages.values()), default=0.0)
+        self._heartbeat_time = float(event["time"])
+
+    def _on_log(self, event: dict[str, Any]) -> None:
+        self.m.log_messages.labels(level=str(event.get("level") or "INFO").upper()).inc()
+
+    def _on_done(self, event: dict[str, Any]) -> None:
+        self.m.running.set(0)
+        self._end_time = float(event["time"])
+
+    # ----------------------------------------------------------------- helpers
+    def _set_mesh(self, mesh: Any, world_size: int | None) -> None:
+        degrees = _mesh_dict(mesh)
+        if degrees:
+            if degrees != self._mesh_shown:  # every step carries the mesh; it rarely changes
+                for dim, degree in degrees.items():
+                    self.m.mesh_degree.labels(dim=dim).set(degree)
+                self._mesh_shown = degrees
+            if world_size is None:
+                world_size = math.prod(degrees.values())
+        if world_size:
+            self.m.world_size.set(world_size)
+
+    def _set_rank_times(self, rank_times: dict[Any, float] | None) -> None:
+        if not rank_times:
+            return
+        gauge = self.m.rank_step_time
+        children = self._rank_children  # labels() validates and locks: look each rank up once
+        slowest_rank, slowest = None, -1.0
+        for rank, seconds in rank_times.items():
+            label = str(rank)
+            child = children.get(label)
+            if child is None:
+                child = children[label] = gauge.labels(rank=label)
+            child.set(seconds)
+            if seconds > slowest:
+                slowest_rank, slowest = label, seconds
+        if len(children) != len(rank_times):  # ranks that left the mesh stop being drawn
+            shown = {str(rank) for rank in rank_times}
+            for gone in [label for label in children if label not in shown]:
+                gauge.remove(gone)
+                del children[gone]
+        median = statistics.median(rank_times.values())
+        self.m.straggler_ratio.set(slowest / median if median > 0 else 1.0)
+        self.m.slowest_rank.set(int(slowest_rank) if slowest_rank.isdigit() else -1)
+
+    def _now(self) -> float:
+        return self._end_time if self._end_time is not None else self._clock()
+
+    def _goodput(self) -> float:
+        if self._start_time is None:
+            return 0.0
+        wall = self._now() - self._start_time
+        return min(1.0, max(0.0, self._productive / wall)) if wall > 0 else 0.0
+
+    def _checkpoint_age(self) -> float:
+        since = self._last_commit_time if self._last_commit_time is not None else self._start_time
+        return max(0.0, self._now() - since) if since is not None else 0.0
+
+    def _heartbeat_age(self) -> float:
+        if self._heartbeat_time is None:
+            return 0.0
+        return max(0.0, self._now() - self._heartbeat_time) + self._heartbeat_extra_age
+
+    # -------------------------------------------------------------- exposition
+    def render(self) -> bytes:
+        """The exposition text, as the HTTP endpoint serves it."""
+        return generate_latest(self.registry)
+
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve ``/metrics`` on host:port (0 = a free port) in a daemon thread; return the URL.
+
+        Binds loopback unless the config asks for another address (``metrics.host: 0.0.0.0``
+        for every interface, e.g. in a pod). When ``metrics.targets_dir`` is set, also writes a
+        Prometheus file_sd target there so Prometheus finds a port picked at random.
+        """
+        with self._lock:
+            if self._server is not None:
+                raise RuntimeError("the metrics server is already running")
+            try:
+                self._server, self._server_thread = start_wsgi_server(port, addr=host, registry=self.registry)
+            except OSError as error:
+                raise UserError(f"cannot serve metrics on metrics.host={host!r}, metrics.port={port}: "
+                                f"{error.strerror or error}; pick a free port (0 = any free one) or "
+                                "an address of this machine") from None
+            bound_port = self._server.server_port
+        try:
+            self._write_target(host, bound_port)
+        except OSError as error:
+            self.close()
+            raise UserError(f"metrics.targets_dir={str(self._targets_dir)!r}: cannot write the scrape target "
+                            f"there ({error.strerror or error}); give a writable directory or null") from None
+        shown_host = f"[{host}]" if ":" in host else host
+        return f"http://{shown_host}:{bound_port}/metrics"
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server is not None else None
+
+    def close(self) -> None:
+        """Stop serving and withdraw the file_sd target; safe to call twice."""
+        with self._lock:
+            server, self._server = self._server, None
+            thread, self._server_thread = self._server_thread, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        if self._targets_file is not None:
+            self._targets_file.unlink(missing_ok=True)
+            self._targets_file = None
+
+    def _write_target(self, host: str, port: int) -> None:
+        if self._targets_dir is None:
+            return
+        reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        if ":" in reachable:
+            reachable = f"[{reachable}]"
+        self._targets_dir.mkdir(parents=True, exist_ok=True)
+        target = [{"targets": [f"{reachable}:{port}"], "labels": {"run": self._run_name or "meshpilot"}}]
+        path = self._targets_dir / f"meshpilot-{os.getpid()}-{port}.json"
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(target), encoding="utf-8")
+        os.replace(scratch, path)  # Prometheus must never read half a file
+        self._targets_file = path
+
+
+class NullMetrics:
+    """Metrics turned off: the same interface, nothing served, nothing counted."""
+
+    registry = None
+    port = None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        pass
+
+    def render(self) -> bytes:
+        return b""
+
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def build_metrics(config: Any, *, device_name: str | None = None) -> MetricsExporter | NullMetrics:
+    """The exporter the config asks for (driver)."""
+    if not config.metrics.enabled:
+        return NullMetrics()
+    return MetricsExporter.from_config(config, device_name=device_name)

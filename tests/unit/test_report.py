@@ -1,0 +1,108 @@
+"""``meshpilot report``: the summary's figures, the picture, and the errors for a bad run directory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+import orchestrator.cli as cli
+from orchestrator.report import MARKERS, format_summary, load_events, render_timeline, summarize
+from tests.fixtures.synthetic_events import START_TIME, synthetic_run, write_events
+
+
+@pytest.fixture
+def report_main(monkeypatch):
+    """``meshpilot`` with only the report command registered (other commands land separately)."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("orchestrator.report_cli",))
+    return cli.main
+
+
+def has_colour(image: np.ndarray, hex_colour: str, tolerance: float = 6 / 255) -> bool:
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return bool((np.abs(image[..., :3] - rgb).max(axis=-1) <= tolerance).any())
+
+
+def test_summary_of_a_run_with_failures_and_checkpoints():
+    events = synthetic_run()
+    summary = summarize(events)
+    restored_at = next(i for i, e in enumerate(events) if e["event"] == "restored")
+    effective = sum(e["step_time_s"] for i, e in enumerate(events)
+                    if e["event"] == "step" and not (i < restored_at and e["step"] > 50))
+    assert summary.effective_s == pytest.approx(effective)
+    assert summary.wall_s == pytest.approx(events[-1]["time"] - START_TIME)
+    assert summary.recovery_s == (3.0, 8.5)
+    assert summary.lost_steps == 2
+    assert summary.failures == ("actor_died", "node_died")
+    assert summary.stall_s == pytest.approx(sum(e["stall_s"] for e in events if e["event"] == "checkpoint_staged"))
+    assert (summary.checkpoints_committed, summary.checkpoint_failures) == (5, 1)
+    assert summary.world_sizes == (8, 4, 8, 4)
+    text = format_summary(summary)
+    assert f"effective training time: {effective:.1f} s ({effective / summary.wall_s:.1%} of wall time)" in text
+    assert "recovery times: 3.0 s, 8.5 s; lost steps: 2; restores from checkpoint: 1" in text
+    assert "failures: 2 (actor_died x1, node_died x1)" in text
+    assert f"total stall {summary.stall_s:.2f} s" in text
+
+
+def test_report_command_draws_the_timeline_and_prints_the_summary(tmp_path, report_main, capsys):
+    run_dir = tmp_path / "run"
+    write_events(run_dir, synthetic_run())
+    assert report_main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "run synthetic: finished, step 60/60" in out
+    assert "lost steps: 2" in out
+    assert f"timeline: {run_dir / 'timeline.png'}" in out
+    image = imread(run_dir / "timeline.png")
+    assert image.shape[:2] == (1100, 1430)
+    for kind, (colour, _, _) in MARKERS.items():  # every kind of marker is drawn (the legend at least)
+        assert has_colour(image, colour), f"no {kind} marker in the picture"
+
+
+def test_a_quiet_run_has_no_failure_markers(tmp_path):
+    events = [e for e in synthetic_run() if e["event"] in ("start", "step", "done")][:21] + [
+        {"event": "done", "time": START_TIME + 20.0, "status": "finished", "steps": 20, "elapsed_s": 20.0}]
+    image = imread(render_timeline(events, tmp_path / "quiet.png"))
+    assert not has_colour(image, MARKERS["failure"][0])
+    assert not has_colour(image, MARKERS["recovered"][0])
+    assert has_colour(image, "#17becf")  # the throughput line
+
+
+def test_a_killed_run_still_renders(tmp_path, report_main, capsys):
+    events = synthetic_run()[:40]
+    path = write_events(tmp_path, events)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write('{"event": "step", "ti')  # torn last line of a killed driver
+    assert report_main(["report", str(tmp_path), "--out", str(tmp_path / "out" / "t.png")]) == 0
+    assert "running or killed (no done event)" in capsys.readouterr().out
+    assert (tmp_path / "out" / "t.png").stat().st_size > 10_000
+
+
+def test_a_run_without_steps_renders(tmp_path):
+    start = synthetic_run()[0]
+    out = render_timeline([start], tmp_path / "nothing.png")
+    assert out.stat().st_size > 10_000
+    assert summarize([start]).last_step == 0
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "run directory '{d}' does not exist; pass the directory `meshpilot train` printed at start"),
+    (lambda d: d.mkdir(), "'{d}' has no events.jsonl, so it is not a meshpilot run directory"),
+    (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("")), "'{d}/events.jsonl' holds no events"),
+    (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("not json\n")), "'{d}/events.jsonl' holds no events"),
+])
+def test_bad_run_directory_is_one_clear_error(tmp_path, report_main, capsys, setup, message):
+    run_dir = tmp_path / "run"
+    setup(run_dir)
+    assert report_main(["report", str(run_dir)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("meshpilot: " + message.format(d=run_dir))
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_load_events_keeps_order_and_fields(tmp_path):
+    events = synthetic_run()
+    write_events(tmp_path, events)
+    assert load_events(tmp_path) == json.loads(json.dumps(events))

@@ -1,0 +1,56 @@
+"""Closing a process group's connections for certain, by the sockets it opened.
+
+Runs on every rank. With gloo, destroying (even aborting) a process group does not close its
+TCP connections while anything in C++ still holds the backend (FSDP2 and DeviceMesh
+internals do), so peers blocked on this rank wait for the whole collective timeout. The rank
+therefore notes which sockets appeared while it joined a generation and, when it leaves or
+the driver aborts the generation, shuts them down: every peer blocked on it fails at once.
+Linux only (/proc); elsewhere these are no-ops and the collective timeout applies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+_FD_DIR = Path("/proc/self/fd")
+
+
+def socket_inodes() -> set[str]:
+    """Identifiers of the sockets this process has open now."""
+    if not _FD_DIR.is_dir():
+        return set()
+    found = set()
+    for entry in _FD_DIR.iterdir():
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def shutdown_sockets(inodes: set[str]) -> int:
+    """Shut down (both directions) every open socket among ``inodes``; returns how many."""
+    if not inodes or not _FD_DIR.is_dir():
+        return 0
+    count = 0
+    for entry in _FD_DIR.iterdir():
+        try:
+            if os.readlink(entry) not in inodes:
+                continue
+            duplicate = os.dup(int(entry.name))
+        except (OSError, ValueError):
+            continue
+        try:
+            with socket.socket(fileno=duplicate) as sock:
+                # Leave listeners alone: gloo's accept thread treats a dead listener as fatal.
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass  # already shut down, or not connected
+    return count
