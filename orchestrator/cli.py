@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.plan_cli",
     "orchestrator.report_cli",
     "orchestrator.submit_cli",
+    "orchestrator.ckpt_cli",
 )
 
 

@@ -2,4 +2,5 @@
 
 pytest_plugins = [
     "tests.fixtures.ray_cluster",
+    "tests.fixtures.s3",
 ]

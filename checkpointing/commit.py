@@ -1,0 +1,123 @@
+"""``CommitCoordinator``: the driver side of a save — wait for every rank, then commit the manifest.
+
+Runs on the driver (the controller), never on a rank; torch-free. The controller feeds it every
+checkpoint report that reaches it from the ranks' ``CheckpointWriter``::
+
+    coordinator = CommitCoordinator(storage, world_size=8, mesh=mesh_dict, config_hash=h,
+                                    model=model_dict, keep_last=3, keep_every=0)
+    manifest = coordinator.on_report(report_dict)     # None until the step is complete
+    if manifest: emit checkpoint_committed(step, uri, bytes, upload_s)
+
+When all ``world_size`` reports of a step are in and none failed, it merges them into a
+manifest, checks that the chunks tile every tensor exactly once, and writes the manifest with
+put-if-absent: that write is the commit. Then retention runs. A failure report, an incomplete
+tiling or a refused commit marks the step failed (``failed_steps``, ``on_failure``); nothing is
+committed for it and training is never interrupted by it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from checkpointing.errors import CheckpointError, CommitConflictError
+from checkpointing.manifest import Manifest, build_manifest
+from checkpointing.retention import RetentionResult, apply_retention
+from checkpointing.spec import FailureReport, ShardReport, manifest_key, report_from_dict
+from checkpointing.storage import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+class CommitCoordinator:
+    """Collects per-rank reports and commits each complete step exactly once."""
+
+    def __init__(
+        self,
+        storage: StorageBackend,
+        *,
+        world_size: int,
+        mesh: dict[str, Any],
+        config_hash: str | None,
+        model: dict[str, Any],
+        keep_last: int,
+        keep_every: int = 0,
+        on_failure: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self.storage = storage
+        self.world_size = world_size
+        self.mesh = dict(mesh)
+        self.config_hash = config_hash
+        self.model = dict(model)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._on_failure = on_failure
+        self._pending: dict[int, dict[int, ShardReport]] = {}
+        self.committed_steps: list[int] = []
+        self.failed_steps: dict[int, str] = {}
+        self.last_retention: RetentionResult | None = None
+
+    @property
+    def pending_steps(self) -> list[int]:
+        return sorted(self._pending)
+
+    def reset(self, *, world_size: int, mesh: dict[str, Any]) -> None:
+        """The mesh changed (shrink, grow, restore): forget half-reported steps of the old one."""
+        for step in self._pending:
+            self._fail(step, "the mesh changed before every rank reported")
+        self._pending.clear()
+        self.world_size = world_size
+        self.mesh = dict(mesh)
+
+    def on_report(self, report: dict[str, Any]) -> Manifest | None:
+        """Record one rank's report; return the manifest when this report completed a commit."""
+        try:
+            parsed = report_from_dict(report)
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("ignoring a malformed checkpoint report: %s", error)
+            return None
+        step = parsed.step
+        if step in self.failed_steps or step in self.committed_steps:
+            return None
+        if not 0 <= parsed.rank < self.world_size:
+            log.warning("ignoring a checkpoint report of step %d from rank %d outside world size %d",
+                        step, parsed.rank, self.world_size)
+            return None
+        if isinstance(parsed, FailureReport):
+            self._pending.pop(step, None)
+            self._fail(step, f"rank {parsed.rank} gave up after {parsed.attempts} attempt(s): {parsed.error}")
+            return None
+        reports = self._pending.setdefault(step, {})
+        reports[parsed.rank] = parsed
+        if len(reports) < self.world_size:
+            return None
+        del self._pending[step]
+        return self._commit(step, list(reports.values()))
+
+    def _commit(self, step: int, reports: list[ShardReport]) -> Manifest | None:
+        try:
+            manifest = build_manifest(reports, step=step, world_size=self.world_size, mesh=self.mesh,
+                                      model=self.model, config_hash=self.config_hash)
+            if not self.storage.put_if_absent(manifest_key(step), manifest.to_json()):
+                raise CommitConflictError(f"step {step} is already committed under {self.storage.uri}; "
+                                          "another run writes to the same checkpoint.uri")
+        except CheckpointError as error:
+            self._fail(step, str(error))
+            return None
+        except (TypeError, ValueError, KeyError) as error:  # a malformed report must not stop the driver
+            self._fail(step, f"the reports of step {step} cannot form a manifest: {type(error).__name__}: {error}")
+            return None
+        self.committed_steps.append(step)
+        log.info("committed checkpoint step %d under %s (%d bytes)", step, self.storage.uri, manifest.total_bytes)
+        try:
+            self.last_retention = apply_retention(self.storage, keep_last=self.keep_last, keep_every=self.keep_every)
+        except CheckpointError as error:  # old checkpoints stay a little longer; the next commit retries
+            log.warning("checkpoint retention under %s failed: %s", self.storage.uri, error)
+        return manifest
+
+    def _fail(self, step: int, reason: str) -> None:
+        self.failed_steps[step] = reason
+        log.warning("checkpoint step %d not committed: %s", step, reason)
+        if self._on_failure is not None:
+            self._on_failure(step, reason)

@@ -1,0 +1,54 @@
+"""Checkpoint errors a user can act on: each message names the object or setting and the fix.
+
+Raised on both sides (driver and ranks). ``orchestrator.errors.user_error_types`` lists
+``CheckpointError``, so the CLI prints the message on one line, without a traceback, and exits 2.
+No message ever holds a credential: only bucket names, object keys, endpoints and step numbers.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written, found, read or trusted."""
+
+    exit_code = 2
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes disagree with their checksum or their format; ``key`` names the object."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ManifestVersionError(CheckpointError):
+    """The manifest was written by a newer meshpilot (or is not ours)."""
+
+
+class ForeignCheckpointError(CheckpointError):
+    """The checkpoint belongs to another model or config than the one asking to load it."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint (or not the step asked for) under the URI."""
+
+
+class CommitConflictError(CheckpointError):
+    """A manifest already exists for this step: the commit (put-if-absent) was refused."""
+
+
+class StorageAccessError(CheckpointError):
+    """The storage cannot be reached or refuses us; subclasses say which and how to fix it."""
+
+
+class StorageCredentialsError(StorageAccessError):
+    """Missing, unknown or wrong credentials, or a key without the needed permission."""
+
+
+class StorageNotFoundError(StorageAccessError):
+    """The bucket (or the local directory's parent) does not exist."""
+
+
+class StorageUnreachableError(StorageAccessError):
+    """No answer from the endpoint (wrong URL, server down, network)."""

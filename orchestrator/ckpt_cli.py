@@ -1,0 +1,139 @@
+"""``meshpilot ckpt ls|inspect|verify|export URI``: checkpoints on S3 or on disk, from a terminal.
+
+Runs on the user's machine (driver side). S3 credentials come from the standard AWS chain
+(``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles), never
+from flags; ``--endpoint-url`` points at a non-AWS server (SeaweedFS, MinIO, ...).
+
+    meshpilot ckpt ls s3://bucket/run --endpoint-url http://127.0.0.1:8333
+    meshpilot ckpt inspect s3://bucket/run --step 20
+    meshpilot ckpt verify s3://bucket/run --all
+    meshpilot ckpt export s3://bucket/run --out hf-model/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from checkpointing.catalog import list_committed, load_manifest
+from checkpointing.errors import CheckpointNotFoundError, CorruptCheckpointError
+from checkpointing.storage import open_storage
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ckpt", help="list, inspect, verify or export checkpoints",
+                                   description="Checkpoints under a URI: s3://bucket/prefix, file:///dir or a directory.")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="ACTION")
+    commands.required = True
+
+    def add(name: str, help_text: str, handler, *, step: bool = True):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("uri", help="s3://bucket/prefix, file:///dir or a directory")
+        sub.add_argument("--endpoint-url", default=None, help="S3 endpoint of a non-AWS server, e.g. http://127.0.0.1:8333")
+        sub.add_argument("--region", default=None, help="S3 region (default: the AWS chain's)")
+        if step:
+            sub.add_argument("--step", type=int, default=None, help="a committed step (default: the newest)")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    add("ls", "list committed checkpoints", _ls, step=False)
+    inspect = add("inspect", "show one checkpoint's manifest: mesh, files, tensors, extra state", _inspect)
+    inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    verify = add("verify", "check every byte of a checkpoint against its checksums", _verify)
+    verify.add_argument("--all", action="store_true", help="verify every committed step")
+    export = add("export", "write a Hugging Face LlamaForCausalLM directory", _export)
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the exported weights (default: as stored)")
+    export.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest output file in MB (default 2048)")
+
+
+def _storage(args: argparse.Namespace):
+    return open_storage(args.uri, endpoint_url=args.endpoint_url, region=args.region)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    steps = list_committed(storage)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.uri}")
+    print(f"{'step':>10}  {'committed at (UTC)':<20} {'size':>10}  {'files':>5}  mesh")
+    for step in steps:
+        try:
+            manifest = load_manifest(storage, step)
+        except CorruptCheckpointError as error:
+            print(f"{step:>10}  CORRUPT: {error}")
+            continue
+        mesh = " ".join(f"{k}={v}" for k, v in manifest.mesh.items())
+        print(f"{step:>10}  {_when(manifest.committed_at):<20} {_size(manifest.total_bytes):>10}  "
+              f"{len(manifest.files):>5}  {mesh}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    manifest = load_manifest(storage, args.step)
+    if args.json:
+        print(manifest.to_json().decode(), end="")
+        return 0
+    print(f"checkpoint  {storage.uri} step {manifest.step} (manifest version {manifest.version})")
+    print(f"committed   {_when(manifest.committed_at)} UTC; upload {manifest.upload_s:.2f} s, "
+          f"loop stall {manifest.stall_s * 1000:.1f} ms (slowest rank)")
+    print(f"mesh        {json.dumps(manifest.mesh)}  world size {manifest.world_size}")
+    print(f"model       {json.dumps(manifest.model)}")
+    print(f"config      {manifest.config_hash}")
+    print(f"extra       {json.dumps(manifest.extra)[:2000]}")
+    print(f"files       {len(manifest.files)}, {_size(manifest.total_bytes)}")
+    for entry in manifest.files:
+        print(f"  rank {entry.rank:>5}  {_size(entry.bytes):>10}  {entry.key}")
+    print(f"tensors     {len(manifest.tensors)}")
+    for fqn, index in sorted(manifest.tensors.items()):
+        print(f"  {fqn:<60} {index.dtype:<9} {str(list(index.shape)):<16} {len(index.chunks)} chunk(s)")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpointing.verify import verify_checkpoint
+
+    storage = _storage(args)
+    steps = list_committed(storage) if args.all else [args.step]
+    if args.all and not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.uri}")
+    failures = []
+    for step in steps:
+        started = time.perf_counter()
+        try:
+            result = verify_checkpoint(storage, step)
+        except CorruptCheckpointError as error:
+            failures.append(error)
+            print(f"CORRUPT  {error}")
+            continue
+        print(f"OK       step {result.step}: {result.files} files, {_size(result.bytes)} verified "
+              f"in {time.perf_counter() - started:.1f} s")
+    if failures:
+        raise CorruptCheckpointError(f"{len(failures)} corrupt checkpoint(s) under {storage.uri}; the first: "
+                                     f"shard {failures[0].key}", key=failures[0].key)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from checkpointing.export import export_hf
+
+    storage = _storage(args)
+    out = export_hf(storage, args.out, step=args.step, dtype=args.dtype,
+                    max_shard_bytes=int(args.max_shard_size_mb * (1 << 20)))
+    print(f"exported {storage.uri} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+    return 0
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"

@@ -1,0 +1,119 @@
+"""The driver side: commit once when every rank reported, never on failure, retention after commits."""
+
+from __future__ import annotations
+
+import torch
+
+from checkpointing.catalog import list_committed
+from checkpointing.commit import CommitCoordinator
+from checkpointing.local import LocalStorage
+from checkpointing.retention import steps_to_delete
+from checkpointing.spec import manifest_key
+from checkpointing.writer import CheckpointWriter
+
+
+def shard_reports(storage, step: int, states: list[dict], owners: list[bool]) -> list[dict]:
+    reports = []
+    for rank, (state, owns) in enumerate(zip(states, owners)):
+        writer = CheckpointWriter(storage, rank=rank, report=reports.append)
+        writer.save(step, state, extra={"step": step}, owns_plain_tensors=owns)
+        writer.close()
+    return reports
+
+
+def coordinator(storage, **kwargs) -> CommitCoordinator:
+    settings = dict(world_size=2, mesh={"dp_shard": 2}, config_hash="h", model={"dim": 2}, keep_last=2)
+    settings.update(kwargs)
+    return CommitCoordinator(storage, **settings)
+
+
+def test_commits_only_when_every_rank_reported(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    first, second = shard_reports(storage, 5, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    assert coord.on_report(first) is None
+    assert list_committed(storage) == [] and coord.pending_steps == [5]
+    manifest = coord.on_report(second)
+    assert manifest.step == 5 and set(manifest.tensors) == {"a", "b"}
+    assert list_committed(storage) == [5]
+    assert coord.on_report(second) is None  # a late duplicate changes nothing
+
+
+def test_a_failure_report_means_no_commit(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    failures = []
+    coord = coordinator(storage, on_failure=lambda step, reason: failures.append((step, reason)))
+    first, _ = shard_reports(storage, 6, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    coord.on_report({"kind": "failure", "step": 6, "rank": 1, "error": "disk full", "attempts": 3})
+    assert coord.on_report(first) is None
+    assert list_committed(storage) == []
+    assert failures == [(6, "rank 1 gave up after 3 attempt(s): disk full")]
+
+
+def test_a_tensor_nobody_wrote_is_not_committed(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    state = {"a": torch.ones(2)}
+    for report in shard_reports(storage, 7, [state, state], [False, False]):
+        coord.on_report(report)
+    assert list_committed(storage) == []
+    assert "tensor 'a' is incomplete: its chunks hold 0 of 2 elements" in coord.failed_steps[7]
+
+
+def test_identical_replicas_are_kept_once_and_diverged_ones_refused(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    for report in shard_reports(storage, 8, [{"a": torch.ones(2)}, {"a": torch.ones(2)}], [True, True]):
+        manifest = coord.on_report(report)
+    assert len(manifest.tensors["a"].chunks) == 1
+    for report in shard_reports(storage, 9, [{"a": torch.ones(2)}, {"a": torch.zeros(2)}], [True, True]):
+        coord.on_report(report)
+    assert "replicas of tensor 'a' at offsets [0] differ" in coord.failed_steps[9]
+
+
+def test_an_existing_manifest_is_never_overwritten(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    storage.put_bytes(manifest_key(4), b"{}")
+    coord = coordinator(storage, world_size=1)
+    for report in shard_reports(storage, 4, [{"a": torch.ones(2)}], [True]):
+        coord.on_report(report)
+    assert storage.get(manifest_key(4)) == b"{}"
+    assert "step 4 is already committed" in coord.failed_steps[4]
+
+
+def test_retention_keeps_last_k_and_every_mth_and_clears_orphans(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage, world_size=1, keep_last=2, keep_every=20)
+    storage.put_bytes("step-00000015/rank-00000-dead.safetensors", b"orphan of a failed save")
+    for step in (10, 20, 30, 40, 50):
+        for report in shard_reports(storage, step, [{"a": torch.full((2,), float(step))}], [True]):
+            coord.on_report(report)
+    assert list_committed(storage) == [20, 40, 50]
+    steps_with_objects = sorted({info.key.split("/")[0] for info in storage.list()})
+    assert steps_with_objects == ["step-00000020", "step-00000040", "step-00000050"]
+
+
+def test_steps_to_delete():
+    assert steps_to_delete([1, 2, 3, 4], keep_last=2) == [1, 2]
+    assert steps_to_delete([10, 20, 30, 40, 50], keep_last=1, keep_every=20) == [10, 30]
+    assert steps_to_delete([5], keep_last=3) == []
+
+
+def test_mesh_change_drops_half_reported_steps(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    first, _ = shard_reports(storage, 3, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    coord.on_report(first)
+    coord.reset(world_size=1, mesh={"dp_shard": 1})
+    assert coord.pending_steps == [] and "mesh changed" in coord.failed_steps[3]
+
+
+def test_driver_side_modules_do_not_import_torch():
+    """The controller commits, lists and retains without torch (DESIGN.md import rules)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, checkpointing.commit, checkpointing.catalog, checkpointing.verify, "
+            "checkpointing.local_s3, checkpointing.s3, orchestrator.ckpt_cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
