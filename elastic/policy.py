@@ -167,3 +167,21 @@ def _extra_drops(mesh: MeshSpec, hit: tuple[int, ...], count: int) -> tuple[int,
     """Healthy replica groups to leave out as well (highest index first) when the batch needs it."""
     healthy = [index for index in range(mesh.dp_replicate) if index not in hit]
     return tuple(sorted(healthy[len(healthy) - count:])) if count > 0 else ()
+
+
+def restore_mesh(mesh: MeshSpec, *, available_ranks: int, fits: MeshFits) -> MeshSpec | None:
+    """The mesh to restore a checkpoint onto with ``available_ranks`` ranks, or None.
+
+    Keeps the tensor- and pipeline-parallel degrees (the per-rank memory the user sized) and
+    gives up data parallelism first: the largest world that fits, ties broken towards more
+    replica groups (more resilience). The checkpoint reader reshards whatever changes.
+    """
+    best: MeshSpec | None = None
+    for replicas in range(mesh.dp_replicate, 0, -1):
+        for shards in range(mesh.dp_shard, 0, -1):
+            candidate = MeshSpec(dp_replicate=replicas, dp_shard=shards, tp=mesh.tp, pp=mesh.pp)
+            if candidate.world_size > available_ranks or not fits(candidate):
+                continue
+            if best is None or (candidate.world_size, candidate.dp_replicate) > (best.world_size, best.dp_replicate):
+                best = candidate
+    return best

@@ -203,9 +203,15 @@ class JobConfig:
         """Hash of what decides the numbers (model, parallelism-independent training, data).
 
         A checkpoint written under one hash resumes under another mesh: parallelism, runtime,
-        metrics and checkpoint settings are left out on purpose.
+        metrics and checkpoint settings are left out on purpose, and so is training.steps (a
+        run may be extended).
         """
         decisive = {key: self.to_dict()[key] for key in ("model", "training", "data")}
+        decisive["training"] = {k: v for k, v in decisive["training"].items() if k != "steps"}
+        # The text itself, not where it lies: the same file under another path is the same job.
+        data_path = resolve_data_path(self) if self.data.source == "text" else None
+        decisive["data"] = {"source": self.data.source,
+                            "text_sha256": hashlib.sha256(data_path.read_bytes()).hexdigest() if data_path else None}
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
 

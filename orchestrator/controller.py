@@ -28,9 +28,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elastic.placement import RankResources
-from elastic.policy import Continue, Decision, Fail, FailurePolicy, GroupStatus, Grow, ScalingPolicy, Shrink
+from elastic.policy import (
+    Continue,
+    Decision,
+    Fail,
+    FailurePolicy,
+    GroupStatus,
+    Grow,
+    RestoreFromCheckpoint,
+    ScalingPolicy,
+    Shrink,
+    restore_mesh,
+)
 from elastic.spec import MeshSpec
 from orchestrator import cluster
+from orchestrator.checkpoints import driver_checkpoints
 from orchestrator.config import JobConfig
 from orchestrator.detector import Detector, Lost
 from orchestrator.events import EventLog
@@ -68,6 +80,21 @@ class Configuring:
     mesh: MeshSpec
     calls: PendingCalls
     deadline: float
+    # Set when the ranks load a checkpoint: its step and the mesh that wrote it.
+    restoring: int | None = None
+    from_mesh: dict | None = None
+    started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class AwaitingActors:
+    """No replica survived: wait for enough actors to restore checkpoint ``step`` onto."""
+
+    step: int
+    mesh: MeshSpec
+    began_at: float
+    deadline: float
+    lost_steps: int
 
 
 @dataclass(frozen=True)
@@ -98,7 +125,7 @@ class Finished:
     reason: str | None = None
 
 
-State = Starting | Configuring | Running | Settling | Finished
+State = Starting | Configuring | Running | Settling | AwaitingActors | Finished
 
 
 @dataclass
@@ -130,6 +157,8 @@ class Controller:
         self.router = ReportRouter(events, mesh=config.mesh,
                                    tokens_per_step=config.training.global_batch * config.training.seq_len)
         self.router.on("drain_notice", self._on_drain_notice)
+        self.checkpoints = driver_checkpoints(config, events)
+        self.router.on("checkpoint", self.checkpoints.on_report)
         self.group = self.worker_group_class(
             spec=self.spec, data=data_bytes(config),
             per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank,
@@ -156,6 +185,7 @@ class Controller:
         self._all_returned_at: float | None = None
         # After a finished run with several replica groups: did they end identical?
         self.replicas_consistent: bool | None = None
+        self._corrupt_steps: set[int] = set()
 
     # ------------------------------------------------------------------- loop
     @property
@@ -190,6 +220,8 @@ class Controller:
             self.state = self._supervise(state)
         elif isinstance(state, Settling):
             self.state = self._settle(state)
+        elif isinstance(state, AwaitingActors):
+            self.state = self._await_actors(state)
 
     # ----------------------------------------------------------- start, configure
     def _start(self, state: Starting) -> State:
@@ -198,22 +230,38 @@ class Controller:
                          name=self.config.name, mesh=state.mesh.as_dict(), world_size=state.mesh.world_size,
                          steps=self.spec.steps, global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
                          config_hash=self.config.config_hash())
+        # Storage mistakes (credentials, bucket, endpoint) surface here, before any rank starts.
+        self.checkpoints.check_access()
+        resume = self.checkpoints.choose_resume() if self.config.checkpoint.resume else None
         spares = -(-self.config.elastic.spare_actors // state.mesh.replica_size)  # whole replica groups
         self.group.start(state.mesh, spare_replicas=spares)
+        if resume is not None:
+            return self._restore(state.mesh, resume.step, from_mesh=resume.mesh)
         starts = [StartFrom("fresh")] * state.mesh.world_size
         return self._configure(state.mesh, starts, sync_replicas=False)
 
-    def _configure(self, mesh: MeshSpec, starts: list[StartFrom], *, sync_replicas: bool) -> Configuring:
+    def _configure(self, mesh: MeshSpec, starts: list[StartFrom], *, sync_replicas: bool,
+                   restoring: int | None = None, from_mesh: dict | None = None) -> Configuring:
         self.generation += 1
         self.router.set_mesh(mesh)
-        faults = tuple(f for f in self.pending_faults if f.step > self.last_step)
+        self.checkpoints.reset(mesh)
+        faults = tuple(f for f in self.pending_faults if f.step > (restoring or self.last_step))
         calls = self.group.configure(generation=self.generation, mesh=mesh, starts=starts,
                                      sync_replicas=sync_replicas, faults=faults)
-        return Configuring(self.generation, mesh, calls, deadline=time.monotonic() + self.config.runtime.start_timeout_s)
+        now = time.monotonic()
+        return Configuring(self.generation, mesh, calls, deadline=now + self.config.runtime.start_timeout_s,
+                           restoring=restoring, from_mesh=from_mesh, started_at=now)
+
+    def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
+        """Every active rank loads checkpoint ``step``, resharded to ``mesh``."""
+        return self._configure(mesh, [StartFrom("checkpoint", step)] * mesh.world_size, sync_replicas=False,
+                               restoring=step, from_mesh=from_mesh)
 
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
+        if failed and state.restoring is not None and any("CorruptCheckpointError" in f.message for f in failed.values()):
+            return self._restore_around_corruption(state, failed)
         if failed:
             return self._fail("configuration", group_errors({r: f.message for r, f in failed.items()}))
         if not state.calls.done:
@@ -223,8 +271,24 @@ class Controller:
                                   f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
             return state
         self.last_step = max(state.calls.results.values())
+        if state.restoring is not None:
+            self.router.rewind(state.restoring)
+            self.events.emit("restored", step=state.restoring, uri=self.checkpoints.uri, from_mesh=state.from_mesh,
+                             to_mesh=state.mesh.as_dict(), restore_s=round(time.monotonic() - state.started_at, 3))
         self.detector.reset(state.mesh.world_size, self.last_step)
         return Running(state.generation, state.mesh, self.group.run(last_step=self.spec.steps))
+
+    def _restore_around_corruption(self, state: Configuring, failed: dict[int, CallFailed]) -> State:
+        """A rank found a checksum mismatch while restoring: fall back to the previous committed step."""
+        self._corrupt_steps.add(state.restoring)
+        message = next(f.message for f in failed.values() if "CorruptCheckpointError" in f.message)
+        log.warning("checkpoint step %s is corrupt (%s); falling back to the previous committed checkpoint",
+                    state.restoring, message)
+        previous = self.checkpoints.choose_resume(skip_steps=self._corrupt_steps)
+        if previous is None:
+            return self._fail("restore", f"no intact checkpoint left to restore: {message}")
+        state.calls.collect(timeout=self.config.runtime.start_timeout_s)  # let the others finish first
+        return self._restore(state.mesh, previous.step, from_mesh=previous.mesh)
 
     # ----------------------------------------------------------------- running
     def _supervise(self, state: Running) -> State:
@@ -394,11 +458,12 @@ class Controller:
             self._emit_failure(lost)
         status = GroupStatus(mesh=state.mesh, lost_ranks=frozenset(lost), draining_ranks=state.draining,
                              warm_actors=len(self.group.warm()) + self._healthy_in_hit_replicas(state.mesh, lost, state.draining),
-                             checkpoint_step=None, time=time.monotonic())
+                             checkpoint_step=self.checkpoints.latest_step(), time=time.monotonic())
         if state.purpose == "grow":
             decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()), fits=self._fits)
         else:
-            decision = self.failure_policy.decide(status, fits=self._fits, restore_mesh=lambda: None)
+            # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
+            decision = self.failure_policy.decide(status, fits=self._fits, restore_mesh=lambda: state.mesh)
         return self._carry_out(decision, state, lost, resume_step)
 
     def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> State:
@@ -420,8 +485,10 @@ class Controller:
             new_mesh, added = decision.new_mesh, len(refill)
             active, starts = kept + refill, [StartFrom("kept")] * len(kept) + [StartFrom("peer", resume_step)] * added
             kind = "grow"
+        elif isinstance(decision, RestoreFromCheckpoint):
+            return self._begin_restore(decision, state, lost, resume_step)
         else:
-            return self._fail("policy", f"cannot carry out {decision!r} yet")
+            return self._fail("policy", f"cannot carry out {decision!r}")
         self.group.set_active(active)
         self.transition = Transition(
             kind=kind, began_at=began, began_wall=time.time() - (time.monotonic() - began), old_mesh=old_mesh,
@@ -430,6 +497,41 @@ class Controller:
         )
         self._drain_nodes.clear()
         return self._configure(new_mesh, starts, sync_replicas=added > 0)
+
+    def _begin_restore(self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost],
+                       resume_step: int) -> AwaitingActors:
+        """No complete replica survived: every healthy actor drops its state and waits for a restore."""
+        gone = [self.group.active[rank] for rank in sorted(set(lost) | set(state.draining))]
+        self.group.remove(gone)
+        self.group.set_active([])
+        now = time.monotonic()
+        log.warning("no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
+                    decision.step, resume_step - decision.step)
+        return AwaitingActors(step=decision.step, mesh=state.mesh, began_at=state.started_at,
+                              deadline=now + self.config.runtime.start_timeout_s,
+                              lost_steps=max(0, resume_step - decision.step))
+
+    def _await_actors(self, state: AwaitingActors) -> State:
+        """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
+        self.group.refresh()
+        warm = self.group.warm()
+        if len(warm) < state.mesh.world_size and not self.group.starting():
+            self.group.start_replica_in_background(state.mesh)  # False when no node has room
+        target = restore_mesh(state.mesh, available_ranks=len(warm), fits=self._fits)
+        out_of_time = time.monotonic() > state.deadline
+        if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
+            if out_of_time:
+                return self._fail("restore", "no capacity to restore the checkpoint onto within "
+                                  f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
+            time.sleep(self.poll_interval_s)
+            return state
+        self.group.set_active(self._pick_warm(warm, target.world_size))
+        self.transition = Transition(kind="recovered", began_at=state.began_at,
+                                     began_wall=time.time() - (time.monotonic() - state.began_at),
+                                     old_mesh=state.mesh, new_mesh=target, resume_step=state.step,
+                                     lost_steps=state.lost_steps, cause="restore")
+        self.last_step = state.step
+        return self._restore(target, state.step)
 
     def _split_replicas(self, mesh: MeshSpec, lost: dict[int, Lost], draining: frozenset[int],
                         drop: tuple[int, ...]) -> tuple[list[RankSlot], list[RankSlot]]:

@@ -91,3 +91,12 @@ class ReportRouter:
         self.last_emitted_step = step
         self.completed_at[step] = max(r["time"] for r in ranks.values())
         self.completed_at.pop(step - 100, None)
+        stalls = [r["checkpoint_stall_s"] for r in ranks.values() if r.get("checkpoint_stall_s") is not None]
+        if stalls:
+            # The loop waits for its slowest rank: that rank's staging time is the run's stall.
+            self.events.emit("checkpoint_staged", step=step, stall_s=round(max(stalls), 6))
+
+    def rewind(self, step: int) -> None:
+        """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""
+        self._pending = {}
+        self.last_emitted_step = step

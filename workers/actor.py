@@ -54,6 +54,7 @@ class StartFrom:
     ``fresh``: seeded initialisation (step 0). ``kept``: rebind the slices this process kept
     from the previous generation. ``peer``: receive them from replica group 0 of the new mesh
     (every rank of such a generation is configured with ``sync_replicas=True``).
+    ``checkpoint``: load committed checkpoint ``step`` from storage, resharded to this mesh.
     """
 
     mode: str = "fresh"
@@ -106,6 +107,7 @@ class RankActor:
         self.generation = -1
         self.mesh: MeshSpec | None = None
         self.trainer = None
+        self.checkpoints = None
         self.store = None
         self.committer = None
         self.last_step = 0
@@ -152,11 +154,14 @@ class RankActor:
     def configure(self, *, generation: int, rank: int, mesh: MeshSpec, store_address: tuple[str, int],
                   start: StartFrom, sync_replicas: bool = False, faults: tuple[FaultSpec, ...] = ()) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
+        from workers.checkpoints import NoCheckpoints, RankCheckpoints
         from workers.rendezvous import StepCommitter, connect_store
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
 
         self._set_phase("configuring")
+        if self.trainer is not None:  # still in an earlier generation (a retried configure)
+            self._drop_process_groups(keep_shards=start.mode == "kept")
         self.rank, self.generation, self.mesh = rank, generation, mesh
         self.channel.rank = rank
         self._stop.clear()
@@ -170,6 +175,11 @@ class RankActor:
         self.trainer = Trainer(self.spec, mesh, rank, device=pick_device(self.spec.backend),
                                source=make_source(self.spec, self.data), committer=self.committer)
         self._group_sockets = socket_inodes() - sockets_before
+        self.faults = FaultInjector(faults, rank=rank,
+                                    on_fire=lambda f: log.warning("firing injected fault %s", f.describe()))
+        self.checkpoints = (RankCheckpoints(self.spec, self.trainer, rank=rank, channel=self.channel,
+                                            storage_down=self.faults.storage_down)
+                            if self.spec.checkpoint else NoCheckpoints())
         if start.mode == "kept" and self._kept_shards is not None:
             self.trainer.load_local_shards(self._kept_shards)
         elif start.mode == "fresh":
@@ -178,13 +188,14 @@ class RankActor:
         elif start.mode == "peer":
             self.trainer.ensure_optimizer_state()
             self.last_step = start.step
+        elif start.mode == "checkpoint":
+            self.checkpoints.restore(start.step)
+            self.last_step = start.step
         else:
             raise ValueError(f"cannot start from {start!r} on rank {rank}")
         self._kept_shards = None
         if sync_replicas:
             self.trainer.sync_from_first_replica()
-        self.faults = FaultInjector(faults, rank=rank,
-                                    on_fire=lambda f: log.warning("firing injected fault %s", f.describe()))
         self._set_phase("ready")
         return self.last_step
 
@@ -223,11 +234,16 @@ class RankActor:
             self.faults.before_step(step)
             result = trainer.train_step(step)
             self.last_step = step
+            self._set_phase("checkpoint")
+            stall = self.checkpoints.after_step(step, last=step == self.spec.steps,
+                                                emergency=result.checkpoint_before_pause)
             self.channel.report("step", step=step, loss=result.loss, dp_rank=trainer.dp_rank,
                                 step_time_s=result.step_time_s, lr=result.lr, grad_norm=result.grad_norm,
-                                phases=result.phases)
+                                phases=result.phases, checkpoint_stall_s=stall)
             if result.pause:
+                self.checkpoints.close(wait=True)  # uploads of this generation are reported before it ends
                 return RunOutcome("paused", self.last_step, state_digest=trainer.state_digest())
+        self.checkpoints.close(wait=True)
         return RunOutcome("finished", self.last_step, state_digest=trainer.state_digest())
 
     def release(self, keep_shards: bool = True) -> None:
@@ -259,6 +275,9 @@ class RankActor:
         this rank would wait for the collective timeout."""
         import torch.distributed as dist
 
+        if self.checkpoints is not None:
+            self.checkpoints.close(wait=False)  # in-flight uploads finish and report on their own
+            self.checkpoints = None
         if self.trainer is not None:
             if keep_shards:
                 self._kept_shards = self.trainer.local_shards()

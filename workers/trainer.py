@@ -240,17 +240,21 @@ class Trainer:
             digest.update(torch.stack(sums).numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's slices of the whole training state, as plain tensors (no mesh attached).
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """``named_state`` with every FSDP module resharded, so each entry is this rank's shard.
 
         Safe after a step failed half-way: modules left gathered by an interrupted forward are
-        resharded first (local, no collective); their sharded values were never modified.
+        resharded (local, no collective); their sharded values were never modified.
         """
         for module in self.modules:
             for submodule in module.modules():
                 if isinstance(submodule, FSDPModule):
                     submodule.reshard()
-        return {name: par.local_slice(value) for name, value in self.named_state().items()}
+        return self.named_state()
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's slices of the whole training state, as plain tensors (no mesh attached)."""
+        return {name: par.local_slice(value) for name, value in self.checkpoint_state().items()}
 
     @torch.no_grad()
     def load_local_shards(self, shards: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,95 @@
+"""The driver's side of checkpoints: commit what the ranks uploaded, choose what to resume from.
+
+Runs on the driver (no torch). The ranks upload their shards and report; ``on_report`` hands
+each report to the commit coordinator, which writes the manifest (the commit) once every rank
+of the step is durable, and turns the outcome into ``checkpoint_committed`` /
+``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from checkpointing.catalog import choose_restore, latest_committed
+from checkpointing.commit import CommitCoordinator
+from checkpointing.manifest import Manifest
+from checkpointing.storage import open_storage
+from elastic.spec import MeshSpec
+from orchestrator.config import JobConfig
+from orchestrator.events import EventLog
+
+log = logging.getLogger("meshpilot")
+
+
+class NoCheckpoints:
+    enabled = False
+    uri = None
+
+    def check_access(self) -> None:
+        return None
+
+    def on_report(self, report: dict[str, Any]) -> None:
+        return None
+
+    def reset(self, mesh: MeshSpec) -> None:
+        return None
+
+    def latest_step(self) -> int | None:
+        return None
+
+    def choose_resume(self, skip_steps: set[int] = frozenset()) -> Manifest | None:
+        return None
+
+
+class DriverCheckpoints:
+    enabled = True
+
+    def __init__(self, config: JobConfig, events: EventLog, *, mesh: MeshSpec) -> None:
+        target = config.checkpoint
+        self.events = events
+        self.model = dataclasses.asdict(config.model_spec)
+        self.config_hash = config.config_hash()
+        self.storage = open_storage(target.uri, endpoint_url=target.endpoint_url, region=target.region,
+                                    part_size=target.part_size_mb << 20, concurrency=target.upload_concurrency)
+        self.uri = self.storage.uri
+        self.coordinator = CommitCoordinator(
+            self.storage, world_size=mesh.world_size, mesh=mesh.as_dict(), config_hash=self.config_hash,
+            model=self.model, keep_last=target.keep_last, keep_every=target.keep_every, on_failure=self._failed,
+        )
+
+    def check_access(self) -> None:
+        """Raise the storage's clear error (credentials, bucket, endpoint) before any rank starts."""
+        self.storage.check_access()
+
+    def on_report(self, report: dict[str, Any]) -> None:
+        manifest = self.coordinator.on_report(report["report"])
+        if manifest is not None:
+            self.events.emit("checkpoint_committed", step=manifest.step, uri=self.uri, bytes=manifest.total_bytes,
+                             upload_s=round(manifest.upload_s, 3))
+
+    def reset(self, mesh: MeshSpec) -> None:
+        """A new generation: half-reported saves of the old mesh will never complete."""
+        self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict())
+
+    def latest_step(self) -> int | None:
+        try:
+            return latest_committed(self.storage)
+        except Exception as error:  # noqa: BLE001 - storage down: no checkpoint to count on now
+            log.warning("cannot list checkpoints under %s: %s", self.uri, error)
+            return None
+
+    def choose_resume(self, skip_steps: set[int] = frozenset()) -> Manifest | None:
+        """The newest intact, compatible checkpoint (falls back past corrupt ones with a warning)."""
+        return choose_restore(self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps,
+                              warn=log.warning)
+
+    def _failed(self, step: int, reason: str) -> None:
+        self.events.emit("checkpoint_failed", step=step, error=reason)
+
+
+def driver_checkpoints(config: JobConfig, events: EventLog) -> DriverCheckpoints | NoCheckpoints:
+    if config.checkpoint.uri is None:
+        return NoCheckpoints()
+    return DriverCheckpoints(config, events, mesh=config.mesh)

@@ -1,0 +1,100 @@
+"""When and what a rank saves, and how it restores: the trainer's side of ``checkpointing/``.
+
+Runs on every rank, in the actor's loop thread; one object per generation (the writer knows
+the rank and the mesh). ``RankCheckpoints.after_step`` stages this rank's slices at the
+configured interval (the only stall) and lets the writer upload in the background;
+``restore`` fills a freshly built trainer from any committed step, whatever mesh wrote it.
+``NoCheckpoints`` is the null object for jobs without ``checkpoint.uri``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from checkpointing.catalog import load_manifest
+from checkpointing.errors import StorageUnreachableError
+from checkpointing.reader import restore
+from checkpointing.storage import StorageBackend, open_storage
+from checkpointing.writer import CheckpointWriter
+from workers.reporting import ReportChannel
+from workers.spec import CheckpointTarget, TrainSpec
+
+
+class NoCheckpoints:
+    def after_step(self, step: int, *, last: bool, emergency: bool) -> float | None:
+        return None
+
+    def restore(self, step: int) -> dict[str, Any]:
+        raise ValueError("checkpoint.uri is not set: there is nothing to restore from")
+
+    def close(self, *, wait: bool) -> None:
+        return None
+
+
+class RankCheckpoints:
+    def __init__(self, spec: TrainSpec, trainer, *, rank: int, channel: ReportChannel,
+                 storage_down: Callable[[], bool] = lambda: False) -> None:
+        target: CheckpointTarget = spec.checkpoint
+        self.spec = spec
+        self.target = target
+        self.trainer = trainer
+        storage = open_storage(target.uri, endpoint_url=target.endpoint_url, region=target.region,
+                               part_size=target.part_size_bytes, concurrency=target.upload_concurrency)
+        self.storage = _Outage(storage, storage_down)
+        self.writer = CheckpointWriter(
+            self.storage, rank=rank, report=lambda report: channel.report("checkpoint", report=report),
+            pin_memory=trainer.device.type == "cuda", max_in_flight=target.max_in_flight, mesh=trainer.world_mesh,
+        )
+        coords = trainer.coords
+        # Plain tensors (optimizer step counters) are the same on every rank of a pipeline
+        # stage: one rank per stage writes them.
+        self.owns_plain_tensors = coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.tp == 0
+
+    def after_step(self, step: int, *, last: bool, emergency: bool) -> float | None:
+        """Save if this step is due (interval, last step, or an emergency); returns the stall."""
+        due = step % self.target.interval_steps == 0 or last
+        if not (due or emergency):
+            return None
+        state = self.trainer.checkpoint_state()
+        extra = self._extra(step)
+        if emergency or not self.target.async_save:
+            return self.writer.save_sync(step, state, extra=extra, owns_plain_tensors=self.owns_plain_tensors)
+        return self.writer.save(step, state, extra=extra, owns_plain_tensors=self.owns_plain_tensors)
+
+    def restore(self, step: int) -> dict[str, Any]:
+        """Fill the trainer with committed step ``step``, resharded to this mesh; returns its extra."""
+        manifest = load_manifest(self.storage, step)
+        self.trainer.ensure_optimizer_state()
+        restore(self.storage, manifest, self.trainer.checkpoint_state(),
+                model=dataclasses.asdict(self.spec.model))
+        return manifest.extra
+
+    def close(self, *, wait: bool) -> None:
+        self.writer.close(wait=wait)
+
+    def _extra(self, step: int) -> dict[str, Any]:
+        """What resuming needs besides tensors: the data cursor is the step (see workers/data.py)."""
+        return {"step": step, "data_cursor": step * self.spec.global_batch, "global_batch": self.spec.global_batch,
+                "lr": self.spec.lr_at(step), "seed": self.spec.seed, "mesh": self.trainer.mesh.as_dict()}
+
+
+class _Outage:
+    """The storage backend, failing every request while an injected outage lasts."""
+
+    def __init__(self, inner: StorageBackend, down: Callable[[], bool]) -> None:
+        self._inner = inner
+        self._down = down
+        self.uri = inner.uri
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            if self._down():
+                raise StorageUnreachableError(f"{self.uri}: injected storage outage")
+            return attribute(*args, **kwargs)
+
+        return call
