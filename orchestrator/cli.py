@@ -16,6 +16,7 @@ from orchestrator.redact import redact_text
 
 COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.train_cli",
+    "orchestrator.demo",
     "orchestrator.plan_cli",
     "orchestrator.report_cli",
     "orchestrator.submit_cli",
