@@ -58,5 +58,5 @@ def test_more_ranks_than_the_cluster_can_place(ray_cluster, tmp_path, monkeypatc
         raise AssertionError("an 8-rank job needing 32 CPUs was placed on a 16-CPU cluster")
     assert message == ("invalid config: parallelism: dp_replicate=1 x pp=2 x dp_shard=2 x tp=2 cannot be placed: "
                        "8 ranks need 32 CPUs and 0 GPUs; the cluster has 16 CPUs and 0 GPUs; lower the degrees, "
-                       "runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes")
+                       "elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes")
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
