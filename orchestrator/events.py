@@ -37,6 +37,27 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Why a ``checkpoint_failed`` happened: the object store gave up, or a change of mesh (failure,
+# drain, grow) dropped a save whose shards were not all durable yet.
+CHECKPOINT_FAILURE_REASONS = ("storage", "interrupted")
+# checkpointing/commit.py's ``error`` text for a save dropped by a reconfiguration.
+_INTERRUPTED_SAVE = "the mesh changed before every rank reported"
+
+
+def checkpoint_failure_reason(event: dict[str, Any]) -> str:
+    """``interrupted`` when a mesh change dropped the save, else ``storage`` (gave up after retries)."""
+    return "interrupted" if _INTERRUPTED_SAVE in str(event.get("error") or "") else "storage"
+
+
+def is_failure_recovery(event: dict[str, Any]) -> bool:
+    """A ``recovered`` event that ends a failure (in place, or by a restore), not a planned pause.
+
+    The controller also reports the end of a drain's pause (``cause: drain``) and of a grow's
+    pause that ended without growing (``cause: grow``) as ``recovered``.
+    """
+    return event.get("event") == "recovered" and str(event.get("cause") or "failure") not in ("drain", "grow")
+
+
 class EventSubscriber(Protocol):
     def on_event(self, event: dict[str, Any]) -> None: ...
 

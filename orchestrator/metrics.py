@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_wsgi_server
 
 from orchestrator.errors import UserError
+from orchestrator.events import CHECKPOINT_FAILURE_REASONS, checkpoint_failure_reason, is_failure_recovery
 from workers.spec import ModelSpec
 
 log = logging.getLogger("meshpilot.metrics")
@@ -137,7 +138,10 @@ METRICS: dict[str, MetricSpec] = {
     "checkpoint_bytes": _counter("checkpoint_bytes", "Bytes of committed checkpoints."),
     "checkpoint_last_bytes": _gauge("checkpoint_last_bytes", "Size of the last committed checkpoint."),
     "checkpoints": _counter("checkpoints_committed", "Checkpoints committed."),
-    "checkpoint_failures": _counter("checkpoint_failures", "Checkpoints given up after retries."),
+    # reason="storage": an upload or the commit gave up after retries (look at the object store);
+    # reason="interrupted": a failure, drain or grow changed the mesh before every rank's shards
+    # were durable, so the save was dropped (the run goes on; nothing is wrong with storage).
+    "checkpoint_failures": _counter("checkpoint_failures", "Checkpoints not committed, by reason.", ("reason",)),
     "checkpoint_last_step": _gauge("checkpoint_last_committed_step", "Step of the last committed checkpoint."),
     "checkpoint_last_time": _gauge("checkpoint_last_committed_timestamp_seconds",
                                    "Unix time of the last commit."),
@@ -147,13 +151,17 @@ METRICS: dict[str, MetricSpec] = {
     "failures": _counter("failures", "Failures detected, by kind.", ("kind",)),
     # Unlabelled, so it exists from the start and changes() sees even the first failure.
     "last_failure_time": _gauge("last_failure_timestamp_seconds", "Unix time of the last failure (0 before any)."),
-    "recoveries": _counter("recoveries", "Recoveries completed."),
+    "recoveries": _counter("recoveries", "Recoveries from a failure completed (in place or from a checkpoint)."),
     "recovery_time": _histogram("recovery_seconds", "Failure to training again (MTTR).", _RECOVERY_BUCKETS),
     "lost_steps": _counter("lost_steps", "Completed steps lost and redone because of failures."),
     "restores": _counter("restores", "Restores from a checkpoint."),
     "restore_time": _histogram("restore_seconds", "Time to load a checkpoint into the mesh.", _TRANSFER_BUCKETS),
     "drains": _counter("drains", "Nodes drained ahead of a spot reclaim or shutdown."),
+    "drain_time": _histogram("drain_seconds", "Drain notice to training again on the smaller mesh.",
+                             _RECOVERY_BUCKETS),
     "grows": _counter("grows", "Times the mesh grew back."),
+    "grow_time": _histogram("grow_seconds", "Pause for a grow to training again on the larger mesh "
+                            "(new ranks joined, state copied from a replica).", _RECOVERY_BUCKETS),
     "heartbeat_age": _gauge("heartbeat_age_seconds", "Oldest heartbeat among the ranks, seconds."),
     "log_messages": _counter("log_messages", "Log messages reported by ranks, by level.", ("level",)),
 }
@@ -223,8 +231,10 @@ class MetricsExporter:
         self._heartbeat_time: float | None = None
         self._heartbeat_extra_age = 0.0
         self._productive = 0.0
-        # Step times since the last commit, so a restore can take lost steps back out of goodput.
-        self._uncommitted_step_seconds: dict[int, float] = {}
+        # Step times since the last-but-one commit, so a restore can take lost steps back out
+        # of goodput (also one that falls back past a corrupt latest checkpoint).
+        self._recent_step_seconds: dict[int, float] = {}
+        self._committed_steps: list[int] = []
         self._rank_children: dict[str, Any] = {}
         self._mesh_shown: dict[str, int] | None = None
         self._warned: set[Any] = set()
@@ -235,6 +245,8 @@ class MetricsExporter:
         m.checkpoint_enabled.set(1 if checkpoint_interval_steps else 0)
         m.checkpoint_interval.set(checkpoint_interval_steps or 0)
         m.mfu.set(math.nan)
+        for reason in CHECKPOINT_FAILURE_REASONS:  # present from the start, so increase() sees the first
+            m.checkpoint_failures.labels(reason=reason)
         m.goodput.set_function(self._goodput)
         m.checkpoint_age.set_function(self._checkpoint_age)
         m.heartbeat_age.set_function(self._heartbeat_age)
@@ -303,7 +315,7 @@ class MetricsExporter:
         m.step_time.observe(step_time)
         self._productive += step_time
         m.effective_seconds.set(self._productive)
-        self._uncommitted_step_seconds[int(event["step"])] = step_time
+        self._recent_step_seconds[int(event["step"])] = step_time
         world_size = event.get("world_size")
         self._set_mesh(event.get("mesh"), world_size)
         if step_time > 0:
@@ -327,13 +339,15 @@ class MetricsExporter:
         if event.get("upload_s") is not None:
             m.checkpoint_upload.observe(float(event["upload_s"]))
         self._last_commit_time = now
-        committed = int(event["step"])
-        self._uncommitted_step_seconds = {
-            step: seconds for step, seconds in self._uncommitted_step_seconds.items() if step > committed
-        }
+        self._committed_steps = [*self._committed_steps[-1:], int(event["step"])]
+        if len(self._committed_steps) == 2:
+            oldest_kept = self._committed_steps[0]
+            self._recent_step_seconds = {
+                step: seconds for step, seconds in self._recent_step_seconds.items() if step > oldest_kept
+            }
 
     def _on_checkpoint_failed(self, event: dict[str, Any]) -> None:
-        self.m.checkpoint_failures.inc()
+        self.m.checkpoint_failures.labels(reason=checkpoint_failure_reason(event)).inc()
 
     def _on_restored(self, event: dict[str, Any]) -> None:
         m = self.m
@@ -343,11 +357,11 @@ class MetricsExporter:
         restored_step = int(event["step"])
         m.step.set(restored_step)
         # Steps after the restored one were done for nothing: they leave the productive time.
-        lost = [s for step, s in self._uncommitted_step_seconds.items() if step > restored_step]
+        lost = [s for step, s in self._recent_step_seconds.items() if step > restored_step]
         self._productive -= sum(lost)
         m.effective_seconds.set(self._productive)
-        self._uncommitted_step_seconds = {
-            step: s for step, s in self._uncommitted_step_seconds.items() if step <= restored_step
+        self._recent_step_seconds = {
+            step: s for step, s in self._recent_step_seconds.items() if step <= restored_step
         }
         self._set_mesh(event.get("to_mesh"), None)
 
@@ -356,10 +370,20 @@ class MetricsExporter:
         self.m.last_failure_time.set(float(event["time"]))
 
     def _on_recovered(self, event: dict[str, Any]) -> None:
+        """Training again after a mesh change; ``cause`` says what changed it.
+
+        The controller also reports the end of a drain's pause, and of a grow's pause that
+        ended without growing, as ``recovered``: those are no failures, so they stay out of
+        the recovery count and MTTR (a drain's pause has its own histogram).
+        """
         m = self.m
-        m.recoveries.inc()
-        if event.get("mttr_s") is not None:
-            m.recovery_time.observe(float(event["mttr_s"]))
+        seconds = event.get("mttr_s")
+        if is_failure_recovery(event):  # in place, or by a restore from a checkpoint
+            m.recoveries.inc()
+            if seconds is not None:
+                m.recovery_time.observe(float(seconds))
+        elif event.get("cause") == "drain" and seconds is not None:
+            m.drain_time.observe(float(seconds))
         m.lost_steps.inc(int(event.get("lost_steps") or 0))
         self._set_mesh(event.get("new_mesh"), None)
         self._heartbeat_time, self._heartbeat_extra_age = float(event["time"]), 0.0
@@ -369,7 +393,10 @@ class MetricsExporter:
 
     def _on_grow(self, event: dict[str, Any]) -> None:
         self.m.grows.inc()
+        if event.get("join_s") is not None:
+            self.m.grow_time.observe(float(event["join_s"]))
         self._set_mesh(event.get("new_mesh"), None)
+        self._heartbeat_time, self._heartbeat_extra_age = float(event["time"]), 0.0
 
     def _on_heartbeat(self, event: dict[str, Any]) -> None:
         ages = event.get("rank_age_s") or {}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UserError
-from orchestrator.events import read_events
+from orchestrator.events import checkpoint_failure_reason, is_failure_recovery, read_events
 
 # Marker styles, one per event kind: (colour, line style, legend label).
 MARKERS: dict[str, tuple[str, str, str]] = {
@@ -24,6 +24,9 @@ MARKERS: dict[str, tuple[str, str, str]] = {
     "grow": ("#1f77b4", "-.", "grow"),
 }
 _MAX_MARKER_LABELS = 16  # beyond this, labels would pile up; lines and the legend still show them
+STARTUP_COLOUR = "#bdbdbd"
+STARTUP_ALPHA = 0.35
+PARTIAL_LOSS_COLOUR = "#e377c2"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,16 @@ class RunSummary:
     drains: int
     grows: int
     world_sizes: tuple[int, ...] = field(default=())
+    # Start event to the first step's start: actors, rendezvous, model build, restore.
+    startup_s: float | None = None
+    checkpoint_bytes: int = 0
+    # Checkpoints dropped because a failure, drain or grow changed the mesh mid-save.
+    checkpoints_interrupted: int = 0
+    # Pauses that were no failure: a drain's, a grow's (seconds each).
+    drain_pause_s: tuple[float, ...] = field(default=())
+    grow_pause_s: tuple[float, ...] = field(default=())
+    # Steps whose loss is the mean over the ranks that reported (a rank died before reporting).
+    partial_loss_steps: tuple[int, ...] = field(default=())
 
     @property
     def goodput(self) -> float:
@@ -102,7 +115,7 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         wall_s=max(0.0, end_time - start["time"]),
         effective_s=sum(float(e.get("step_time_s") or 0.0) for e in productive_steps(events)),
         failures=tuple(str(e.get("kind")) for e in of("failure")),
-        recovery_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered")),
+        recovery_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered") if is_failure_recovery(e)),
         lost_steps=sum(int(e.get("lost_steps") or 0) for e in of("recovered")),
         restores=len(of("restored")),
         checkpoints_committed=len(of("checkpoint_committed")),
@@ -111,24 +124,56 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         drains=len(of("drain")),
         grows=len(of("grow")),
         world_sizes=tuple(world_sizes),
+        startup_s=_startup_end(events) - start["time"] if steps else None,
+        checkpoint_bytes=sum(int(e.get("bytes") or 0) for e in of("checkpoint_committed")),
+        checkpoints_interrupted=sum(1 for e in of("checkpoint_failed") if checkpoint_failure_reason(e) == "interrupted"),
+        drain_pause_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered") if e.get("cause") == "drain"),
+        grow_pause_s=tuple(float(e.get("join_s") or 0.0) for e in of("grow")),
+        partial_loss_steps=tuple(int(e["step"]) for e in steps if e.get("loss_partial")),
     )
+
+
+def _startup_end(events: list[dict[str, Any]]) -> float:
+    """When the first step began (its event time less its duration): start-up ends there."""
+    first = next(e for e in events if e["event"] == "step")
+    start_time = next((e["time"] for e in events if e["event"] == "start"), events[0]["time"])
+    return max(start_time, first["time"] - float(first.get("step_time_s") or 0.0))
 
 
 def format_summary(summary: RunSummary) -> str:
     target = f"/{summary.target_steps}" if summary.target_steps else ""
     recoveries = ", ".join(f"{s:.1f} s" for s in summary.recovery_s) or "none"
     failures = ", ".join(f"{kind} x{summary.failures.count(kind)}" for kind in dict.fromkeys(summary.failures))
+    startup = f" (start-up {_duration(summary.startup_s)})" if summary.startup_s is not None else ""
+    failed = f"{summary.checkpoint_failures} failed"
+    if summary.checkpoints_interrupted:
+        failed += f" ({summary.checkpoints_interrupted} interrupted by a mesh change)"
     lines = [
-        f"run {summary.name}: {summary.status}, step {summary.last_step}{target}, wall time {_duration(summary.wall_s)}",
+        f"run {summary.name}: {summary.status}, step {summary.last_step}{target}, "
+        f"wall time {_duration(summary.wall_s)}{startup}",
         f"effective training time: {_duration(summary.effective_s)} ({summary.goodput:.1%} of wall time)",
         f"failures: {len(summary.failures)}" + (f" ({failures})" if failures else ""),
         f"recovery times: {recoveries}; lost steps: {summary.lost_steps}; restores from checkpoint: {summary.restores}",
-        f"checkpoints: {summary.checkpoints_committed} committed, {summary.checkpoint_failures} failed; "
+        f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
         f"total stall {summary.stall_s:.2f} s",
         f"world size: {' -> '.join(str(size) for size in summary.world_sizes) or 'no steps'}; "
-        f"drains: {summary.drains}; grows: {summary.grows}",
+        f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; grows: {summary.grows}{_pauses(summary.grow_pause_s)}",
     ]
+    if summary.partial_loss_steps:
+        shown = ", ".join(map(str, summary.partial_loss_steps))
+        lines.append(f"loss from the ranks that reported only (a rank died before reporting): step {shown}")
     return "\n".join(lines)
+
+
+def _pauses(seconds: tuple[float, ...]) -> str:
+    return f" (paused {', '.join(f'{s:.1f} s' for s in seconds)})" if seconds else ""
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _duration(seconds: float) -> str:
@@ -180,6 +225,10 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
         speed_ax.plot(xs, [_tokens_per_s(e) for e in segment], color="#17becf", linewidth=1.2)
     kept = {id(e) for e in productive_steps(events)}
     lost = [e for e in steps if id(e) not in kept]
+    partial = [e for e in steps if e.get("loss_partial") and e.get("loss") is not None]
+    if partial:  # a blip there is the missing ranks' share, not the model
+        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=55,
+                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=1.6, zorder=4)
     if lost:
         loss_ax.scatter([at(e) for e in lost], [e.get("loss") for e in lost], marker="x", s=40,
                         color="#7f7f7f", zorder=3, label="lost step (redone)")
@@ -193,6 +242,9 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     if not steps:
         loss_ax.text(0.5, 0.5, "no completed steps", transform=loss_ax.transAxes, ha="center", va="center")
 
+    if summary.startup_s is not None:
+        _draw_startup((loss_ax, speed_ax, world_ax, ckpt_ax), summary.startup_s / scale,
+                      at(events[-1]), _duration(summary.startup_s))
     _draw_markers((loss_ax, speed_ax, world_ax, ckpt_ax), events, at)
     for axis in (loss_ax, speed_ax, world_ax, ckpt_ax):
         axis.grid(True, alpha=0.3)
@@ -201,10 +253,15 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
 
     handles = [Line2D([], [], color=colour, linestyle=style, linewidth=2, label=label)
                for kind, (colour, style, label) in MARKERS.items() if any(e["event"] == kind for e in events)]
+    if summary.startup_s is not None:
+        handles.insert(0, Patch(color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, label="start-up"))
     if any(e["event"] == "failure" for e in events):
         handles.append(Patch(color=MARKERS["failure"][0], alpha=0.12, label="failure -> recovered"))
     if lost:
         handles.append(Line2D([], [], color="#7f7f7f", marker="x", linestyle="", label="lost step (redone)"))
+    if partial:
+        handles.append(Line2D([], [], color=PARTIAL_LOSS_COLOUR, marker="o", markerfacecolor="none", linestyle="",
+                              label="partial loss (a rank did not report)"))
     if handles:  # under the panels, where it hides no data
         figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
 
@@ -278,8 +335,9 @@ def _draw_checkpoints(axis, events: list[dict[str, Any]], at) -> None:
     axis.set_ylim(0, top * 1.6)
     marker_y = top * 1.3
     if committed:
+        total = sum(int(e.get("bytes") or 0) for e in committed)
         axis.scatter([at(e) for e in committed], [marker_y] * len(committed), marker="^", s=60,
-                     color="#006d2c", zorder=3, label="committed")
+                     color="#006d2c", zorder=3, label=f"committed ({len(committed)}, {_size(total)} in all)")
     if failed:
         axis.scatter([at(e) for e in failed], [marker_y] * len(failed), marker="X", s=80,
                      color="#8b0000", zorder=3, label="upload failed")
@@ -290,6 +348,19 @@ def _draw_checkpoints(axis, events: list[dict[str, Any]], at) -> None:
     axis.set_ylabel("checkpoint\nstall (s)")
 
 
+def _ranks_text(ranks: list[Any]) -> str:
+    return ", ".join(map(str, ranks[:6])) + (f" (+{len(ranks) - 6})" if len(ranks) > 6 else "")
+
+
+def _draw_startup(axes, end: float, last: float, duration: str) -> None:
+    """Grey from the start to the first step: the time nothing could train yet."""
+    for axis in axes:
+        axis.axvspan(0, end, color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, linewidth=0)
+    if end > 0.08 * last:  # room for the words
+        axes[0].text(end / 2, 0.5, f"start-up\n{duration}", transform=axes[0].get_xaxis_transform(),
+                     ha="center", va="center", fontsize=10, color="#525252")
+
+
 def _draw_markers(axes, events: list[dict[str, Any]], at) -> None:
     """Vertical lines for failures, recoveries, restores, drains and grows; shaded downtime."""
     marked = [e for e in events if e["event"] in MARKERS]
@@ -298,27 +369,38 @@ def _draw_markers(axes, events: list[dict[str, Any]], at) -> None:
     pending_failure: float | None = None
     for event in marked:
         colour, style, _ = MARKERS[event["event"]]
+        if event["event"] == "recovered" and event.get("cause") in MARKERS and not is_failure_recovery(event):
+            colour = MARKERS[event["cause"]][0]  # the end of a drain's pause: no failure to recover from
         x = at(event)
         for axis in axes:
             axis.axvline(x, color=colour, linestyle=style, linewidth=1.3, alpha=0.85)
         if event["event"] == "failure" and pending_failure is None:
             pending_failure = x
-        elif event["event"] == "recovered" and pending_failure is not None:
+        elif is_failure_recovery(event) and pending_failure is not None:
             for axis in axes:
                 axis.axvspan(pending_failure, x, color=MARKERS["failure"][0], alpha=0.12, linewidth=0)
             pending_failure = None
         if label_them:
+            # What begins a pause is labelled left of its line, what ends it right of its own:
+            # a failure and its recovery a second apart still read apart.
+            left = event["event"] in ("failure", "drain")
             top_axis.annotate(_marker_text(event), (x, 1.0), xycoords=("data", "axes fraction"),
-                              xytext=(2, -4), textcoords="offset points", rotation=90, va="top",
-                              ha="left", fontsize=8, color=colour)
+                              xytext=(-2 if left else 2, -4), textcoords="offset points", rotation=90, va="top",
+                              ha="right" if left else "left", fontsize=8, color=colour,
+                              bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1})
 
 
 def _marker_text(event: dict[str, Any]) -> str:
     name = event["event"]
     if name == "failure":
-        return f"failure: {event.get('kind')}"
+        ranks = event.get("ranks") or []
+        which = f", rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)}" if ranks else ""
+        return f"failure: {event.get('kind')}{which}"
     if name == "recovered":
-        return f"recovered {float(event.get('mttr_s') or 0):.1f} s, lost {event.get('lost_steps') or 0}"
+        seconds = float(event.get("mttr_s") or 0)
+        if not is_failure_recovery(event):
+            return f"training again after {event.get('cause')}, {seconds:.1f} s"
+        return f"recovered {seconds:.1f} s, lost {event.get('lost_steps') or 0}"
     if name == "restored":
         return f"restored step {event.get('step')}"
     if name == "drain":

@@ -11,7 +11,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from checkpointing.spec import FailureReport, ShardReport
 from elastic.spec import MeshSpec
+from orchestrator.checkpoints import DriverCheckpoints
 from orchestrator.config import config_from_dict
 from orchestrator.errors import UserError
 from orchestrator.events import EventLog
@@ -83,14 +85,18 @@ def test_synthetic_run_counts_what_happened():
     assert value(samples, "meshpilot_checkpoints_committed_total") == 5
     assert value(samples, "meshpilot_checkpoint_bytes_total") == 5 * CHECKPOINT_BYTES
     assert value(samples, "meshpilot_checkpoint_last_bytes") == CHECKPOINT_BYTES
-    assert value(samples, "meshpilot_checkpoint_failures_total") == 1
+    assert value(samples, "meshpilot_checkpoint_failures_total", reason="storage") == 1
+    assert value(samples, "meshpilot_checkpoint_failures_total", reason="interrupted") == 0
     assert value(samples, "meshpilot_checkpoint_last_committed_step") == 60
     assert value(samples, "meshpilot_checkpoint_stall_seconds_count") == 6
     assert value(samples, "meshpilot_checkpoint_upload_seconds_count") == 5
     # Failures, recoveries, elasticity.
     assert value(samples, "meshpilot_failures_total", kind="actor_died") == 1
     assert value(samples, "meshpilot_failures_total", kind="node_died") == 1
-    assert value(samples, "meshpilot_recoveries_total") == 2
+    assert value(samples, "meshpilot_recoveries_total") == 2  # the drain's pause is no recovery
+    assert value(samples, "meshpilot_drain_seconds_count") == 1
+    assert value(samples, "meshpilot_drain_seconds_sum") == pytest.approx(0.3)
+    assert value(samples, "meshpilot_grow_seconds_sum") == pytest.approx(1.5)
     assert value(samples, "meshpilot_last_failure_timestamp_seconds") == [
         e for e in events if e["event"] == "failure"][-1]["time"]
     assert value(samples, "meshpilot_recovery_seconds_sum") == pytest.approx(3.0 + 8.5)
@@ -259,3 +265,53 @@ def test_a_taken_port_is_one_clear_error(tmp_path):
         assert third.port is None  # nothing left serving
     finally:
         first.close()
+
+
+def test_a_save_dropped_by_a_mesh_change_is_no_storage_failure(tmp_path):
+    """The driver's own checkpoint path (local storage) emits both kinds of ``checkpoint_failed``."""
+    config = config_from_dict({"checkpoint": {"uri": str(tmp_path / "ckpt")},
+                               "parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}})
+    exporter = MetricsExporter(world_size=4, checkpoint_interval_steps=4)
+    checkpoints = DriverCheckpoints(config, EventLog(None, [exporter]), mesh=config.mesh)
+    assert value(scrape(exporter), "meshpilot_checkpoint_failures_total", reason="storage") == 0
+    checkpoints.on_report({"report": ShardReport(step=8, rank=0).to_dict()})  # 1 of 4 ranks durable
+    checkpoints.reset(MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1))  # a replica left: the save is dropped
+    checkpoints.on_report({"report": FailureReport(step=12, rank=1, error="SlowDown", attempts=5).to_dict()})
+    samples = scrape(exporter)
+    assert value(samples, "meshpilot_checkpoint_failures_total", reason="interrupted") == 1
+    assert value(samples, "meshpilot_checkpoint_failures_total", reason="storage") == 1
+
+
+def test_goodput_takes_back_steps_after_a_fallback_to_an_older_checkpoint():
+    exporter = MetricsExporter(world_size=2, checkpoint_interval_steps=2, clock=FakeClock(100.0))
+    exporter.on_event({"event": "start", "time": 0.0, "world_size": 2})
+    for step in range(1, 7):
+        exporter.on_event({"event": "step", "time": float(step), "step": step, "tokens": 1, "step_time_s": 1.0})
+        if step in (2, 4):
+            exporter.on_event({"event": "checkpoint_committed", "time": step + 0.1, "step": step, "bytes": 1})
+    # step 4's checkpoint turned out corrupt: the restore fell back to step 2, steps 3-6 are redone
+    exporter.on_event({"event": "restored", "time": 10.0, "step": 2, "restore_s": 1.0})
+    assert value(scrape(exporter), "meshpilot_effective_training_seconds") == 2.0
+
+
+def test_pauses_that_were_no_failure_stay_out_of_the_recovery_figures():
+    exporter = MetricsExporter(world_size=4)
+    full, half = {"dp_replicate": 2, "dp_shard": 2}, {"dp_replicate": 1, "dp_shard": 2}
+    exporter.on_event({"event": "drain", "time": 1.0, "node": "n1", "ranks": [2, 3]})
+    exporter.on_event({"event": "recovered", "time": 2.0, "mttr_s": 0.8, "lost_steps": 0, "old_mesh": full,
+                       "new_mesh": half, "cause": "drain"})
+    exporter.on_event({"event": "recovered", "time": 3.0, "mttr_s": 0.2, "lost_steps": 0, "old_mesh": half,
+                       "new_mesh": half, "cause": "grow"})  # a grow's pause that ended without growing
+    exporter.on_event({"event": "grow", "time": 9.0, "new_mesh": full, "added_ranks": [2, 3], "join_s": 1.2})
+    samples = scrape(exporter)
+    assert value(samples, "meshpilot_recoveries_total") == 0
+    assert value(samples, "meshpilot_recovery_seconds_count") == 0
+    assert value(samples, "meshpilot_drain_seconds_sum") == 0.8
+    assert value(samples, "meshpilot_grow_seconds_sum") == 1.2
+    assert value(samples, "meshpilot_world_size") == 4
+    exporter.on_event({"event": "recovered", "time": 12.0, "mttr_s": 0.7, "lost_steps": 0, "old_mesh": full,
+                       "new_mesh": half, "cause": "failure"})
+    samples = scrape(exporter)
+    assert value(samples, "meshpilot_recoveries_total") == 1
+    assert value(samples, "meshpilot_recovery_seconds_sum") == 0.7
+    assert value(samples, "meshpilot_world_size") == 2

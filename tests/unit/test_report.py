@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
 import orchestrator.cli as cli
-from orchestrator.report import MARKERS, format_summary, load_events, render_timeline, summarize
+from orchestrator.report import (
+    MARKERS,
+    PARTIAL_LOSS_COLOUR,
+    STARTUP_ALPHA,
+    STARTUP_COLOUR,
+    format_summary,
+    load_events,
+    render_timeline,
+    summarize,
+)
 from tests.fixtures.synthetic_events import START_TIME, synthetic_run, write_events
 
 
@@ -20,9 +30,14 @@ def report_main(monkeypatch):
     return cli.main
 
 
+def colour_share(image: np.ndarray, hex_colour: str, tolerance: float = 6 / 255, *, alpha: float = 1.0) -> float:
+    """Share of the pixels that show ``hex_colour`` (drawn with ``alpha`` over white)."""
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]) * alpha + (1 - alpha)
+    return float((np.abs(image[..., :3] - rgb).max(axis=-1) <= tolerance).mean())
+
+
 def has_colour(image: np.ndarray, hex_colour: str, tolerance: float = 6 / 255) -> bool:
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
-    return bool((np.abs(image[..., :3] - rgb).max(axis=-1) <= tolerance).any())
+    return colour_share(image, hex_colour, tolerance) > 0
 
 
 def test_summary_of_a_run_with_failures_and_checkpoints():
@@ -44,6 +59,8 @@ def test_summary_of_a_run_with_failures_and_checkpoints():
     assert "recovery times: 3.0 s, 8.5 s; lost steps: 2; restores from checkpoint: 1" in text
     assert "failures: 2 (actor_died x1, node_died x1)" in text
     assert f"total stall {summary.stall_s:.2f} s" in text
+    assert "checkpoints: 5 committed (240.0 MB), 1 failed;" in text
+    assert "drains: 1 (paused 0.3 s); grows: 1 (paused 1.5 s)" in text  # pauses, not recoveries
 
 
 def test_report_command_draws_the_timeline_and_prints_the_summary(tmp_path, report_main, capsys):
@@ -106,3 +123,44 @@ def test_load_events_keeps_order_and_fields(tmp_path):
     events = synthetic_run()
     write_events(tmp_path, events)
     assert load_events(tmp_path) == json.loads(json.dumps(events))
+
+
+RECORDED_RUN = Path(__file__).resolve().parents[1] / "data" / "run-kill-rank3"
+
+
+def test_report_of_a_recorded_real_run_with_a_killed_rank(tmp_path, report_main, capsys):
+    """events.jsonl of a real run, recorded with
+
+        meshpilot train configs/tiny-3d.yaml --set parallelism.dp_replicate=2 --set parallelism.dp_shard=2 \\
+          --set parallelism.tp=1 --set parallelism.pp=1 --set training.steps=20 \\
+          --set checkpoint.uri=/tmp/obs2/ckpt1 --set checkpoint.interval_steps=4 --inject kill@8:3
+
+    Rank 3 died after applying step 7 but before reporting it; its replica group left and the
+    other one went on alone (4 -> 2 ranks) with no step lost; checkpoints every 4 steps.
+    """
+    out = tmp_path / "timeline.png"
+    assert report_main(["report", str(RECORDED_RUN), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines() == [
+        "run tiny-3d: finished, step 20/20, wall time 21.0 s (start-up 9.4 s)",
+        "effective training time: 10.7 s (50.8% of wall time)",
+        "failures: 1 (rank_died x1)",
+        "recovery times: 0.7 s; lost steps: 0; restores from checkpoint: 0",
+        "checkpoints: 5 committed (13.9 MB), 0 failed; total stall 0.06 s",
+        "world size: 4 -> 2; drains: 0; grows: 0",
+        "loss from the ranks that reported only (a rank died before reporting): step 7",
+        f"timeline: {out}",
+    ]
+    events = load_events(RECORDED_RUN)
+    summary = summarize(events)
+    steps = [e for e in events if e["event"] == "step"]
+    assert summary.effective_s == pytest.approx(sum(e["step_time_s"] for e in steps))
+    assert summary.checkpoint_bytes == 5 * 2_789_620
+    assert summary.partial_loss_steps == (7,)
+    image = imread(out)
+    for colour in (MARKERS["failure"][0], MARKERS["recovered"][0], PARTIAL_LOSS_COLOUR):
+        assert has_colour(image, colour), colour
+    # 9.4 s of 21 s grey across every panel: start-up, not a gap in the data
+    assert colour_share(image, STARTUP_COLOUR, alpha=STARTUP_ALPHA) > 0.2
+    for kind in ("drain", "grow", "restored"):  # nothing of the kind happened
+        assert not has_colour(image, MARKERS[kind][0]), kind
