@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from orchestrator.metrics import MetricsExporter, build_metrics
+from orchestrator.run import run_training
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, synthetic_run
 from workers.spec import PRESETS
 
@@ -48,6 +49,20 @@ class Prometheus:
     def api(self, path: str) -> dict:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=5) as response:
             return json.load(response)["data"]
+
+    def distinct_values(self, expr: str, start: float, end: float) -> list[float]:
+        """The values ``expr`` (one series) took between start and end, each change once, in order."""
+        address = f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(
+            {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "0.5"})
+        with urllib.request.urlopen(address, timeout=5) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        [series] = body["data"]["result"]
+        values: list[float] = []
+        for _, text in series["values"]:
+            if not values or values[-1] != float(text):
+                values.append(float(text))
+        return values
 
     def wait_for_value(self, expr: str, expected: float) -> None:
         """Poll until ``expr`` gives exactly one sample equal to ``expected``."""
@@ -165,32 +180,94 @@ def test_the_shipped_alert_rules_evaluate_against_live_data(prometheus):
         exporter.close()
 
 
-def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, tmp_path):  # ray_cluster: tests/fixtures
-    from orchestrator.config import config_from_dict
-    from orchestrator.events import read_events
-    from orchestrator.run import run_training
+class ServedPastTheRun:
+    """The exporter ``run_training`` builds, serves and feeds, left serving when the run returns.
 
-    config = config_from_dict({
-        "name": "scraped-run", "data": {"source": "synthetic"},
-        "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1},
-        "training": {"steps": 12, "warmup_steps": 2, "global_batch": 8, "seq_len": 64},
-        "metrics": {"targets_dir": str(prometheus.targets_dir)},
-    })
-    exporter = build_metrics(config)
-    url = exporter.start_server(config.metrics.host, config.metrics.port)
-    assert url.startswith("http://127.0.0.1:")
+    Prometheus only learns of the last events at its next scrape; keeping the run's own
+    exporter up a little longer lets the test ask at leisure instead of racing the exit.
+    """
+
+    def __init__(self, exporter: MetricsExporter) -> None:
+        self.exporter = exporter
+
+    def __getattr__(self, name: str):
+        return getattr(self.exporter, name)
+
+    def close(self) -> None:  # the test closes it once it has asked
+        pass
+
+
+def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, s3_bucket, tmp_path, monkeypatch):
+    """Two replica groups of two ranks checkpoint to S3 every 2 steps; rank 3 is killed at step 4.
+
+    Prometheus, finding the run through the target file its driver writes, must show the steps,
+    the bytes of every committed checkpoint, and the mesh shrinking from 4 ranks to 2 with one
+    failure and one recovery time, the same as events.jsonl says.
+    """
+    import orchestrator.run as run_module
+    from orchestrator.config import load_config
+    from orchestrator.events import checkpoint_failure_reason, read_events
+    from tests.faults.harness import ELASTIC_LAYOUT
+    from tests.jobs import DEMO_CONFIG, REPO
+    from workers.faults import FaultSpec
+
+    steps = 6
+    config = load_config(DEMO_CONFIG, [
+        f"data.path={REPO / 'data' / 'sample.txt'}", *ELASTIC_LAYOUT, "name=scraped-run", f"training.steps={steps}",
+        f"checkpoint.uri={s3_bucket.uri}", f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
+        "checkpoint.interval_steps=2", f"metrics.targets_dir={prometheus.targets_dir}",
+    ])
+    served = ServedPastTheRun(build_metrics(config))
+    monkeypatch.setattr(run_module, "build_metrics", lambda _config: served)
+    began = time.time()
     try:
-        result = run_training(config, tmp_path / "run", subscribers=[exporter])
+        result = run_training(config, tmp_path / "run", faults=(FaultSpec.parse("kill@4:3"),))
         assert result.exit_code == 0, result.reason
-        steps = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "step"]
-        assert len(steps) == 12
+        assert served.port is not None  # run_training started it on metrics.host / metrics.port
+        events = read_events(tmp_path / "run" / "events.jsonl")
+
+        def of(kind: str) -> list[dict]:
+            return [e for e in events if e["event"] == kind]
+
+        commits = of("checkpoint_committed")
+        [failure] = of("failure")
+        [recovered] = of("recovered")
+        assert failure["kind"] == "rank_died" and failure["ranks"] == [3]
+        assert [e["step"] for e in of("step")] == list(range(1, steps + 1))
+        assert commits and commits[-1]["step"] == steps and all(e["bytes"] > 0 for e in commits)
+        assert all(e["uri"] == s3_bucket.uri for e in commits)
+        grown = len(of("grow"))  # replacement actors may join before the end (not within 6 steps here)
+
         run = '{run="scraped-run"}'
-        prometheus.wait_for_value(f"meshpilot_steps_total{run}", 12)
-        prometheus.wait_for_value(f"meshpilot_step{run}", 12)
-        prometheus.wait_for_value(f"meshpilot_tokens_total{run}", 12 * 8 * 64)
-        prometheus.wait_for_value(f"meshpilot_world_size{run}", 2)
-        prometheus.wait_for_value(f"meshpilot_loss{run}", steps[-1]["loss"])
-        prometheus.wait_for_value(f'count(meshpilot_rank_step_time_seconds{{run="scraped-run"}})', 2)
+        prometheus.wait_for_value(f'up{{job="meshpilot", run="scraped-run"}}', 1)
+        prometheus.wait_for_value(f"meshpilot_steps_total{run}", steps)
+        prometheus.wait_for_value(f"meshpilot_step{run}", steps)
+        prometheus.wait_for_value(f"meshpilot_tokens_total{run}", steps * 16 * 64)
+        prometheus.wait_for_value(f"meshpilot_loss{run}", of("step")[-1]["loss"])
+        # checkpoints, as committed to the S3 bucket
+        prometheus.wait_for_value(f"meshpilot_checkpoint_bytes_total{run}", sum(e["bytes"] for e in commits))
+        prometheus.wait_for_value(f"meshpilot_checkpoints_committed_total{run}", len(commits))
+        prometheus.wait_for_value(f"meshpilot_checkpoint_last_committed_step{run}", steps)
+        prometheus.wait_for_value(f'meshpilot_checkpoint_failures_total{{run="scraped-run", reason="storage"}}', 0)
+        interrupted = sum(1 for e in of("checkpoint_failed") if checkpoint_failure_reason(e) == "interrupted")
+        prometheus.wait_for_value(f'meshpilot_checkpoint_failures_total{{run="scraped-run", reason="interrupted"}}',
+                                  interrupted)
+        # the failure: one replica group left, the mesh went from 4 ranks to 2
+        prometheus.wait_for_value(f'meshpilot_failures_total{{run="scraped-run", kind="rank_died"}}', 1)
+        prometheus.wait_for_value(f"meshpilot_recoveries_total{run}", 1)
+        prometheus.wait_for_value(f"meshpilot_recovery_seconds_count{run}", 1)
+        prometheus.wait_for_value(f"meshpilot_recovery_seconds_sum{run}", recovered["mttr_s"])
+        prometheus.wait_for_value(f"meshpilot_lost_steps_total{run}", 0)
+        prometheus.wait_for_value(f"meshpilot_world_size{run}", 2 if not grown else 4)
+        prometheus.wait_for_value(f'meshpilot_mesh_degree{{run="scraped-run", dim="dp_replicate"}}',
+                                  1 if not grown else 2)
+        prometheus.wait_for_value(f'count(meshpilot_rank_step_time_seconds{{run="scraped-run"}})',
+                                  2 if not grown else 4)
         prometheus.wait_for_value(f"meshpilot_running{run}", 0)
+        # what Prometheus recorded over the run: 4 ranks, then 2 after the failure
+        history = prometheus.distinct_values(f"meshpilot_world_size{run}", began, time.time())
+        assert history[:2] == [4.0, 2.0], history
+        assert history == ([4.0, 2.0] if not grown else [4.0, 2.0, 4.0]), history
     finally:
-        exporter.close()
+        served.exporter.close()
+    assert list(prometheus.targets_dir.glob("*.json")) == []  # the target is withdrawn at exit
