@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ DEFAULT_JOB = {
     "name": "metrics-overhead", "data": {"source": "synthetic"},
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1},
     "training": {"warmup_steps": 2},
+    "metrics": {"enabled": False},  # the bench switches its own exporter on and off
 }
 
 
@@ -84,24 +84,18 @@ class SwitchedExporter:
 
 
 def run_ab(config, *, block: int, scrape_interval_s: float) -> dict[str, Any]:
-    import ray
-
-    from orchestrator.cluster import _pythonpath
     from orchestrator.events import read_events
     from orchestrator.run import run_training
 
+    # The run's own exporter stays off (metrics.enabled=false): only the switched one below
+    # sees events, so "off" blocks really run without metrics.
+    assert not config.metrics.enabled
     exporter = MetricsExporter.from_config(config)
     url = exporter.start_server("127.0.0.1", 0)
     switch = SwitchedExporter(exporter, url, block=block, scrape_interval_s=scrape_interval_s)
-    started_ray = False
-    if not ray.is_initialized():
-        # address="local": a cluster of our own, never another `ray start` on this machine.
-        ray.init(address="local", num_cpus=max(4, config.mesh.world_size), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
-        started_ray = True
     try:
         with tempfile.TemporaryDirectory(prefix="meshpilot-bench-") as run_dir:
+            # run_training starts an embedded Ray cluster of its own and stops it again.
             result = run_training(config, Path(run_dir), subscribers=[switch])
             if result.exit_code != 0:
                 raise SystemExit(f"training failed: {result.reason}")
@@ -109,8 +103,6 @@ def run_ab(config, *, block: int, scrape_interval_s: float) -> dict[str, Any]:
     finally:
         switch.close()
         exporter.close()
-        if started_ray:
-            ray.shutdown()
     warm = [e for e in steps if e["step"] > block]  # the first block pays for start-up
     on = [e["step_time_s"] for e in warm if switch.is_on(e["step"])]
     off = [e["step_time_s"] for e in warm if not switch.is_on(e["step"])]
@@ -147,7 +139,7 @@ def main() -> None:
     parser.add_argument("--scrape-interval", type=float, default=1.0, dest="scrape_interval_s")
     args = parser.parse_args()
     if args.config:
-        config = load_config(args.config, [f"training.steps={args.steps}"])
+        config = load_config(args.config, [f"training.steps={args.steps}", "metrics.enabled=false"])
     else:
         config = config_from_dict({**DEFAULT_JOB, "training": {**DEFAULT_JOB["training"], "steps": args.steps}})
 
