@@ -25,6 +25,7 @@ from rich.logging import RichHandler
 
 from elastic.spec import MeshSpec
 from orchestrator.redact import redact, redact_text
+from orchestrator.events import checkpoint_failure_reason, is_failure_recovery
 
 LOGGER_NAME = "meshpilot"
 CONSOLE_FORMATS = ("rich", "json")
@@ -175,8 +176,11 @@ class ConsoleEventPrinter:
             return logging.WARNING, (f"failure: {get('kind')} on node {get('node')}, ranks "
                                      f"{_ranks(get('ranks'))}: {get('message')}")
         if name == "recovered":
-            return logging.INFO, (f"recovered in {float(get('mttr_s') or 0):.1f} s: {_mesh(get('old_mesh'))} -> "
-                                  f"{_mesh(get('new_mesh'))}, {get('lost_steps') or 0} steps lost")
+            change = f"{_mesh(get('old_mesh'))} -> {_mesh(get('new_mesh'))}"
+            if not is_failure_recovery(event):  # the end of a drain's (or an idle grow's) pause
+                return logging.INFO, f"training again after the {get('cause')} in {float(get('mttr_s') or 0):.1f} s: {change}"
+            return logging.INFO, (f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, "
+                                  f"{get('lost_steps') or 0} steps lost")
         if name == "restored":
             return logging.INFO, (f"restored step {get('step')} from {get('uri')} in "
                                   f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}")
@@ -184,6 +188,8 @@ class ConsoleEventPrinter:
             return logging.INFO, (f"checkpoint step {get('step')} committed: {_megabytes(get('bytes'))} in "
                                   f"{float(get('upload_s') or 0):.1f} s -> {get('uri')}")
         if name == "checkpoint_failed":
+            if checkpoint_failure_reason(event) == "interrupted":  # storage is fine: the mesh moved on
+                return logging.INFO, f"checkpoint step {get('step')} dropped: {get('error')}"
             return logging.WARNING, f"checkpoint step {get('step')} failed: {get('error')}"
         if name == "drain":
             return logging.WARNING, (f"draining node {get('node')} (ranks {_ranks(get('ranks'))}): "

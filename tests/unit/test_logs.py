@@ -107,8 +107,20 @@ def test_console_printer_tells_what_happened(console_text):
     assert "restored step 50 from s3://bucket/run/step-00000050" in shown
     assert "[rank 3] step slower than its peers" in shown
     assert "draining node node-2 (ranks 4, 5, 6, 7): spot instance-action notice" in shown
+    assert "training again after the drain in 0.3 s: dp_replicate=2 x pp=2 x tp=2 -> pp=2 x tp=2" in shown
     assert "done: finished after 60 steps" in shown
     assert "loss" not in shown  # steps are the progress bar's, not the log's
+
+
+def test_a_save_dropped_by_a_mesh_change_is_no_warning(console_text):
+    console, buffer = console_text
+    printer = ConsoleEventPrinter(setup_logging(console=console))
+    printer.on_event({"event": "checkpoint_failed", "time": 0.0, "step": 8,
+                      "error": "the mesh changed before every rank reported"})
+    assert "checkpoint step 8 dropped: the mesh changed before every rank reported" in buffer.getvalue()
+    assert "WARNING" not in buffer.getvalue()
+    printer.on_event({"event": "checkpoint_failed", "time": 0.0, "step": 12, "error": "rank 1 gave up: SlowDown"})
+    assert "WARNING  checkpoint step 12 failed: rank 1 gave up: SlowDown" in buffer.getvalue()
 
 
 def test_console_printer_hides_rank_info_below_its_level(console_text):
