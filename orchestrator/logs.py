@@ -178,7 +178,8 @@ class ConsoleEventPrinter:
         if name == "recovered":
             change = f"{_mesh(get('old_mesh'))} -> {_mesh(get('new_mesh'))}"
             if not is_failure_recovery(event):  # the end of a drain's (or an idle grow's) pause
-                return logging.INFO, f"training again after the {get('cause')} in {float(get('mttr_s') or 0):.1f} s: {change}"
+                return logging.INFO, (f"training again after the {get('cause')} in "
+                                      f"{float(get('mttr_s') or 0):.1f} s: {change}")
             return logging.INFO, (f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, "
                                   f"{get('lost_steps') or 0} steps lost")
         if name == "restored":

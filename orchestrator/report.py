@@ -126,7 +126,7 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         world_sizes=tuple(world_sizes),
         startup_s=_startup_end(events) - start["time"] if steps else None,
         checkpoint_bytes=sum(int(e.get("bytes") or 0) for e in of("checkpoint_committed")),
-        checkpoints_interrupted=sum(1 for e in of("checkpoint_failed") if checkpoint_failure_reason(e) == "interrupted"),
+        checkpoints_interrupted=sum(checkpoint_failure_reason(e) == "interrupted" for e in of("checkpoint_failed")),
         drain_pause_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered") if e.get("cause") == "drain"),
         grow_pause_s=tuple(float(e.get("join_s") or 0.0) for e in of("grow")),
         partial_loss_steps=tuple(int(e["step"]) for e in steps if e.get("loss_partial")),
@@ -157,7 +157,8 @@ def format_summary(summary: RunSummary) -> str:
         f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
         f"total stall {summary.stall_s:.2f} s",
         f"world size: {' -> '.join(str(size) for size in summary.world_sizes) or 'no steps'}; "
-        f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; grows: {summary.grows}{_pauses(summary.grow_pause_s)}",
+        f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; "
+        f"grows: {summary.grows}{_pauses(summary.grow_pause_s)}",
     ]
     if summary.partial_loss_steps:
         shown = ", ".join(map(str, summary.partial_loss_steps))
@@ -227,8 +228,8 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     lost = [e for e in steps if id(e) not in kept]
     partial = [e for e in steps if e.get("loss_partial") and e.get("loss") is not None]
     if partial:  # a blip there is the missing ranks' share, not the model
-        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=55,
-                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=1.6, zorder=4)
+        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=70,
+                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=2.0, zorder=4)
     if lost:
         loss_ax.scatter([at(e) for e in lost], [e.get("loss") for e in lost], marker="x", s=40,
                         color="#7f7f7f", zorder=3, label="lost step (redone)")
@@ -332,17 +333,20 @@ def _draw_checkpoints(axis, events: list[dict[str, Any]], at) -> None:
         top = max(stalls) or 1.0
     else:
         top = 1.0
-    axis.set_ylim(0, top * 1.6)
+    axis.set_ylim(0, top * 2.0)  # the top quarter holds the legend, clear of the markers below it
     marker_y = top * 1.3
     if committed:
         total = sum(int(e.get("bytes") or 0) for e in committed)
         axis.scatter([at(e) for e in committed], [marker_y] * len(committed), marker="^", s=60,
                      color="#006d2c", zorder=3, label=f"committed ({len(committed)}, {_size(total)} in all)")
-    if failed:
-        axis.scatter([at(e) for e in failed], [marker_y] * len(failed), marker="X", s=80,
-                     color="#8b0000", zorder=3, label="upload failed")
+    for reason, colour, label in (("storage", "#8b0000", "upload failed"),
+                                  ("interrupted", "#7f7f7f", "dropped: mesh changed mid-save")):
+        these = [e for e in failed if checkpoint_failure_reason(e) == reason]
+        if these:
+            axis.scatter([at(e) for e in these], [marker_y] * len(these), marker="X", s=80,
+                         color=colour, zorder=3, label=label)
     if staged or committed or failed:
-        axis.legend(loc="upper left", fontsize=8, ncol=3, framealpha=0.9)
+        axis.legend(loc="upper left", fontsize=8, ncol=4, framealpha=0.9)
     else:
         axis.text(0.5, 0.5, "no checkpoints", transform=axis.transAxes, ha="center", va="center", color="#7f7f7f")
     axis.set_ylabel("checkpoint\nstall (s)")

@@ -164,3 +164,14 @@ def test_report_of_a_recorded_real_run_with_a_killed_rank(tmp_path, report_main,
     assert colour_share(image, STARTUP_COLOUR, alpha=STARTUP_ALPHA) > 0.2
     for kind in ("drain", "grow", "restored"):  # nothing of the kind happened
         assert not has_colour(image, MARKERS[kind][0]), kind
+
+
+def test_a_save_dropped_by_a_mesh_change_is_told_apart(tmp_path):
+    events = synthetic_run()
+    failure_at = next(i for i, e in enumerate(events) if e["event"] == "failure")
+    events.insert(failure_at + 1, {"event": "checkpoint_failed", "time": events[failure_at]["time"], "step": 20,
+                                   "error": "the mesh changed before every rank reported"})
+    summary = summarize(events)
+    assert (summary.checkpoint_failures, summary.checkpoints_interrupted) == (2, 1)
+    assert "5 committed (240.0 MB), 2 failed (1 interrupted by a mesh change);" in format_summary(summary)
+    assert render_timeline(events, tmp_path / "t.png").stat().st_size > 10_000
