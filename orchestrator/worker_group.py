@@ -183,7 +183,8 @@ class WorkerGroup:
     def _start_store_host(self) -> None:
         if self.store_host is not None:
             return
-        strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=True)
+        # Hard affinity: the store must outlive every rank, so it lives where the driver does.
+        strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=False)
         self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
         self.store_address = ray.get(self.store_host.address.remote(), timeout=self.start_timeout_s)
 
