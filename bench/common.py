@@ -1,8 +1,8 @@
-"""Helpers shared by the benchmarks: subprocess timing, JSON output, the results file.
+"""Helpers shared by the benchmarks: subprocess timing and the JSON result line.
 
 Every benchmark prints human-readable lines, then, as its last stdout line, one JSON object
-with our figure, the reference measured in the same run, and their ratio. The latest figures
-are also merged into bench/results/latest.json (read by `meshpilot simulate` for defaults).
+with our figure, the reference measured in the same run, and their ratio. Figures the goodput
+simulator uses are also recorded with ``orchestrator.bench_figures.record_figure``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "latest.json"
 
 
 def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
@@ -35,9 +34,7 @@ def steady_step_time(completions: list[float], warmup: int) -> float:
     return statistics.median(gaps)
 
 
-def emit(result: dict[str, Any], *, section: str) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    merged = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    merged[section] = {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    RESULTS.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-    print(json.dumps(result))
+def emit(result: dict[str, Any]) -> None:
+    """The benchmark's last stdout line."""
+    result = {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(json.dumps(result), flush=True)

@@ -67,7 +67,7 @@ def main() -> None:
     }
     print(f"steady step: meshpilot {ours:.3f} s vs torchrun {reference:.3f} s (x{ours / reference:.3f}); "
           f"command to first step: {ours_start:.1f} s vs {torchrun_start:.1f} s")
-    emit(result, section="overhead")
+    emit(result)
 
 
 if __name__ == "__main__":

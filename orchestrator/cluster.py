@@ -91,10 +91,10 @@ def driver_node_id() -> str:
 
 
 def free_nodes() -> list[NodeCapacity]:
-    """Alive nodes with the CPUs and GPUs not yet reserved, now."""
+    """Alive nodes that are not draining, with the CPUs and GPUs not yet reserved, now."""
     from ray._private import state
 
-    alive = {node.node_id for node in alive_nodes()}
+    alive = {node.node_id for node in alive_nodes()} - draining_nodes()
     free = []
     for node_id, resources in state.available_resources_per_node().items():
         if node_id in alive:

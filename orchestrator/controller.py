@@ -392,6 +392,7 @@ class Controller:
             if node and node not in self._drain_nodes:
                 log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.get("reason"))
                 self._drain_nodes.add(node)
+                self.group.avoid_nodes.add(node)
 
     # ---------------------------------------------------------------- settling
     def _begin_settling(self, state: Running, purpose: str, *, lost: dict[int, Lost] | None = None,
@@ -568,7 +569,9 @@ class Controller:
         nodes = sorted({loss.node for loss in lost.values() if loss.node})
         self.events.emit("failure", kind=kinds[0] if len(kinds) == 1 else ",".join(kinds), ranks=sorted(lost),
                          node=nodes[0] if len(nodes) == 1 else (nodes or None),
-                         message=group_errors({rank: loss.message for rank, loss in lost.items()}))
+                         message=group_errors({rank: loss.message for rank, loss in lost.items()}),
+                         # The tracebacks behind the one-line message, for whoever debugs it.
+                         details={str(rank): loss.message for rank, loss in lost.items() if "\n" in loss.message})
         # Faults fired in this generation are consumed: a redo of the step must not fire them again.
         self.pending_faults = [f for f in self.pending_faults if f.step > self.router.last_emitted_step + 1]
 

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "else an embedded local cluster)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
     parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
-                        help="inject a fault (repeatable): kill, raise, hang, drain, s3_outage or driver, "
+                        help="inject a fault (repeatable): kill, raise, hang, drain, sigterm, s3_outage or driver, "
                              "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1")
     parser.set_defaults(handler=handle)
 

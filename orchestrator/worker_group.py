@@ -122,6 +122,8 @@ class WorkerGroup:
         self.active: list[RankSlot] = []
         self.store_host = None
         self.store_address: tuple[str, int] | None = None
+        # Nodes announced as going away (a cloud notice Ray does not know of): never used again.
+        self.avoid_nodes: set[str] = set()
 
     # ------------------------------------------------------------------ start
     def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
@@ -152,7 +154,7 @@ class WorkerGroup:
 
     def start_replica_in_background(self, mesh: MeshSpec) -> bool:
         """Start one replica group's worth of actors without waiting; False if nothing has room now."""
-        nodes = cluster.free_nodes()
+        nodes = [node for node in cluster.free_nodes() if node.node_id not in self.avoid_nodes]
         if shortfall(mesh.with_replicas(1), self.per_rank, nodes):
             return False
         target = spread_replicas(1, self.per_rank, mesh.replica_size, nodes)[0]
@@ -183,7 +185,8 @@ class WorkerGroup:
     def _start_store_host(self) -> None:
         if self.store_host is not None:
             return
-        strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=True)
+        # Hard affinity: the store must outlive every rank, so it lives where the driver does.
+        strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=False)
         self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
         self.store_address = ray.get(self.store_host.address.remote(), timeout=self.start_timeout_s)
 

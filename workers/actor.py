@@ -155,6 +155,7 @@ class RankActor:
                   start: StartFrom, sync_replicas: bool = False, faults: tuple[FaultSpec, ...] = ()) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
         from workers.checkpoints import NoCheckpoints, RankCheckpoints
+        from workers.parallelize import forget_old_meshes
         from workers.rendezvous import StepCommitter, connect_store
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
@@ -165,6 +166,7 @@ class RankActor:
         self.rank, self.generation, self.mesh = rank, generation, mesh
         self.channel.rank = rank
         self._stop.clear()
+        forget_old_meshes()
         if self.store is None:
             self.store = connect_store(*store_address)
         sockets_before = socket_inodes()
@@ -205,8 +207,10 @@ class RankActor:
         Unless it finished, the rank leaves the generation on the way out: it keeps its slices
         and frees every process group, which also releases peers still blocked on it.
         """
+        from workers.parallelize import forget_old_meshes
         from workers.trainer import StepAborted
 
+        forget_old_meshes()  # this thread's DTensor caches may hold an earlier generation's meshes
         self._loop_thread = threading.get_ident()
         outcome: RunOutcome
         try:

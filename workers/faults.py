@@ -9,6 +9,7 @@ the same fault hits the same place in every run. Kinds fired on the rank side:
     raise       raise an exception in the step (a software error)
     hang        stop making progress inside the step (a deadlock, a stuck device)
     drain       ask Ray to drain this rank's node, as a spot reclaim or autoscaler would
+    sigterm     send SIGTERM to this rank's process, as a pod's termination does
     s3_outage   make every storage request of this rank fail for STORAGE_OUTAGE_S seconds
 
 and on the driver side:
@@ -24,7 +25,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-RANK_KINDS = ("kill", "raise", "hang", "drain", "s3_outage")
+RANK_KINDS = ("kill", "raise", "hang", "drain", "sigterm", "s3_outage")
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
 DRIVER_KINDS = ("driver", "node")
@@ -89,6 +90,8 @@ class FaultInjector:
                 time.sleep(3600)
         elif fault.kind == "drain":
             _drain_this_node(f"injected fault {fault.describe()}")
+        elif fault.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
         elif fault.kind == "s3_outage":
             self.storage_outage_until = time.monotonic() + STORAGE_OUTAGE_S
 

@@ -160,3 +160,21 @@ def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
     return full[index]
+
+
+def forget_old_meshes() -> None:
+    """Drop DTensor's caches that remember meshes of an earlier generation.
+
+    Call in every thread, at the start of every generation, before it runs DTensor ops.
+    A DeviceMesh compares equal to one of an earlier generation with the same layout (names,
+    shape, thread), so the sharding-propagation cache would hand back output specs that hold
+    the old mesh object, whose process-group names no longer resolve once a shrink and a grow
+    bring the same layout back ("Could not resolve the process group registered under ...").
+    The propagation cache is per thread: clear it on the thread that will use it.
+    """
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -55,6 +55,7 @@ class FakeGroup:
         self.killed: list[int] = []
         self.shut_down = False
         self.generation_runs = 0
+        self.avoid_nodes = set()
 
     def start(self, mesh, spare_replicas=0) -> None:
         self.active = [FakeSlot(i) for i in range(mesh.world_size)]

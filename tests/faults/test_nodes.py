@@ -1,0 +1,124 @@
+"""Nodes come and go: a node is removed, drained (Ray, a cloud notice, SIGTERM), then added back.
+
+Each replica group lives on its own worker node (custom resource ``faultnode``), as replica
+groups spread over failure domains on a real cluster.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, WorkerNodes, assert_completed_like, of_kind, run_job
+from tests.jobs import losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+LONG_STEPS = 120  # long enough for a new node's actors to start and join before the end
+FAST = ("training.seq_len=32",)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """Losses of the uninterrupted job, per run length (the LR schedule depends on it)."""
+    cache: dict[int, dict[int, float]] = {}
+
+    def of(steps: int) -> dict[int, float]:
+        if steps not in cache:
+            result, events = run_job(tmp_path_factory.mktemp("uninterrupted"), *ELASTIC_LAYOUT, *FAST,
+                                     f"training.steps={steps}")
+            assert result.exit_code == 0, result.reason
+            cache[steps] = losses(events)
+        return cache[steps]
+
+    return of
+
+
+@pytest.fixture
+def worker_nodes(ray_cluster):
+    nodes = WorkerNodes(ray_cluster, 2)
+    yield nodes
+    nodes.close()
+
+
+def test_lost_node_shrinks_then_a_new_node_grows_the_mesh_back(reference, worker_nodes, tmp_path):
+    added = []
+
+    def add_a_node_after_recovery(event):
+        if event["event"] == "recovered" and not added:
+            added.append(worker_nodes.add())
+
+    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={LONG_STEPS}",
+                             faults=("node@5:2",), node_fault=worker_nodes.remove, on_event=add_a_node_after_recovery)
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(LONG_STEPS), LONG_STEPS)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "node_lost" and failure["ranks"] == [2, 3]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
+    [grow] = of_kind(events, "grow")
+    assert grow["new_mesh"]["dp_replicate"] == 2 and grow["added_ranks"] == [2, 3]
+    assert events[-1]["replicas_consistent"] is True
+
+
+@pytest.mark.parametrize("fault", ["drain@5:2", "sigterm@5:2"], ids=["ray-drain", "sigterm"])
+def test_drain_notice_leaves_at_a_step_boundary_with_zero_lost_steps(fault, reference, worker_nodes, tmp_path):
+    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}",
+                             faults=(fault,))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(STEPS), STEPS)
+    assert not of_kind(events, "failure")
+    [drain] = of_kind(events, "drain")
+    assert drain["ranks"] == [2, 3]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["cause"] == "drain" and recovered["lost_steps"] == 0
+    assert recovered["new_mesh"]["dp_replicate"] == 1
+
+
+class _InstanceActionEndpoint(http.server.BaseHTTPRequestHandler):
+    """The cloud's metadata endpoint on loopback: 404 ("nothing scheduled") until a node is doomed."""
+
+    doomed: set[str] = set()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        node = self.path.strip("/")
+        if node in self.doomed:
+            body = b'{"action": "terminate", "time": "2026-11-22T12:00:00Z"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_cloud_instance_action_notice_drains_that_node(reference, worker_nodes, tmp_path):
+    _InstanceActionEndpoint.doomed = set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _InstanceActionEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    doomed_node = worker_nodes.nodes[1].node_id
+
+    def announce_at_step_4(event):
+        if event["event"] == "step" and event["step"] == 4:
+            _InstanceActionEndpoint.doomed.add(doomed_node)
+
+    try:
+        result, events = run_job(
+            tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}",
+            f"elastic.instance_action_url=http://127.0.0.1:{server.server_port}/{{node_id}}",
+            "elastic.instance_action_poll_s=0.5", on_event=announce_at_step_4)
+    finally:
+        server.shutdown()
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(STEPS), STEPS)
+    [drain] = of_kind(events, "drain")
+    # the whole replica group on the doomed node leaves, whichever one Ray placed there
+    assert drain["node"] == doomed_node and drain["ranks"] in ([0, 1], [2, 3])
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
