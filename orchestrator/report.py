@@ -55,7 +55,7 @@ class RunSummary:
     # Pauses that were no failure: a drain's, a grow's (seconds each).
     drain_pause_s: tuple[float, ...] = field(default=())
     grow_pause_s: tuple[float, ...] = field(default=())
-    # Steps whose loss is the mean over the ranks that reported (a rank died before reporting).
+    # Steps whose loss is the mean over the ranks that reported (a rank left before its report).
     partial_loss_steps: tuple[int, ...] = field(default=())
 
     @property
@@ -154,16 +154,22 @@ def format_summary(summary: RunSummary) -> str:
         f"effective training time: {_duration(summary.effective_s)} ({summary.goodput:.1%} of wall time)",
         f"failures: {len(summary.failures)}" + (f" ({failures})" if failures else ""),
         f"recovery times: {recoveries}; lost steps: {summary.lost_steps}; restores from checkpoint: {summary.restores}",
-        f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
-        f"total stall {summary.stall_s:.2f} s",
+        _checkpoint_line(summary, failed),
         f"world size: {' -> '.join(str(size) for size in summary.world_sizes) or 'no steps'}; "
         f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; "
         f"grows: {summary.grows}{_pauses(summary.grow_pause_s)}",
     ]
     if summary.partial_loss_steps:
         shown = ", ".join(map(str, summary.partial_loss_steps))
-        lines.append(f"loss from the ranks that reported only (a rank died before reporting): step {shown}")
+        lines.append(f"loss from the ranks that reported only (a rank left before its report): step {shown}")
     return "\n".join(lines)
+
+
+def _checkpoint_line(summary: RunSummary, failed: str) -> str:
+    if not (summary.checkpoints_committed or summary.checkpoint_failures or summary.stall_s):
+        return "checkpoints: none"
+    return (f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
+            f"total stall {summary.stall_s:.2f} s")
 
 
 def _pauses(seconds: tuple[float, ...]) -> str:
@@ -252,8 +258,12 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     ckpt_ax.set_xlabel(f"time since start ({unit})")
     ckpt_ax.set_xlim(left=0, right=max(at(events[-1]) * 1.01, 1.0))
 
+    shown = {e["event"] for e in events if e["event"] != "recovered" or is_failure_recovery(e)}
     handles = [Line2D([], [], color=colour, linestyle=style, linewidth=2, label=label)
-               for kind, (colour, style, label) in MARKERS.items() if any(e["event"] == kind for e in events)]
+               for kind, (colour, style, label) in MARKERS.items() if kind in shown]
+    if any(e["event"] == "recovered" and e.get("cause") == "drain" for e in events):
+        handles.append(Line2D([], [], color=MARKERS["drain"][0], linestyle=MARKERS["recovered"][1], linewidth=2,
+                              label="training again after a drain"))
     if summary.startup_s is not None:
         handles.insert(0, Patch(color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, label="start-up"))
     if any(e["event"] == "failure" for e in events):
@@ -352,6 +362,14 @@ def _draw_checkpoints(axis, events: list[dict[str, Any]], at) -> None:
     axis.set_ylabel("checkpoint\nstall (s)")
 
 
+def _node_text(node: Any) -> str:
+    """Ray node ids are 56 hex digits: the first 8 tell them apart in a picture."""
+    if isinstance(node, list):
+        return f"{len(node)} nodes"
+    text = str(node or "?")
+    return f"node {text[:8]}" if len(text) > 12 else f"node {text}"
+
+
 def _ranks_text(ranks: list[Any]) -> str:
     return ", ".join(map(str, ranks[:6])) + (f" (+{len(ranks) - 6})" if len(ranks) > 6 else "")
 
@@ -408,5 +426,6 @@ def _marker_text(event: dict[str, Any]) -> str:
     if name == "restored":
         return f"restored step {event.get('step')}"
     if name == "drain":
-        return f"drain {event.get('node') or ''}".strip()
+        ranks = event.get("ranks") or []
+        return f"drain: {_node_text(event.get('node'))}, rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)}"
     return f"grow +{len(event.get('added_ranks') or [])} ranks"

@@ -7,6 +7,7 @@ import math
 import statistics
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +17,7 @@ from elastic.spec import MeshSpec
 from orchestrator.checkpoints import DriverCheckpoints
 from orchestrator.config import config_from_dict
 from orchestrator.errors import UserError
-from orchestrator.events import EventLog
+from orchestrator.events import EventLog, read_events
 from orchestrator.metrics import (
     METRICS,
     MetricsExporter,
@@ -315,3 +316,16 @@ def test_pauses_that_were_no_failure_stay_out_of_the_recovery_figures():
     assert value(samples, "meshpilot_recoveries_total") == 1
     assert value(samples, "meshpilot_recovery_seconds_sum") == 0.7
     assert value(samples, "meshpilot_world_size") == 2
+
+
+def test_a_recorded_real_drain_and_grow_are_no_recoveries():
+    """The real event stream of a Ray drain (tests/data/run-drain-grow, see test_report.py)."""
+    events = read_events(Path(__file__).resolve().parents[1] / "data" / "run-drain-grow" / "events.jsonl")
+    samples = scrape(fed_exporter(events))
+    assert value(samples, "meshpilot_drains_total") == 1
+    assert value(samples, "meshpilot_drain_seconds_sum") == next(
+        e["mttr_s"] for e in events if e["event"] == "recovered" and e["cause"] == "drain")
+    assert value(samples, "meshpilot_grow_seconds_sum") == next(e["join_s"] for e in events if e["event"] == "grow")
+    assert value(samples, "meshpilot_recoveries_total") == 0 and value(samples, "meshpilot_recovery_seconds_count") == 0
+    assert value(samples, "meshpilot_world_size") == 4 and value(samples, "meshpilot_steps_total") == 24
+    assert {labels for name, labels in samples if name == "meshpilot_failures_total"} == set()

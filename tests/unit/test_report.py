@@ -15,6 +15,7 @@ from orchestrator.report import (
     PARTIAL_LOSS_COLOUR,
     STARTUP_ALPHA,
     STARTUP_COLOUR,
+    _marker_text,
     format_summary,
     load_events,
     render_timeline,
@@ -148,7 +149,7 @@ def test_report_of_a_recorded_real_run_with_a_killed_rank(tmp_path, report_main,
         "recovery times: 0.7 s; lost steps: 0; restores from checkpoint: 0",
         "checkpoints: 5 committed (13.9 MB), 0 failed; total stall 0.06 s",
         "world size: 4 -> 2; drains: 0; grows: 0",
-        "loss from the ranks that reported only (a rank died before reporting): step 7",
+        "loss from the ranks that reported only (a rank left before its report): step 7",
         f"timeline: {out}",
     ]
     events = load_events(RECORDED_RUN)
@@ -175,3 +176,30 @@ def test_a_save_dropped_by_a_mesh_change_is_told_apart(tmp_path):
     assert (summary.checkpoint_failures, summary.checkpoints_interrupted) == (2, 1)
     assert "5 committed (240.0 MB), 2 failed (1 interrupted by a mesh change);" in format_summary(summary)
     assert render_timeline(events, tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_report_of_a_recorded_real_drain_and_grow(tmp_path, report_main, capsys):
+    """events.jsonl of tests/faults/test_nodes.py's Ray drain (``drain@5:2``): each replica group on
+    its own Ray node; rank 2's node is drained, its replica group leaves at a step boundary, and
+    a replacement replica group joins later (4 -> 2 -> 4 ranks). No failure, nothing lost.
+    """
+    run_dir = Path(__file__).resolve().parents[1] / "data" / "run-drain-grow"
+    out = tmp_path / "timeline.png"
+    assert report_main(["report", str(run_dir), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "run tiny-3d: finished, step 24/24, wall time 58.5 s (start-up 23.0 s)",
+        "effective training time: 33.0 s (56.3% of wall time)",
+        "failures: 0",
+        "recovery times: none; lost steps: 0; restores from checkpoint: 0",  # a drain is no failure
+        "checkpoints: none",
+        "world size: 4 -> 2 -> 4; drains: 1 (paused 5.1 s); grows: 1 (paused 3.4 s)",
+        "loss from the ranks that reported only (a rank left before its report): step 5",
+        f"timeline: {out}",
+    ]
+    image = imread(out)
+    for kind in ("drain", "grow"):
+        assert has_colour(image, MARKERS[kind][0]), kind
+    for kind in ("failure", "recovered", "restored"):  # no failure, so no recovery drawn either
+        assert not has_colour(image, MARKERS[kind][0]), kind
+    drain = next(e for e in load_events(run_dir) if e["event"] == "drain")
+    assert _marker_text(drain) == f"drain: node {drain['node'][:8]}, ranks 2, 3"  # not 56 hex digits
