@@ -57,6 +57,11 @@ log = logging.getLogger("meshpilot")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 143  # 128 + SIGTERM
+
+
+class DriverTerminated(BaseException):
+    """SIGTERM reached the driver (its pod or machine is going away): checkpoint, then stop."""
 
 # Seconds between looks at the cluster for drains and spare capacity (each is a GCS call).
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -120,7 +125,7 @@ class Settling:
 
 @dataclass(frozen=True)
 class Finished:
-    status: str  # finished | failed | interrupted
+    status: str  # finished | failed | interrupted | preempted
     exit_code: int
     reason: str | None = None
 
@@ -199,6 +204,8 @@ class Controller:
                 self.step()
         except KeyboardInterrupt:
             self.state = self._interrupt()
+        except DriverTerminated:
+            self.state = self._preempt()
         except BaseException as error:
             self.state = Finished("failed", EXIT_FAILED, reason=str(error))
             raise
@@ -623,6 +630,23 @@ class Controller:
     def _fail(self, kind: str, message: str) -> Finished:
         log.error("run failed (%s): %s", kind, message)
         return Finished("failed", EXIT_FAILED, reason=message)
+
+    def _preempt(self, grace_s: float = 120.0) -> Finished:
+        """SIGTERM on the driver: save at the next step boundary, commit, stop; a rerun resumes there."""
+        if not isinstance(self.state, Running) or not self.checkpoints.enabled:
+            log.warning("terminated: stopping%s", "" if self.checkpoints.enabled else " (checkpoint.uri is not set: "
+                        "nothing is saved)")
+            return self._interrupt()
+        log.warning("terminated: saving a checkpoint at the next step boundary, then stopping")
+        self.group.request_pause(self.state.generation, checkpoint=True)
+        deadline = time.monotonic() + grace_s
+        while not self.state.calls.done and time.monotonic() < deadline:
+            self.state.calls.collect(timeout=0.2)
+            self._drain_reports()
+        self._drain_reports()
+        saved = self.checkpoints.latest_step()
+        return Finished("preempted", EXIT_PREEMPTED,
+                        reason=f"terminated; checkpoint step {saved} is the place to resume from")
 
     def _interrupt(self, grace_s: float = 15.0) -> Finished:
         """Ctrl-C: let the step in flight finish everywhere, then stop (a second Ctrl-C stops at once)."""

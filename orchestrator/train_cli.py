@@ -53,6 +53,7 @@ def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     faults = parse_faults(args.inject)
     view = ProgressView(force_plain=args.plain)
-    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults)
+    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults,
+                          handle_sigterm=True)
     view.console.print(f"run directory: {result.run_dir}")
     return result.exit_code
