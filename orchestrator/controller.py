@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elastic.hardware import gpu_spec
 from elastic.placement import RankResources
+from elastic.planner import best_mesh
 from elastic.policy import (
     Continue,
     Decision,
@@ -525,7 +527,7 @@ class Controller:
         warm = self.group.warm()
         if len(warm) < state.mesh.world_size and not self.group.starting():
             self.group.start_replica_in_background(state.mesh)  # False when no node has room
-        target = restore_mesh(state.mesh, available_ranks=len(warm), fits=self._fits)
+        target = self._restore_target(state.mesh, len(warm))
         out_of_time = time.monotonic() > state.deadline
         if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
             if out_of_time:
@@ -566,6 +568,18 @@ class Controller:
         hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining)}
         return sum(1 for replica in mesh.replica_groups() if replica.index in hit
                    for rank in replica.ranks if rank not in lost and rank not in draining)
+
+    def _restore_target(self, mesh: MeshSpec, available: int) -> MeshSpec | None:
+        """The mesh to restore onto with ``available`` ranks: the planner's pick when it fits
+        what the trainer can run, else the largest mesh keeping tp and pp."""
+        if available >= mesh.world_size:
+            return mesh
+        planned = best_mesh(self.spec.model, available_ranks=available, gpus_per_node=max(1, mesh.tp),
+                            hardware=gpu_spec(), global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
+                            fixed={"tp": mesh.tp, "pp": mesh.pp}) if available > 0 else None
+        if planned is not None and planned.world_size <= available and self._fits(planned):
+            return planned
+        return restore_mesh(mesh, available_ranks=available, fits=self._fits)
 
     def _fits(self, mesh: MeshSpec) -> bool:
         per_round = mesh.dp * self.spec.microbatches * self.spec.microbatch_size
