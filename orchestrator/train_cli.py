@@ -7,7 +7,6 @@ import argparse
 from orchestrator.config import load_config
 from orchestrator.errors import UserError
 from orchestrator.progress import ProgressView
-from orchestrator.run import run_training
 from workers.faults import FaultSpec
 
 
@@ -47,6 +46,8 @@ def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from orchestrator.run import run_training  # Ray and the controller: only when a job runs
+
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"runtime.address={args.address}")
