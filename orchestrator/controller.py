@@ -375,8 +375,9 @@ class Controller:
         return None
 
     def _start_replacements(self, mesh: MeshSpec) -> None:
-        """Start actors in the background for replica groups the job wants and cannot form yet."""
-        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size
+        """Start actors in the background for replica groups the job wants and cannot form yet,
+        and to keep the pool of warm spares full."""
+        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size + self.config.elastic.spare_actors
         have = len(self.group.warm()) + len(self.group.starting())
         if wanted > have:
             self.group.start_replica_in_background(mesh)
