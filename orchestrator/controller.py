@@ -301,9 +301,10 @@ class Controller:
 
     # ----------------------------------------------------------------- running
     def _supervise(self, state: Running) -> State:
+        # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
+        # rank queued before returning are drained right after.
+        state.calls.collect(timeout=self.poll_interval_s)
         self._drain_reports()
-        state.calls.collect(timeout=0)
-        self._drain_reports()  # reports queued just before a rank returned
         self._fire_driver_faults()
         lost = self._losses(state)
         returned = state.calls.results
@@ -320,7 +321,6 @@ class Controller:
             changed = self._housekeeping(state)
             if changed is not None:
                 return changed
-        time.sleep(self.poll_interval_s)
         return state
 
     def _check_replicas(self, mesh: MeshSpec, outcomes: dict[int, Any]) -> None:
