@@ -21,6 +21,14 @@ class CorruptCheckpointError(CheckpointError):
         super().__init__(message)
         self.key = key
 
+    def __reduce__(self):
+        # Raised on a rank, handled on the driver: it must survive pickling with its key.
+        return _corrupt, (str(self), self.key)
+
+
+def _corrupt(message: str, key: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(message, key=key)
+
 
 class ManifestVersionError(CheckpointError):
     """The manifest was written by a newer meshpilot (or is not ours)."""

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elastic.hardware import gpu_spec
 from elastic.placement import RankResources
+from elastic.planner import best_mesh
 from elastic.policy import (
     Continue,
     Decision,
@@ -57,6 +59,11 @@ log = logging.getLogger("meshpilot")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 143  # 128 + SIGTERM
+
+
+class DriverTerminated(BaseException):
+    """SIGTERM reached the driver (its pod or machine is going away): checkpoint, then stop."""
 
 # Seconds between looks at the cluster for drains and spare capacity (each is a GCS call).
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -120,7 +127,7 @@ class Settling:
 
 @dataclass(frozen=True)
 class Finished:
-    status: str  # finished | failed | interrupted
+    status: str  # finished | failed | interrupted | preempted
     exit_code: int
     reason: str | None = None
 
@@ -199,6 +206,8 @@ class Controller:
                 self.step()
         except KeyboardInterrupt:
             self.state = self._interrupt()
+        except DriverTerminated:
+            self.state = self._preempt()
         except BaseException as error:
             self.state = Finished("failed", EXIT_FAILED, reason=str(error))
             raise
@@ -292,9 +301,10 @@ class Controller:
 
     # ----------------------------------------------------------------- running
     def _supervise(self, state: Running) -> State:
+        # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
+        # rank queued before returning are drained right after.
+        state.calls.collect(timeout=self.poll_interval_s)
         self._drain_reports()
-        state.calls.collect(timeout=0)
-        self._drain_reports()  # reports queued just before a rank returned
         self._fire_driver_faults()
         lost = self._losses(state)
         returned = state.calls.results
@@ -311,7 +321,6 @@ class Controller:
             changed = self._housekeeping(state)
             if changed is not None:
                 return changed
-        time.sleep(self.poll_interval_s)
         return state
 
     def _check_replicas(self, mesh: MeshSpec, outcomes: dict[int, Any]) -> None:
@@ -366,8 +375,9 @@ class Controller:
         return None
 
     def _start_replacements(self, mesh: MeshSpec) -> None:
-        """Start actors in the background for replica groups the job wants and cannot form yet."""
-        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size
+        """Start actors in the background for replica groups the job wants and cannot form yet,
+        and to keep the pool of warm spares full."""
+        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size + self.config.elastic.spare_actors
         have = len(self.group.warm()) + len(self.group.starting())
         if wanted > have:
             self.group.start_replica_in_background(mesh)
@@ -518,7 +528,7 @@ class Controller:
         warm = self.group.warm()
         if len(warm) < state.mesh.world_size and not self.group.starting():
             self.group.start_replica_in_background(state.mesh)  # False when no node has room
-        target = restore_mesh(state.mesh, available_ranks=len(warm), fits=self._fits)
+        target = self._restore_target(state.mesh, len(warm))
         out_of_time = time.monotonic() > state.deadline
         if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
             if out_of_time:
@@ -559,6 +569,18 @@ class Controller:
         hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining)}
         return sum(1 for replica in mesh.replica_groups() if replica.index in hit
                    for rank in replica.ranks if rank not in lost and rank not in draining)
+
+    def _restore_target(self, mesh: MeshSpec, available: int) -> MeshSpec | None:
+        """The mesh to restore onto with ``available`` ranks: the planner's pick when it fits
+        what the trainer can run, else the largest mesh keeping tp and pp."""
+        if available >= mesh.world_size:
+            return mesh
+        planned = best_mesh(self.spec.model, available_ranks=available, gpus_per_node=max(1, mesh.tp),
+                            hardware=gpu_spec(), global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
+                            fixed={"tp": mesh.tp, "pp": mesh.pp}) if available > 0 else None
+        if planned is not None and planned.world_size <= available and self._fits(planned):
+            return planned
+        return restore_mesh(mesh, available_ranks=available, fits=self._fits)
 
     def _fits(self, mesh: MeshSpec) -> bool:
         per_round = mesh.dp * self.spec.microbatches * self.spec.microbatch_size
@@ -623,6 +645,23 @@ class Controller:
     def _fail(self, kind: str, message: str) -> Finished:
         log.error("run failed (%s): %s", kind, message)
         return Finished("failed", EXIT_FAILED, reason=message)
+
+    def _preempt(self, grace_s: float = 120.0) -> Finished:
+        """SIGTERM on the driver: save at the next step boundary, commit, stop; a rerun resumes there."""
+        if not isinstance(self.state, Running) or not self.checkpoints.enabled:
+            log.warning("terminated: stopping%s", "" if self.checkpoints.enabled else " (checkpoint.uri is not set: "
+                        "nothing is saved)")
+            return self._interrupt()
+        log.warning("terminated: saving a checkpoint at the next step boundary, then stopping")
+        self.group.request_pause(self.state.generation, checkpoint=True)
+        deadline = time.monotonic() + grace_s
+        while not self.state.calls.done and time.monotonic() < deadline:
+            self.state.calls.collect(timeout=0.2)
+            self._drain_reports()
+        self._drain_reports()
+        saved = self.checkpoints.latest_step()
+        return Finished("preempted", EXIT_PREEMPTED,
+                        reason=f"terminated; checkpoint step {saved} is the place to resume from")
 
     def _interrupt(self, grace_s: float = 15.0) -> Finished:
         """Ctrl-C: let the step in flight finish everywhere, then stop (a second Ctrl-C stops at once)."""

@@ -15,17 +15,13 @@ import time
 from pathlib import Path
 
 from checkpointing.catalog import list_committed
-from checkpointing.export import export_hf
 from checkpointing.local_s3 import LocalS3Server
 from checkpointing.storage import open_storage
-from orchestrator.cluster import SOURCE_ROOT
 from orchestrator.config import load_config
 from orchestrator.progress import ProgressView
 from orchestrator.redact import register_secret
 from orchestrator.report import format_summary, load_events, render_timeline, summarize
-from orchestrator.run import run_training
 
-DEMO_CONFIG = SOURCE_ROOT / "configs" / "tiny-3d.yaml"
 BUCKET = "meshpilot-demo"
 
 
@@ -40,6 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from orchestrator.cluster import SOURCE_ROOT
+    from orchestrator.run import run_training  # Ray and the controller: only when a job runs
+
+    from checkpointing.export import export_hf  # torch: only once the demo runs
+
     run_dir = Path(args.run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     view = ProgressView(force_plain=args.plain)
@@ -52,11 +53,11 @@ def handle(args: argparse.Namespace) -> int:
         os.environ.update(server.env())
         server.create_bucket(BUCKET)
         uri = f"s3://{BUCKET}/tiny-3d"
-        config = load_config(DEMO_CONFIG, [
+        config = load_config(SOURCE_ROOT / "configs" / "tiny-3d.yaml", [
             f"data.path={SOURCE_ROOT / 'data' / 'sample.txt'}", f"checkpoint.uri={uri}",
             f"checkpoint.endpoint_url={server.endpoint_url}", *args.overrides,
         ])
-        result = run_training(config, run_dir, subscribers=[view], console=console)
+        result = run_training(config, run_dir, subscribers=[view], console=console, handle_sigterm=True)
         if result.exit_code != 0:
             console.print(f"[red]the demo run ended with status {result.status}[/]: {result.reason}")
             return result.exit_code

@@ -6,6 +6,7 @@ session's Ray cluster already up, which it then reuses and leaves running).
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.console import Console
 
 from orchestrator import cluster
 from orchestrator.config import JobConfig
-from orchestrator.controller import Controller
+from orchestrator.controller import Controller, DriverTerminated
 from orchestrator.events import EventLog
 from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.metrics import build_metrics
@@ -45,11 +46,12 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
 
 def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
                  console: Console | None = None, faults: tuple[FaultSpec, ...] = (),
-                 node_fault: Callable[[str], None] | None = None) -> RunResult:
+                 node_fault: Callable[[str], None] | None = None, handle_sigterm: bool = False) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
     The event log feeds the metrics exporter, the per-rank log files and the console, so all
-    of them see the same run.
+    of them see the same run. With ``handle_sigterm`` (the CLI), SIGTERM saves a checkpoint at
+    the next step boundary and stops, instead of killing the driver mid-step.
     """
     run_dir = prepare_run_dir(config, run_dir)
     logger = setup_logging(run_dir=run_dir, console=console)
@@ -62,6 +64,9 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if url:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
+        if handle_sigterm:
+            # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
+            signal.signal(signal.SIGTERM, _raise_terminated)
         final = Controller(config, events, faults=faults, node_fault=node_fault).run()
     finally:
         events.close()
@@ -70,3 +75,7 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if started_here:
             ray.shutdown()
     return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise DriverTerminated()

@@ -7,7 +7,6 @@ import argparse
 from orchestrator.config import load_config
 from orchestrator.errors import UserError
 from orchestrator.progress import ProgressView
-from orchestrator.run import run_training
 from workers.faults import FaultSpec
 
 
@@ -47,12 +46,15 @@ def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from orchestrator.run import run_training  # Ray and the controller: only when a job runs
+
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"runtime.address={args.address}")
     config = load_config(args.config, overrides)
     faults = parse_faults(args.inject)
     view = ProgressView(force_plain=args.plain)
-    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults)
+    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults,
+                          handle_sigterm=True)
     view.console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
     return result.exit_code
