@@ -220,6 +220,7 @@ class Controller:
 
     def step(self) -> None:
         """One iteration of the state machine."""
+        self._emit_heartbeat()  # in every state: a long start-up or restore is not silence
         state = self.state
         if isinstance(state, Starting):
             self.state = self._start(state)
@@ -363,7 +364,6 @@ class Controller:
 
     def _housekeeping(self, state: Running) -> State | None:
         """Drains, grows and replacement actors; returns a new state when the mesh must change."""
-        self._emit_heartbeat()
         draining = self._draining_ranks()
         if draining:
             return self._begin_settling(state, "drain", draining=draining)
@@ -456,6 +456,7 @@ class Controller:
 
     def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
         self._all_returned_at = None
+        self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
         applied = [r.last_step for rank, r in state.calls.results.items()
                    if rank not in lost and isinstance(r, RunOutcome)]
         resume_step = min(applied) if applied else self.last_step
@@ -598,8 +599,8 @@ class Controller:
         self.pending_faults = [f for f in self.pending_faults if f.step > self.router.last_emitted_step + 1]
 
     # ---------------------------------------------------------------- reports
-    def _drain_reports(self) -> None:
-        for rank, heartbeat in self.group.poll(min(1.0, self.config.elastic.heartbeat_timeout_s)).items():
+    def _drain_reports(self, timeout: float = 1.0) -> None:
+        for rank, heartbeat in self.group.poll(min(timeout, self.config.elastic.heartbeat_timeout_s)).items():
             if isinstance(heartbeat, CallFailed):
                 continue  # a dead actor: its run call says so
             self.detector.heard(rank, heartbeat.waiting, heartbeat.where)

@@ -21,19 +21,23 @@ from orchestrator.redact import redact
 # Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("run_dir", "name", "mesh", "world_size", "steps", "global_batch", "seq_len", "config_hash"),
-    "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s"),
+    # loss_partial / reported_ranks only when a rank died between applying the step and reporting it.
+    "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s",
+             "grad_norm", "completed_at", "loss_partial", "reported_ranks"),
     "checkpoint_staged": ("step", "stall_s"),
     "checkpoint_committed": ("step", "uri", "bytes", "upload_s"),
-    "checkpoint_failed": ("step", "error"),
+    # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
+    "checkpoint_failed": ("step", "error", "reason"),
     "restored": ("step", "uri", "from_mesh", "to_mesh", "restore_s"),
-    "failure": ("kind", "ranks", "node", "message"),
-    "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh"),
+    "failure": ("kind", "ranks", "node", "message", "details"),
+    # cause: failure | restore | drain | grow
+    "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh", "cause", "refilled_ranks"),
     "drain": ("node", "ranks", "reason"),
-    "grow": ("new_mesh", "added_ranks", "join_s"),
+    "grow": ("new_mesh", "added_ranks", "join_s", "old_mesh"),
     "log": ("rank", "level", "message"),
     # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
     "heartbeat": ("rank_age_s",),
-    "done": ("status", "steps", "elapsed_s"),
+    "done": ("status", "steps", "elapsed_s", "reason", "replicas_consistent"),
 }
 
 
@@ -45,7 +49,13 @@ _INTERRUPTED_SAVE = "the mesh changed before every rank reported"
 
 
 def checkpoint_failure_reason(event: dict[str, Any]) -> str:
-    """``interrupted`` when a mesh change dropped the save, else ``storage`` (gave up after retries)."""
+    """``interrupted`` when a mesh change dropped the save, else ``storage`` (gave up after retries).
+
+    The driver says so in the event's ``reason``; runs recorded before it did are told apart
+    by the coordinator's wording.
+    """
+    if event.get("reason") in CHECKPOINT_FAILURE_REASONS:
+        return event["reason"]
     return "interrupted" if _INTERRUPTED_SAVE in str(event.get("error") or "") else "storage"
 
 
