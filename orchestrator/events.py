@@ -21,23 +21,35 @@ from orchestrator.redact import redact
 # Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("run_dir", "name", "mesh", "world_size", "steps", "global_batch", "seq_len", "config_hash"),
-    # loss_partial / reported_ranks only when a rank died between applying the step and reporting it.
-    "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s",
-             "grad_norm", "completed_at", "loss_partial", "reported_ranks"),
+    "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s"),
     "checkpoint_staged": ("step", "stall_s"),
     "checkpoint_committed": ("step", "uri", "bytes", "upload_s"),
-    # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
-    "checkpoint_failed": ("step", "error", "reason"),
+    "checkpoint_failed": ("step", "error"),
     "restored": ("step", "uri", "from_mesh", "to_mesh", "restore_s"),
-    "failure": ("kind", "ranks", "node", "message", "details"),
-    # cause: failure | restore | drain | grow
-    "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh", "cause", "refilled_ranks"),
+    "failure": ("kind", "ranks", "node", "message"),
+    "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh"),
     "drain": ("node", "ranks", "reason"),
-    "grow": ("new_mesh", "added_ranks", "join_s", "old_mesh"),
+    "grow": ("new_mesh", "added_ranks", "join_s"),
     "log": ("rank", "level", "message"),
     # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
     "heartbeat": ("rank_age_s",),
-    "done": ("status", "steps", "elapsed_s", "reason", "replicas_consistent"),
+    "done": ("status", "steps", "elapsed_s"),
+}
+
+# Fields the driver adds on top; readers must treat them as possibly absent (older runs, fakes).
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
+    # completed_at: the slowest rank's clock when the step ended; loss_partial / reported_ranks
+    # only when a rank died between applying the step and reporting it.
+    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks"),
+    # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
+    "checkpoint_failed": ("reason",),
+    # details: {rank: traceback} behind the one-line message
+    "failure": ("details",),
+    # cause: failure | restore | drain | grow; refilled_ranks: ranks rebuilt from warm actors
+    "recovered": ("cause", "refilled_ranks"),
+    "grow": ("old_mesh",),
+    # replicas_consistent: with several replica groups, whether they ended bitwise identical
+    "done": ("reason", "replicas_consistent"),
 }
 
 
