@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
@@ -106,7 +106,6 @@ class RankSlot:
     node_id: str | None = None
     state: str = "starting"  # starting | warm | active
     ready_ref: Any = None
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class WorkerGroup:
@@ -261,9 +260,6 @@ class WorkerGroup:
         calls = PendingCalls([slot.actor.poll.remote() for slot in self.active])
         calls.collect(timeout)
         return calls.results
-
-    def release(self, slots: list[RankSlot], *, keep_shards: bool) -> PendingCalls:
-        return PendingCalls([slot.actor.release.remote(keep_shards=keep_shards) for slot in slots])
 
     def request_stop(self) -> None:
         for slot in self.active:

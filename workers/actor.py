@@ -10,10 +10,12 @@ even when the loop is blocked inside a collective. Call sequence, driver side:
     1. all ranks: ``configure(generation, rank, mesh, store address, start)`` — collective:
        joins the generation's process group, builds the Trainer, then initialises, restores
        or rebinds the state;
-    2. all ranks: ``run(first_step, last_step)`` — the loop; returns when done, paused,
-       aborted or failed (never raises: errors come back as an outcome, so no exception
-       object keeps a dead process group alive);
-    3. ``release()`` between generations; ``shutdown()`` at the end.
+    2. all ranks: ``run(last_step)`` — the loop; returns when done, paused, aborted or failed
+       (never raises: errors come back as an outcome, so no exception object keeps a dead
+       process group alive). Unless it finished, the rank leaves the generation on the way
+       out, keeping its slices for a ``configure(start=kept)``;
+    3. any time, from the driver: ``poll()``, ``request_stop()``, ``abort_collectives()``;
+       ``shutdown()`` at the end.
 """
 
 from __future__ import annotations
@@ -249,11 +251,6 @@ class RankActor:
                 return RunOutcome("paused", self.last_step, state_digest=trainer.state_digest())
         self.checkpoints.close(wait=True)
         return RunOutcome("finished", self.last_step, state_digest=trainer.state_digest())
-
-    def release(self, keep_shards: bool = True) -> None:
-        """Leave the current generation: keep this rank's slices, drop every process group."""
-        self._drop_process_groups(keep_shards=keep_shards)
-        self._set_phase("released")
 
     def shutdown(self) -> None:
         self._drop_process_groups(keep_shards=False)
