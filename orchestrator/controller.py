@@ -46,7 +46,7 @@ from elastic.spec import MeshSpec
 from orchestrator import cluster
 from orchestrator.checkpoints import driver_checkpoints
 from orchestrator.config import JobConfig
-from orchestrator.detector import Detector, Lost
+from orchestrator.detector import HANG_STEP_FACTOR, Detector, Lost
 from orchestrator.events import EventLog
 from orchestrator.job import data_bytes, train_spec
 from orchestrator.reports import ReportRouter
@@ -61,15 +61,13 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 EXIT_PREEMPTED = 143  # 128 + SIGTERM
 
-
-class DriverTerminated(BaseException):
-    """SIGTERM reached the driver (its pod or machine is going away): checkpoint, then stop."""
-
 # Seconds between looks at the cluster for drains and spare capacity (each is a GCS call).
 HOUSEKEEPING_INTERVAL_S = 1.0
 HEARTBEAT_EVENT_INTERVAL_S = 5.0
 # How long survivors may take to leave a failed generation before they count as stuck.
 SETTLE_TIMEOUT_S = 30.0
+# While a generation fails, a rank that answers no poll for this long is counted lost.
+SILENT_GRACE_S = 3.0
 # After every survivor has left, how long to wait for Ray to name the cause (an actor's death
 # is reported a moment after its peers see their connections close).
 CAUSE_GRACE_S = 5.0
@@ -193,6 +191,7 @@ class Controller:
         # After a finished run with several replica groups: did they end identical?
         self.replicas_consistent: bool | None = None
         self._corrupt_steps: set[int] = set()
+        self._terminate_requested = False
 
     # ------------------------------------------------------------------- loop
     @property
@@ -206,8 +205,6 @@ class Controller:
                 self.step()
         except KeyboardInterrupt:
             self.state = self._interrupt()
-        except DriverTerminated:
-            self.state = self._preempt()
         except BaseException as error:
             self.state = Finished("failed", EXIT_FAILED, reason=str(error))
             raise
@@ -218,9 +215,20 @@ class Controller:
                              replicas_consistent=self.replicas_consistent)
         return self.state
 
+    def request_termination(self) -> None:
+        """Signal-handler safe: the driver is going away (SIGTERM); save and stop at the next tick.
+
+        A flag, not an exception: raised inside a Ray call, an exception would surface as a
+        Ray error instead of reaching the controller.
+        """
+        self._terminate_requested = True
+
     def step(self) -> None:
         """One iteration of the state machine."""
         self._emit_heartbeat()  # in every state: a long start-up or restore is not silence
+        if self._terminate_requested and not self.done:
+            self.state = self._preempt()
+            return
         state = self.state
         if isinstance(state, Starting):
             self.state = self._start(state)
@@ -354,8 +362,8 @@ class Controller:
                 for rank in culprits:
                     where = self.detector.where.get(rank) or "unknown"
                     lost.setdefault(rank, Lost("hang", f"no step completed for {stalled:.0f} s "
-                                               f"(elastic.hang_timeout_s={self.config.elastic.hang_timeout_s:g}); "
-                                               f"busy at {where}"))
+                                               f"(elastic.hang_timeout_s={self.config.elastic.hang_timeout_s:g}, "
+                                               f"and {HANG_STEP_FACTOR:g} typical steps); busy at {where}"))
         return lost
 
     def _dead_nodes(self, state: Running | Settling) -> set[str]:
@@ -437,6 +445,9 @@ class Controller:
                              state.started_at, state.deadline)
         waiting_for = [rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results
                        and rank not in lost]
+        if waiting_for and state.purpose == "failure":
+            lost.update(self._silent_while_failing(state, waiting_for))
+            waiting_for = [rank for rank in waiting_for if rank not in lost]
         if waiting_for:
             if time.monotonic() < state.deadline:
                 return Settling(state.generation, state.mesh, state.calls, state.purpose, lost, state.draining,
@@ -448,6 +459,30 @@ class Controller:
         if state.purpose == "failure" and not lost and time.monotonic() < max(state.started_at, self._last_return(state)) + CAUSE_GRACE_S:
             return state
         return self._decide(state, lost)
+
+    def _silent_while_failing(self, state: Settling, waiting_for: list[int]) -> dict[int, Lost]:
+        """Ranks still out while their generation fails, and answering no poll: lost now.
+
+        A live rank answers polls even while its loop is blocked; one that does not is dead or
+        cut off, which Ray itself may take seconds more to conclude (a lost node).
+        """
+        now = time.monotonic()
+        silent = [rank for rank in waiting_for
+                  if now - self.detector.last_heard.get(rank, state.started_at) > SILENT_GRACE_S
+                  and now - state.started_at > SILENT_GRACE_S]
+        if not silent:
+            return {}
+        dead = self._dead_nodes(state)
+        found = {}
+        for rank in silent:
+            node = self.group.active[rank].node_id
+            if node in dead:
+                found[rank] = Lost("node_lost", f"node {node} left the cluster", node)
+            else:
+                found[rank] = Lost("unresponsive", f"answered no poll for {SILENT_GRACE_S:g} s while its "
+                                   "generation failed", node)
+        self.group.kill([self.group.active[rank] for rank in silent])
+        return found
 
     def _last_return(self, state: Settling) -> float:
         if self._all_returned_at is None and state.calls.done:
@@ -606,7 +641,7 @@ class Controller:
             self.detector.heard(rank, heartbeat.waiting, heartbeat.where)
             self.router.route(heartbeat.reports)
         self.last_step = max(self.last_step, self.router.last_emitted_step)
-        self.detector.stepped(self.router.last_emitted_step)
+        self.detector.stepped(self.router.last_emitted_step, self.router.last_step_time_s)
         self._report_transition()
 
     def _report_transition(self) -> None:

@@ -25,6 +25,7 @@ class ReportRouter:
         self.handlers: dict[str, Handler] = {"step": self._on_step, "log": self._on_log}
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self.last_emitted_step = 0
+        self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
 
@@ -89,6 +90,7 @@ class ReportRouter:
             completed_at=max(r["time"] for r in ranks.values()),
         )
         self.last_emitted_step = step
+        self.last_step_time_s = max(r["step_time_s"] for r in ranks.values())
         self.completed_at[step] = max(r["time"] for r in ranks.values())
         self.completed_at.pop(step - 100, None)
         stalls = [r["checkpoint_stall_s"] for r in ranks.values() if r.get("checkpoint_stall_s") is not None]

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from orchestrator import cluster
 from orchestrator.config import JobConfig
-from orchestrator.controller import Controller, DriverTerminated
+from orchestrator.controller import Controller
 from orchestrator.events import EventLog
 from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.metrics import build_metrics
@@ -64,10 +64,11 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if url:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
+        controller = Controller(config, events, faults=faults, node_fault=node_fault)
         if handle_sigterm:
             # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
-            signal.signal(signal.SIGTERM, _raise_terminated)
-        final = Controller(config, events, faults=faults, node_fault=node_fault).run()
+            signal.signal(signal.SIGTERM, lambda signum, frame: controller.request_termination())
+        final = controller.run()
     finally:
         events.close()
         rank_logs.close()
@@ -75,7 +76,3 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if started_here:
             ray.shutdown()
     return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise DriverTerminated()

@@ -21,7 +21,7 @@ from workers.faults import FaultSpec
 
 # Two replica groups of two ranks: one can be lost and the job goes on in place.
 ELASTIC_LAYOUT = ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=1",
-                  "parallelism.pp=1", "training.seq_len=64", "elastic.hang_timeout_s=4",
+                  "parallelism.pp=1", "training.seq_len=64", "elastic.hang_timeout_s=8",
                   "elastic.heartbeat_timeout_s=10")
 
 
