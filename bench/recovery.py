@@ -308,7 +308,7 @@ def meshpilot_drain(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     [recovered] = of_kind(events, "recovered")
     if of_kind(events, "failure"):
         raise RuntimeError(f"the drain run {run_dir} recorded a failure: {of_kind(events, 'failure')}")
-    return {"pause_s": change.pause_s, "lost_steps": change.lost_steps,
+    return {"pause_s": change.pause_s, "idle_s": change.idle_s, "lost_steps": change.lost_steps,
             "controller_lost_steps": recovered["lost_steps"], "mttr_s": recovered["mttr_s"],
             "notice_to_step_s": change.to_first_step_s,
             "steps_after_notice": change.first_step - FAULT_STEP}
@@ -436,7 +436,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
             "reference_s": mid("reference_node", "fault_to_step_s"),
             "reference_lost_steps": worst("reference_node", "lost_steps"),
             "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"), "goal_s": GOALS["node_s"]}
-    drain = {"ours_pause_s": mid("meshpilot_drain", "pause_s"), "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
+    drain = {"ours_pause_s": mid("meshpilot_drain", "pause_s"), "ours_idle_s": mid("meshpilot_drain", "idle_s"),
+             "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
              "ours_mttr_s": mid("meshpilot_drain", "mttr_s"),
              "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"), "goal_pause_s": GOALS["drain_pause_s"]}
     grow = {"ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"), "ours_join_s": mid("meshpilot_grow", "join_s"),
@@ -478,7 +479,8 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
              f"<= {GOALS['node_s']:g} s"),
             ("", "completed steps lost", s(node["ours_lost_steps"]), s(node["reference_lost_steps"]), "", "0"),
             ("", "fault -> new progress", s(node["ours_s"]), s(node["reference_to_new_progress_s"]), "", ""),
-            ("drain notice", "pause", s(drain["ours_pause_s"]), "", "", f"<= {GOALS['drain_pause_s']:g} s"),
+            ("drain notice", "pause (step to step)", s(drain["ours_pause_s"]), "", "", f"<= {GOALS['drain_pause_s']:g} s"),
+            ("", "  of it, no step running", s(drain["ours_idle_s"]), "", "", ""),
             ("", "completed steps lost", s(drain["ours_lost_steps"]), "", "", "0"),
             ("", "controller mttr_s", s(drain["ours_mttr_s"]), "", "", ""),
             ("grow (node added)", "node up -> first step", s(grow["ours_node_to_step_s"]), "", "",

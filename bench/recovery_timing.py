@@ -28,6 +28,7 @@ class MeshChange:
     first_step_at: float  # when its slowest rank completed it
     last_step_before: int  # the last step completed before the change began
     last_step_before_at: float | None
+    first_step_time_s: float | None = None  # the first new step's own duration (slowest rank)
 
     @property
     def to_first_step_s(self) -> float:
@@ -44,6 +45,13 @@ class MeshChange:
         if self.last_step_before_at is None:
             return None
         return self.first_step_at - self.last_step_before_at
+
+    @property
+    def idle_s(self) -> float | None:
+        """The part of the pause in which no step ran: the pause less the first new step itself."""
+        if self.pause_s is None or self.first_step_time_s is None:
+            return None
+        return self.pause_s - self.first_step_time_s
 
 
 def of_kind(events: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -75,7 +83,8 @@ def mesh_change(events: list[dict[str, Any]], *, after_event: str, new_mesh_even
     last = before[-1] if before else None
     return MeshChange(began_at=began_at, first_step=first["step"], first_step_at=first["completed_at"],
                       last_step_before=last["step"] if last else 0,
-                      last_step_before_at=last["completed_at"] if last else None)
+                      last_step_before_at=last["completed_at"] if last else None,
+                      first_step_time_s=first.get("step_time_s"))
 
 
 def step_completed_at(events: list[dict[str, Any]], step: int) -> float:

@@ -38,12 +38,13 @@ def test_a_drain_pauses_between_the_last_old_step_and_the_first_new_one():
     events = [step(n, 100.0 + n, TWO) for n in range(1, 8)] + [
         {"event": "drain", "ranks": [2, 3]},
         step(8, 108.0, TWO),  # the step in flight finishes on the old mesh
-        step(9, 108.7, ONE),
+        {**step(9, 108.7, ONE), "step_time_s": 0.5},
         {"event": "recovered", "new_mesh": ONE},
     ]
     change = mesh_change(events, after_event="drain", new_mesh_event="recovered", began_at=107.0)
     assert change.first_step == 9 and change.last_step_before == 8
     assert change.pause_s == pytest.approx(0.7)
+    assert change.idle_s == pytest.approx(0.2)  # no step ran for 0.2 s
     assert change.lost_steps == 0
 
 
