@@ -1,0 +1,156 @@
+"""The reference for ``bench/recovery.py``: Ray Train V2's ``TorchTrainer`` training the same job.
+
+Runs on the benchmark's driver (``run_reference``), and in Ray Train's worker processes
+(``train_loop_per_worker``: every world rank runs it). The workers run this repository's own
+``Trainer`` — the same model, FSDP2 layout (dp_replicate=2 x dp_shard=2, i.e. HSDP), data,
+global batch and step as meshpilot's rank actors — inside the process group Ray Train sets
+up (gloo, CPU), so the two sides differ only in what happens when something fails.
+
+As Ray Train users do: ``ray.train.report`` after every step, a checkpoint every
+``checkpoint_every`` steps (each rank writes its own shards; Ray Train merges them into one
+directory under ``storage_path``), ``FailureConfig(max_failures=1)``, and on (re)start the
+workers resume from ``ray.train.get_checkpoint()``. Every rank appends one JSON line per
+event to ``records_dir/rank{R}.jsonl`` (local disk): ``start`` (attempt, resumed_from),
+``step`` (attempt, step, completed_at, loss) and ``kill`` (the time it SIGKILLed itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+CHECKPOINT_FILE = "rank{rank}.safetensors"
+
+
+# ---------------------------------------------------------------- worker side
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Every Ray Train worker: resume from the last registered checkpoint, train, report each step."""
+    import ray.train
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from elastic.spec import MeshSpec
+    from workers.data import TextSource
+    from workers.trainer import Trainer
+
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    records = _Records(Path(config["records_dir"]) / f"rank{rank}.jsonl")
+    spec, mesh = config["spec"], MeshSpec(**config["mesh"])
+    source = TextSource(config["data"], seq_len=spec.seq_len, seed=spec.seed)
+    trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
+    trainer.init_weights()
+    resumed_from = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            trainer.load_local_shards(load_file(os.path.join(directory, CHECKPOINT_FILE.format(rank=rank))))
+            resumed_from = json.loads(Path(directory, "step.json").read_text())["step"]
+    records.write("start", resumed_from=resumed_from, node=ray.get_runtime_context().get_node_id(),
+                  pid=os.getpid())
+    kill = config.get("kill")  # {"step": S, "rank": R}: SIGKILL this process at the start of step S, once
+    for step in range(resumed_from + 1, spec.steps + 1):
+        if kill and kill["rank"] == rank and kill["step"] == step and records.attempt == 1:
+            records.write("kill", time=time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = trainer.train_step(step)
+        records.write("step", step=step, completed_at=time.time(), loss=result.loss)
+        metrics = {"step": step, "loss": result.loss}
+        if step % config["checkpoint_every"] == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                save_file(trainer.local_shards(), os.path.join(directory, CHECKPOINT_FILE.format(rank=rank)))
+                if rank == 0:
+                    Path(directory, "step.json").write_text(json.dumps({"step": step}))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        else:
+            ray.train.report(metrics)
+
+
+class _Records:
+    """This rank's record file; the attempt number counts this rank's earlier starts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        previous = read_records(path) if path.exists() else []
+        self.attempt = 1 + sum(1 for r in previous if r["kind"] == "start")
+        self.rank = int(path.stem.removeprefix("rank"))
+
+    def write(self, kind: str, **fields: Any) -> None:
+        record = {"kind": kind, "rank": self.rank, "attempt": self.attempt, "time": time.time(), **fields}
+        with open(self.path, "a", encoding="utf-8") as handle:  # one write per line: a kill never tears one
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def all_records(records_dir: Path) -> list[dict[str, Any]]:
+    return [r for path in sorted(Path(records_dir).glob("rank*.jsonl")) for r in read_records(path)]
+
+
+# ---------------------------------------------------------------- driver side
+def run_reference(*, spec, mesh: dict[str, int], data: bytes, workdir: Path, checkpoint_every: int,
+                  kill: dict[str, int] | None = None, resources_per_worker: dict[str, float],
+                  on_step: Callable[[list[dict[str, Any]]], None] | None = None,
+                  poll_s: float = 0.02) -> list[dict[str, Any]]:
+    """Driver: one ``TorchTrainer.fit()`` on the connected Ray cluster; returns every rank's records.
+
+    ``on_step(records)`` is called from a watcher thread whenever new records appear, so the
+    caller can inject a driver-side fault (remove a node) at a known step.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    records_dir = workdir / "records"
+    records_dir.mkdir(parents=True, exist_ok=True)
+    world_size = 1
+    for degree in mesh.values():
+        world_size *= degree
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec, "mesh": mesh, "data": data, "records_dir": str(records_dir),
+                           "checkpoint_every": checkpoint_every, "kill": kill},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=world_size, use_gpu=False, resources_per_worker=resources_per_worker),
+        run_config=RunConfig(name="reference", storage_path=str(workdir / "storage"),
+                             failure_config=FailureConfig(max_failures=1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(records_dir, on_step, stop, poll_s), daemon=True) if on_step else None
+    if watcher:
+        watcher.start()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join()
+    return all_records(records_dir)
+
+
+def _watch(records_dir: Path, on_step, stop: threading.Event, poll_s: float) -> None:
+    sizes: dict[Path, int] = {}
+    while not stop.is_set():
+        changed = False
+        for path in records_dir.glob("rank*.jsonl"):
+            size = path.stat().st_size
+            if sizes.get(path) != size:
+                sizes[path], changed = size, True
+        if changed:
+            on_step(all_records(records_dir))
+        time.sleep(poll_s)
