@@ -153,7 +153,7 @@ class Controller:
 
     worker_group_class = WorkerGroup
 
-    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 0.25,
+    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 1.0,
                  faults: tuple[FaultSpec, ...] = (), node_fault: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.events = events
@@ -276,7 +276,7 @@ class Controller:
                                restoring=step, from_mesh=from_mesh)
 
     def _await_configuration(self, state: Configuring) -> State:
-        state.calls.collect(self.poll_interval_s)
+        state.calls.collect(self.poll_interval_s, first=True)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
         if failed and state.restoring is not None and any("CorruptCheckpointError" in f.message for f in failed.values()):
             return self._restore_around_corruption(state, failed)
@@ -312,7 +312,7 @@ class Controller:
     def _supervise(self, state: Running) -> State:
         # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
         # rank queued before returning are drained right after.
-        state.calls.collect(timeout=self.poll_interval_s)
+        state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
         self._fire_driver_faults()
         lost = self._losses(state)
@@ -435,7 +435,7 @@ class Controller:
         self.group.abort_step(state.generation, self.last_step + 1, survivors)
 
     def _settle(self, state: Settling) -> State:
-        state.calls.collect(timeout=self.poll_interval_s)
+        state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
         lost = {**self._losses(state), **state.lost}  # the first diagnosis stands (a hung rank, then killed)
         if lost and state.purpose != "failure":

@@ -61,12 +61,15 @@ class PendingCalls:
     def done(self) -> bool:
         return len(self.results) == len(self.refs)
 
-    def collect(self, timeout: float) -> dict[int, Any]:
-        """Wait up to ``timeout`` seconds; returns the results that arrived in this call."""
+    def collect(self, timeout: float, *, first: bool = False) -> dict[int, Any]:
+        """Wait up to ``timeout`` seconds for all results (with ``first``: until any one arrives);
+        returns the results that arrived in this call."""
         waiting = [ref for index, ref in enumerate(self.refs) if index not in self.results]
         if not waiting:
             return {}
-        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
+        ready, _ = ray.wait(waiting, num_returns=1 if first else len(waiting), timeout=timeout)
+        if first and ready:  # and whatever else is ready by now
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
         arrived = {}
         for ref in ready:
             index = self.refs.index(ref)

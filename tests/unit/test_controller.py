@@ -25,7 +25,7 @@ class FakeCalls:
     def done(self) -> bool:
         return len(self.results) == len(self.refs)
 
-    def collect(self, timeout: float) -> dict[int, Any]:
+    def collect(self, timeout: float, *, first: bool = False) -> dict[int, Any]:
         if self._after > 0:
             self._after -= 1
             return {}
