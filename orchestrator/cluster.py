@@ -53,9 +53,9 @@ def _embedded_cpus(config: JobConfig) -> int:
         return config.runtime.num_cpus
     needed = config.mesh.world_size * config.runtime.cpus_per_rank
     # Logical CPUs, not cores: more than the machine has is fine (FACTS.md: otherwise the
-    # fourth 1-CPU actor on a 2-core machine never schedules). At least one per rank: Ray
-    # pre-starts that many worker processes while it starts, and the rank actors take them.
-    return max(os.cpu_count() or 1, math.ceil(needed), config.mesh.world_size)
+    # fourth 1-CPU actor on a 2-core machine never schedules). At least one per rank and one
+    # for the store: Ray pre-starts that many worker processes, and the actors take them.
+    return max(os.cpu_count() or 1, math.ceil(needed), config.mesh.world_size + 1)
 
 
 def worker_pythonpath() -> str:

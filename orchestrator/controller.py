@@ -153,7 +153,7 @@ class Controller:
 
     worker_group_class = WorkerGroup
 
-    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 1.0,
+    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 0.25,
                  faults: tuple[FaultSpec, ...] = (), node_fault: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.events = events
@@ -162,6 +162,9 @@ class Controller:
         self.router = ReportRouter(events, mesh=config.mesh,
                                    tokens_per_step=config.training.global_batch * config.training.seq_len)
         self.router.on("drain_notice", self._on_drain_notice)
+        # Injected driver and node faults fire the moment their step is known, before the
+        # reports that came with it (a later step, a checkpoint's commit) are handled.
+        self.router.after_step = self._fire_driver_faults
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on("checkpoint", self.checkpoints.on_report)
         self.group = self.worker_group_class(
@@ -314,7 +317,6 @@ class Controller:
         # rank queued before returning are drained right after.
         state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
-        self._fire_driver_faults()
         lost = self._losses(state)
         returned = state.calls.results
         if lost or any(_status(r) in ("failed", "died", "aborted") for r in returned.values()):

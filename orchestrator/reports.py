@@ -28,6 +28,8 @@ class ReportRouter:
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
+        # Called after each step event, with ``last_emitted_step`` already updated.
+        self.after_step: Callable[[], None] | None = None
 
     def on(self, kind: str, handler: Handler) -> None:
         self.handlers[kind] = handler
@@ -97,6 +99,8 @@ class ReportRouter:
         if stalls:
             # The loop waits for its slowest rank: that rank's staging time is the run's stall.
             self.events.emit("checkpoint_staged", step=step, stall_s=round(max(stalls), 6))
+        if self.after_step is not None:
+            self.after_step()
 
     def rewind(self, step: int) -> None:
         """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""

@@ -141,9 +141,11 @@ class WorkerGroup:
             raise ConfigError(f"parallelism: {mesh.describe()}{spares} cannot be placed: {problem}; lower the "
                               "degrees, elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, "
                               "or add nodes")
-        self._start_store_host()
+        address_ref = self._start_store_host()
         targets = spread_replicas(mesh.dp_replicate + spare_replicas, self.per_rank, mesh.replica_size, nodes)
         started = [slot for target in targets for slot in self._start_replica(mesh, target)]
+        # The store and the ranks start side by side: each is a process importing its modules.
+        self.store_address = ray.get(address_ref, timeout=self.start_timeout_s)
         refs = [slot.ready_ref for slot in started]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
         if pending:
@@ -184,13 +186,13 @@ class WorkerGroup:
         slot.node_id = info["node_id"]
         slot.state = "warm"
 
-    def _start_store_host(self) -> None:
-        if self.store_host is not None:
-            return
-        # Hard affinity: the store must outlive every rank, so it lives where the driver does.
-        strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=False)
-        self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
-        self.store_address = ray.get(self.store_host.address.remote(), timeout=self.start_timeout_s)
+    def _start_store_host(self) -> Any:
+        """Start the rendezvous store's actor (once); returns a ref to its (host, port)."""
+        if self.store_host is None:
+            # Hard affinity: the store must outlive every rank, so it lives where the driver does.
+            strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=False)
+            self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
+        return self.store_host.address.remote()
 
     def _start_replica(self, mesh: MeshSpec, target: str | None) -> list[RankSlot]:
         bundles = tp_bundles(mesh, self.per_rank)
