@@ -27,24 +27,30 @@ from orchestrator.config import load_config  # noqa: E402
 from orchestrator.events import read_events  # noqa: E402
 
 
-def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tuple[float, list[float]]:
+def median_phases(steps: list[dict], warmup: int) -> dict[str, float]:
+    """Per phase of the step (slowest rank), the median over the steps after warm-up."""
+    steady = [s["phases_s"] for s in steps[warmup:] if s.get("phases_s")]
+    return {phase: round(statistics.median(p[phase] for p in steady), 4) for phase in (steady[0] if steady else {})}
+
+
+def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tuple[float, list[dict]]:
     out = workdir / "torchrun.json"
     launched, _ = run_command(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
          "bench/torchrun_reference.py", str(config), "--steps", str(steps), "--out", str(out)],
         timeout=1800)
-    completions = [s["completed_at"] for s in json.loads(out.read_text())["steps"]]
-    return completions[0] - launched, completions
+    records = json.loads(out.read_text())["steps"]
+    return records[0]["completed_at"] - launched, records
 
 
-def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, list[float]]:
+def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, list[dict]]:
     run_dir = workdir / "meshpilot-run"
     launched, _ = run_command(
         [sys.executable, "-m", "orchestrator.cli", "train", str(config), "--run-dir", str(run_dir),
          "--set", f"training.steps={steps}", "--set", "metrics.enabled=false", "--plain"],
         timeout=1800)
-    completions = [e["completed_at"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
-    return completions[0] - launched, completions
+    records = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
+    return records[0]["completed_at"] - launched, records
 
 
 def main() -> None:
@@ -58,6 +64,7 @@ def main() -> None:
     config = Path(args.config)
     world = load_config(config).mesh.world_size
     ours_steps, reference_steps, ours_starts, reference_starts = [], [], [], []
+    phases: dict[str, list[dict[str, float]]] = {"meshpilot": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             workdir = Path(tmp) / f"round-{round_index}"
@@ -65,13 +72,14 @@ def main() -> None:
             order = ("torchrun", "meshpilot") if round_index % 2 == 0 else ("meshpilot", "torchrun")
             for which in order:
                 if which == "torchrun":
-                    start, completions = measure_torchrun(config, steps, world, workdir)
-                    reference_starts.append(start)
-                    reference_steps.append(steady_step_time(completions, warmup))
+                    start, records = measure_torchrun(config, steps, world, workdir)
+                    starts, step_times = reference_starts, reference_steps
                 else:
-                    start, completions = measure_meshpilot(config, steps, workdir)
-                    ours_starts.append(start)
-                    ours_steps.append(steady_step_time(completions, warmup))
+                    start, records = measure_meshpilot(config, steps, workdir)
+                    starts, step_times = ours_starts, ours_steps
+                starts.append(start)
+                step_times.append(steady_step_time([r["completed_at"] for r in records], warmup))
+                phases[which].append(median_phases(records, warmup))
             print(f"round {round_index + 1}: step {ours_steps[-1]:.3f} s vs {reference_steps[-1]:.3f} s; "
                   f"first step {ours_starts[-1]:.1f} s vs {reference_starts[-1]:.1f} s", flush=True)
     ours, reference = statistics.median(ours_steps), statistics.median(reference_steps)
@@ -83,6 +91,10 @@ def main() -> None:
         "step_time_ratio": round(ours / reference, 3),
         "meshpilot_first_step_s": round(ours_start, 2), "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
+        # Where the step's time goes (slowest rank, medians): sync_s is the gradient clip plus,
+        # for meshpilot, the commit vote.
+        "phases_s": {which: {phase: round(statistics.median(r[phase] for r in rounds_), 4) for phase in rounds_[0]}
+                     for which, rounds_ in phases.items() if rounds_ and rounds_[0]},
         "per_round": {"meshpilot_step_s": ours_steps, "torchrun_step_s": reference_steps,
                       "meshpilot_first_step_s": ours_starts, "torchrun_first_step_s": reference_starts},
     }

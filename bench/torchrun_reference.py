@@ -48,7 +48,7 @@ def main() -> None:
     for step in range(1, spec.steps + 1):
         result = trainer.train_step(step)
         records.append({"step": step, "loss": result.loss, "step_time_s": result.step_time_s,
-                        "dp_rank": trainer.dp_rank, "completed_at": time.time()})
+                        "dp_rank": trainer.dp_rank, "completed_at": time.time(), "phases": result.phases})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     if rank == 0 and args.out:
@@ -57,10 +57,13 @@ def main() -> None:
             for record in rank_records:
                 if record["loss"] is not None:
                     losses.setdefault(record["step"], []).append(record["loss"])
+        rank_phases = records[0]["phases"] if records else {}
         steps = [
             {"step": step, "loss": sum(values) / len(values),
              "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
-             "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step)}
+             "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step),
+             "phases_s": {phase: max(r["phases"][phase] for rr in gathered for r in rr if r["step"] == step)
+                          for phase in rank_phases}}
             for step, values in sorted(losses.items())
         ]
         Path(args.out).write_text(json.dumps({

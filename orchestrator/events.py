@@ -39,8 +39,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 # Fields the driver adds on top; readers must treat them as possibly absent (older runs, fakes).
 OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     # completed_at: the slowest rank's clock when the step ended; loss_partial / reported_ranks
-    # only when a rank died between applying the step and reporting it.
-    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks"),
+    # only when a rank died between applying the step and reporting it; phases_s: per phase of
+    # the step, the longest any rank spent in it.
+    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks", "phases_s"),
     # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
     "checkpoint_failed": ("reason",),
     # details: {rank: traceback} behind the one-line message

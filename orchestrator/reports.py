@@ -87,6 +87,9 @@ class ReportRouter:
             lr=any_report.get("lr"),
             grad_norm=any_report.get("grad_norm"),
             rank_step_time_s={str(rank): round(r["step_time_s"], 6) for rank, r in sorted(ranks.items())},
+            # Per phase of the step (compute, sync = the clip and the commit vote, optimizer),
+            # the longest any rank spent in it.
+            phases_s=_slowest_phases(ranks.values()),
             # When the slowest rank finished the step (its own clock): the driver learns of
             # it up to one poll interval later.
             completed_at=max(r["time"] for r in ranks.values()),
@@ -106,3 +109,11 @@ class ReportRouter:
         """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""
         self._pending = {}
         self.last_emitted_step = step
+
+
+def _slowest_phases(reports: Any) -> dict[str, float]:
+    slowest: dict[str, float] = {}
+    for report in reports:
+        for phase, seconds in (report.get("phases") or {}).items():
+            slowest[phase] = round(max(seconds, slowest.get(phase, 0.0)), 6)
+    return slowest
