@@ -195,6 +195,7 @@ class Controller:
         self.replicas_consistent: bool | None = None
         self._corrupt_steps: set[int] = set()
         self._terminate_requested = False
+        self._interrupt_requested = False
 
     # ------------------------------------------------------------------- loop
     @property
@@ -226,11 +227,21 @@ class Controller:
         """
         self._terminate_requested = True
 
+    def request_interrupt(self) -> None:
+        """Signal-handler safe: Ctrl-C. The first stops after the step in flight (at the next
+        tick); a second one stops at once."""
+        if self._interrupt_requested:
+            raise KeyboardInterrupt
+        self._interrupt_requested = True
+
     def step(self) -> None:
         """One iteration of the state machine."""
         self._emit_heartbeat()  # in every state: a long start-up or restore is not silence
         if self._terminate_requested and not self.done:
             self.state = self._preempt()
+            return
+        if self._interrupt_requested and not self.done:
+            self.state = self._interrupt()
             return
         state = self.state
         if isinstance(state, Starting):
@@ -707,9 +718,12 @@ class Controller:
         self.group.request_stop()
         if isinstance(self.state, Running):
             deadline = time.monotonic() + grace_s
-            while not self.state.calls.done and time.monotonic() < deadline:
-                self.state.calls.collect(timeout=0.2)
-            self._drain_reports()
+            try:
+                while not self.state.calls.done and time.monotonic() < deadline:
+                    self.state.calls.collect(timeout=0.2)
+                self._drain_reports()
+            except KeyboardInterrupt:
+                log.warning("interrupted again: stopping now")
         return Finished("interrupted", EXIT_INTERRUPTED, reason="interrupted by the user")
 
 

@@ -57,7 +57,7 @@ def handle(args: argparse.Namespace) -> int:
             f"data.path={SOURCE_ROOT / 'data' / 'sample.txt'}", f"checkpoint.uri={uri}",
             f"checkpoint.endpoint_url={server.endpoint_url}", *args.overrides,
         ])
-        result = run_training(config, run_dir, subscribers=[view], console=console, handle_sigterm=True)
+        result = run_training(config, run_dir, subscribers=[view], console=console, handle_signals=True)
         if result.exit_code != 0:
             console.print(f"[red]the demo run ended with status {result.status}[/]: {result.reason}")
             return result.exit_code

@@ -46,12 +46,13 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
 
 def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
                  console: Console | None = None, faults: tuple[FaultSpec, ...] = (),
-                 node_fault: Callable[[str], None] | None = None, handle_sigterm: bool = False) -> RunResult:
+                 node_fault: Callable[[str], None] | None = None, handle_signals: bool = False) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
     The event log feeds the metrics exporter, the per-rank log files and the console, so all
-    of them see the same run. With ``handle_sigterm`` (the CLI), SIGTERM saves a checkpoint at
-    the next step boundary and stops, instead of killing the driver mid-step.
+    of them see the same run. With ``handle_signals`` (the CLI; main thread only), SIGTERM saves
+    a checkpoint at the next step boundary and stops, instead of killing the driver mid-step, and
+    Ctrl-C stops after the step in flight (a second Ctrl-C at once).
     """
     run_dir = prepare_run_dir(config, run_dir)
     logger = setup_logging(run_dir=run_dir, console=console)
@@ -65,11 +66,15 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
         controller = Controller(config, events, faults=faults, node_fault=node_fault)
-        if handle_sigterm:
+        if handle_signals:
             # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
+            # Flags, not exceptions: raised inside a Ray call, KeyboardInterrupt can be lost.
             signal.signal(signal.SIGTERM, lambda signum, frame: controller.request_termination())
+            signal.signal(signal.SIGINT, lambda signum, frame: controller.request_interrupt())
         final = controller.run()
     finally:
+        if handle_signals:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         events.close()
         rank_logs.close()
         metrics.close()

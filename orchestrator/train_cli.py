@@ -55,6 +55,6 @@ def handle(args: argparse.Namespace) -> int:
     faults = parse_faults(args.inject)
     view = ProgressView(force_plain=args.plain)
     result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults,
-                          handle_sigterm=True)
+                          handle_signals=True)
     view.console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
     return result.exit_code
