@@ -79,7 +79,8 @@ class LocalS3Server:
         self.access_key = "MP" + secrets.token_hex(9).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="meshpilot-s3-"))
+        # Absolute: weed runs with this directory as its cwd, so a relative path would not resolve.
+        self.data_dir = Path(data_dir).resolve() if data_dir else Path(tempfile.mkdtemp(prefix="meshpilot-s3-"))
         self.start_timeout_s = start_timeout_s
         self.memory_limit = memory_limit
         self.ports: dict[str, int] = {}

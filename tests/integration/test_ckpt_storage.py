@@ -129,3 +129,18 @@ def test_split_parts_slices_without_copying_when_aligned():
     assert parts[0].obj is data  # a view of the caller's buffer, not a copy
     joined = list(split_parts([b"ab", b"cde", b"f"], 4))
     assert [bytes(p) for p in joined] == [b"abcd", b"ef"]
+
+
+def test_local_s3_server_starts_from_a_relative_data_dir(tmp_path, monkeypatch):
+    """`meshpilot demo` keeps the server's data under the run directory, a relative path."""
+    from checkpointing.local_s3 import LocalS3Server
+
+    monkeypatch.chdir(tmp_path)
+    server = LocalS3Server(data_dir="runs/demo/s3-data").start()
+    try:
+        server.create_bucket("relative")
+        server.client().put_object(Bucket="relative", Key="k", Body=b"bytes")
+        assert server.client().get_object(Bucket="relative", Key="k")["Body"].read() == b"bytes"
+        assert server.data_dir == tmp_path / "runs" / "demo" / "s3-data"
+    finally:
+        server.stop()
