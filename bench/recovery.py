@@ -62,13 +62,13 @@ from bench.recovery_timing import (  # noqa: E402
     step_completed_at,
     table,
 )
+from tests.fixtures.worker_nodes import NODE_RESOURCE, WorkerNodes  # noqa: E402
 
 BENCH = "bench/recovery.py"
 DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"
 MESH = {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}
 WORLD_SIZE = 4
 SEQ_LEN = 64
-NODE_RESOURCE = "faultnode"
 LAYOUT = (*(f"parallelism.{name}={degree}" for name, degree in MESH.items()), f"training.seq_len={SEQ_LEN}",
           f"data.path={REPO / 'data' / 'sample.txt'}", "metrics.enabled=false",
           f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}")
@@ -81,34 +81,6 @@ HEAD_CPUS = 16
 
 
 # ------------------------------------------------------------------ cluster
-class WorkerNodes:
-    """Worker nodes of the benchmark's cluster, each with room for ``ranks_per_node`` ranks."""
-
-    def __init__(self, cluster, count: int, *, ranks_per_node: int = 2) -> None:
-        self.cluster = cluster
-        self.ranks_per_node = ranks_per_node
-        self.nodes: list = []
-        for _ in range(count):
-            self.add()
-
-    def add(self):
-        """Main thread only: ``Cluster.add_node`` installs a signal handler."""
-        node = self.cluster.add_node(num_cpus=self.ranks_per_node / 2, resources={NODE_RESOURCE: self.ranks_per_node})
-        self.cluster.wait_for_nodes()
-        self.nodes.append(node)
-        return node
-
-    def remove(self, node_id: str) -> None:
-        node = next(n for n in self.nodes if n.node_id == node_id)
-        self.nodes.remove(node)
-        self.cluster.remove_node(node)
-
-    def close(self) -> None:
-        for node in list(self.nodes):
-            self.nodes.remove(node)
-            self.cluster.remove_node(node)
-
-
 class DeathWatch:
     """Driver: notices when a rank actor's process dies, by polling its /proc entry (Linux).
 
@@ -243,7 +215,7 @@ class StopRun(Exception):
 
 def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     """SIGKILL of rank 3 (replica group 1) at the start of FAULT_STEP."""
-    nodes, watch = WorkerNodes(cluster, 2), DeathWatch()
+    nodes, watch = WorkerNodes(cluster, 2, ranks_per_node=2), DeathWatch()
 
     def arm_before_the_kill(event):
         if event["event"] == "step":  # the ranks are up; the first step event comes long before the kill
@@ -273,7 +245,7 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
 def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The node of rank 2 (replica group 1) removed once FAULT_STEP completed; a new node added
     as soon as the job recovered, which it grows onto."""
-    nodes = WorkerNodes(cluster, 2)
+    nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     removed: dict[str, float] = {}
     added: dict[str, float] = {}
 
@@ -322,7 +294,7 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
 
 def meshpilot_drain(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     """A Ray drain notice (preemption) for the node of rank 2, given at the start of FAULT_STEP."""
-    nodes = WorkerNodes(cluster, 2)
+    nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     try:
         events = run_meshpilot(run_dir, steps=steps, faults=(f"drain@{FAULT_STEP}:2",))
     finally:
@@ -358,7 +330,7 @@ def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = No
 
 def reference_kill(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
     """A Ray Train worker (world rank 3) SIGKILLs itself at the start of FAULT_STEP."""
-    nodes = WorkerNodes(cluster, 2)
+    nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     try:
         records = reference_run(workdir, steps=steps, kill={"step": FAULT_STEP, "rank": 3})
     finally:
@@ -370,7 +342,7 @@ def reference_kill(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
 def reference_node(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
     """The node of world rank 3 removed once every worker completed FAULT_STEP; a third node
     stands by, so the restarted group (always the full 4 workers) has somewhere to go."""
-    nodes = WorkerNodes(cluster, 3)
+    nodes = WorkerNodes(cluster, 3, ranks_per_node=2)
     removed: dict[str, float] = {}
 
     def remove_after_fault_step(records):

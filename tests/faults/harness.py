@@ -16,6 +16,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.events import read_events
 from orchestrator.run import RunResult, run_training
+from tests.fixtures.worker_nodes import NODE_RESOURCE
 from tests.jobs import DEMO_CONFIG, REPO, losses
 from workers.faults import FaultSpec
 
@@ -26,7 +27,7 @@ ELASTIC_LAYOUT = ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "paral
 
 
 # Ranks that need this custom resource run only on the worker nodes the node tests add.
-ON_WORKER_NODES = "runtime.resources_per_rank={faultnode: 1}"
+ON_WORKER_NODES = f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}"
 
 
 def run_job(run_dir: Path, *overrides: str, faults: tuple[str, ...] = (), node_fault=None,
@@ -42,34 +43,6 @@ def run_job(run_dir: Path, *overrides: str, faults: tuple[str, ...] = (), node_f
 class _Callback:
     def __init__(self, function) -> None:
         self.on_event = function
-
-
-class WorkerNodes:
-    """Worker nodes of the session cluster that offer ``faultnode``: places to lose and to gain."""
-
-    def __init__(self, cluster, count: int, *, ranks_per_node: int = 4) -> None:
-        self.cluster = cluster
-        self.ranks_per_node = ranks_per_node
-        self.nodes = []
-        for _ in range(count):
-            self.add()
-
-    def add(self):
-        # Called from the main thread (the controller's loop): add_node installs a signal handler.
-        node = self.cluster.add_node(num_cpus=self.ranks_per_node / 2, resources={"faultnode": self.ranks_per_node})
-        self.cluster.wait_for_nodes()
-        self.nodes.append(node)
-        return node
-
-    def remove(self, node_id: str) -> None:
-        node = next(n for n in self.nodes if n.node_id == node_id)
-        self.nodes.remove(node)
-        self.cluster.remove_node(node)
-
-    def close(self) -> None:
-        for node in list(self.nodes):
-            self.cluster.remove_node(node)
-        self.nodes = []
 
 
 def of_kind(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

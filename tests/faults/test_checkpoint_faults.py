@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,8 +14,9 @@ from checkpointing.catalog import list_committed
 from checkpointing.storage import open_storage
 from checkpointing.verify import verify_checkpoint
 from orchestrator.events import read_events
-from tests.faults.harness import ON_WORKER_NODES, WorkerNodes, of_kind, run_job
-from tests.jobs import DEMO_CONFIG, REPO, losses
+from tests.faults.harness import ON_WORKER_NODES, of_kind, run_job
+from tests.fixtures.worker_nodes import WorkerNodes
+from tests.jobs import DEMO_CONFIG, REPO, losses, signal_after_step
 
 pytestmark = pytest.mark.slow
 
@@ -105,18 +105,7 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
     run_dir = tmp_path / "first"
     process = subprocess.Popen(_train_command(run_dir, s3_bucket, "--set=checkpoint.interval_steps=1000"), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            path = run_dir / "events.jsonl"
-            if path.exists() and any(e["event"] == "step" and e["step"] >= 4 for e in read_events(path)):
-                break
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    output = signal_after_step(process, run_dir, signal.SIGTERM, step=4, wait_s=300, exit_s=300)
     assert process.returncode == 143, output
     events = read_events(run_dir / "events.jsonl")
     last_step = max(e["step"] for e in of_kind(events, "step"))

@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, WorkerNodes, assert_completed_like, of_kind, run_job
+from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, assert_completed_like, of_kind, run_job
+from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import losses
 
 pytestmark = pytest.mark.slow

@@ -6,22 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.events import read_events
 from orchestrator.run import run_training
-from tests.jobs import DEMO_CONFIG, REPO
-
-
-def _wait_for_event(path, name, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and any(e["event"] == name for e in read_events(path)):
-            return True
-        time.sleep(0.5)
-    return False
+from tests.jobs import DEMO_CONFIG, REPO, signal_after_step
 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
@@ -30,13 +20,7 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
         [sys.executable, "-m", "orchestrator.cli", "train", str(DEMO_CONFIG), "--run-dir", str(run_dir),
          "--set", "training.steps=1000", "--set", "parallelism.pp=1", "--set", "parallelism.tp=1", "--plain"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert _wait_for_event(run_dir / "events.jsonl", "step", timeout=180), "no step within 180 s"
-        process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=90)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    output = signal_after_step(process, run_dir, signal.SIGINT)
     assert process.returncode == 130, output
     assert "Traceback" not in output
     events = read_events(run_dir / "events.jsonl")
