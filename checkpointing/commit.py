@@ -11,8 +11,9 @@ checkpoint report that reaches it from the ranks' ``CheckpointWriter``::
 When all ``world_size`` reports of a step are in and none failed, it merges them into a
 manifest, checks that the chunks tile every tensor exactly once, and writes the manifest with
 put-if-absent: that write is the commit. Then retention runs. A failure report, an incomplete
-tiling or a refused commit marks the step failed (``failed_steps``, ``on_failure``); nothing is
-committed for it and training is never interrupted by it.
+tiling or a refused commit marks the step failed (``failed_steps``, ``on_failure(step, reason,
+cause)`` with cause ``storage``), and so does a change of mesh before every rank reported (cause
+``interrupted``); nothing is committed for it and training is never interrupted by it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from checkpointing.spec import FailureReport, ShardReport, manifest_key, report_
 from checkpointing.storage import StorageBackend
 
 log = logging.getLogger(__name__)
+# Why a step is not committed when the mesh changes before every rank reported its shards.
+MESH_CHANGED = "the mesh changed before every rank reported"
 
 
 class CommitCoordinator:
@@ -43,7 +46,7 @@ class CommitCoordinator:
         model: dict[str, Any],
         keep_last: int,
         keep_every: int = 0,
-        on_failure: Callable[[int, str], None] | None = None,
+        on_failure: Callable[[int, str, str], None] | None = None,
     ) -> None:
         self.storage = storage
         self.world_size = world_size
@@ -65,7 +68,7 @@ class CommitCoordinator:
     def reset(self, *, world_size: int, mesh: dict[str, Any]) -> None:
         """The mesh changed (shrink, grow, restore): forget half-reported steps of the old one."""
         for step in self._pending:
-            self._fail(step, "the mesh changed before every rank reported")
+            self._fail(step, MESH_CHANGED, cause="interrupted")
         self._pending.clear()
         self.world_size = world_size
         self.mesh = dict(mesh)
@@ -116,8 +119,8 @@ class CommitCoordinator:
             log.warning("checkpoint retention under %s failed: %s", self.storage.uri, error)
         return manifest
 
-    def _fail(self, step: int, reason: str) -> None:
+    def _fail(self, step: int, reason: str, *, cause: str = "storage") -> None:
         self.failed_steps[step] = reason
         log.warning("checkpoint step %d not committed: %s", step, reason)
         if self._on_failure is not None:
-            self._on_failure(step, reason)
+            self._on_failure(step, reason, cause)

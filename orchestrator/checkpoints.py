@@ -54,7 +54,6 @@ class DriverCheckpoints:
         self.storage = open_storage(target.uri, endpoint_url=target.endpoint_url, region=target.region,
                                     part_size=target.part_size_mb << 20, concurrency=target.upload_concurrency)
         self.uri = self.storage.uri
-        self._failure_reason = "storage"
         self.coordinator = CommitCoordinator(
             self.storage, world_size=mesh.world_size, mesh=mesh.as_dict(), config_hash=self.config_hash,
             model=self.model, keep_last=target.keep_last, keep_every=target.keep_every, on_failure=self._failed,
@@ -72,11 +71,7 @@ class DriverCheckpoints:
 
     def reset(self, mesh: MeshSpec) -> None:
         """A new generation: half-reported saves of the old mesh will never complete."""
-        self._failure_reason = "interrupted"
-        try:
-            self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict())
-        finally:
-            self._failure_reason = "storage"
+        self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict())
 
     def latest_step(self) -> int | None:
         try:
@@ -90,8 +85,8 @@ class DriverCheckpoints:
         return choose_restore(self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps,
                               warn=log.warning)
 
-    def _failed(self, step: int, reason: str) -> None:
-        self.events.emit("checkpoint_failed", step=step, error=reason, reason=self._failure_reason)
+    def _failed(self, step: int, reason: str, cause: str) -> None:
+        self.events.emit("checkpoint_failed", step=step, error=reason, reason=cause)
 
 
 def driver_checkpoints(config: JobConfig, events: EventLog) -> DriverCheckpoints | NoCheckpoints:

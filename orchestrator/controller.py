@@ -703,11 +703,7 @@ class Controller:
             return self._interrupt()
         log.warning("terminated: saving a checkpoint at the next step boundary, then stopping")
         self.group.request_pause(self.state.generation, checkpoint=True)
-        deadline = time.monotonic() + grace_s
-        while not self.state.calls.done and time.monotonic() < deadline:
-            self.state.calls.collect(timeout=0.2)
-            self._drain_reports()
-        self._drain_reports()
+        self._let_ranks_return(grace_s)
         saved = self.checkpoints.latest_step()
         return Finished("preempted", EXIT_PREEMPTED,
                         reason=f"terminated; checkpoint step {saved} is the place to resume from")
@@ -717,14 +713,21 @@ class Controller:
         log.warning("interrupted: stopping after the step in flight (Ctrl-C again to stop at once)")
         self.group.request_stop()
         if isinstance(self.state, Running):
-            deadline = time.monotonic() + grace_s
-            try:
-                while not self.state.calls.done and time.monotonic() < deadline:
-                    self.state.calls.collect(timeout=0.2)
-                self._drain_reports()
-            except KeyboardInterrupt:
-                log.warning("interrupted again: stopping now")
+            self._let_ranks_return(grace_s)
         return Finished("interrupted", EXIT_INTERRUPTED, reason="interrupted by the user")
+
+    def _let_ranks_return(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for every rank's loop to return (a stop or pause was asked),
+        handling their reports (the last steps, the checkpoint's uploads) as they come; a
+        Ctrl-C meanwhile stops waiting."""
+        deadline = time.monotonic() + grace_s
+        try:
+            while not self.state.calls.done and time.monotonic() < deadline:
+                self.state.calls.collect(timeout=0.2, first=True)
+                self._drain_reports()
+            self._drain_reports()
+        except KeyboardInterrupt:
+            log.warning("interrupted again: stopping now")
 
 
 def group_errors(messages: dict[int, str]) -> str:

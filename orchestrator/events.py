@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from checkpointing.commit import MESH_CHANGED
 from orchestrator.redact import redact
 
 # Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
@@ -57,8 +58,6 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
 # Why a ``checkpoint_failed`` happened: the object store gave up, or a change of mesh (failure,
 # drain, grow) dropped a save whose shards were not all durable yet.
 CHECKPOINT_FAILURE_REASONS = ("storage", "interrupted")
-# checkpointing/commit.py's ``error`` text for a save dropped by a reconfiguration.
-_INTERRUPTED_SAVE = "the mesh changed before every rank reported"
 
 
 def checkpoint_failure_reason(event: dict[str, Any]) -> str:
@@ -69,7 +68,7 @@ def checkpoint_failure_reason(event: dict[str, Any]) -> str:
     """
     if event.get("reason") in CHECKPOINT_FAILURE_REASONS:
         return event["reason"]
-    return "interrupted" if _INTERRUPTED_SAVE in str(event.get("error") or "") else "storage"
+    return "interrupted" if MESH_CHANGED in str(event.get("error") or "") else "storage"
 
 
 def is_failure_recovery(event: dict[str, Any]) -> bool:

@@ -42,7 +42,7 @@ def test_commits_only_when_every_rank_reported(tmp_path):
 def test_a_failure_report_means_no_commit(tmp_path):
     storage = LocalStorage(tmp_path, fsync=False)
     failures = []
-    coord = coordinator(storage, on_failure=lambda step, reason: failures.append((step, reason)))
+    coord = coordinator(storage, on_failure=lambda step, reason, cause: failures.append((step, reason)))
     first, _ = shard_reports(storage, 6, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
     coord.on_report({"kind": "failure", "step": 6, "rank": 1, "error": "disk full", "attempts": 3})
     assert coord.on_report(first) is None
