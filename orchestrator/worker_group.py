@@ -280,7 +280,7 @@ class WorkerGroup:
         if self.store_host is not None:
             ray.get(self.store_host.abort_from.remote(generation, step), timeout=10)
         for rank in survivors:
-            self.active[rank].actor.abort_collectives.remote()
+            self.active[rank].actor.abort_collectives.remote(generation)
 
     def shutdown(self, *, grace_s: float = 5.0) -> None:
         """Stop every actor and free every placement group; safe to call twice."""

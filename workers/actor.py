@@ -14,7 +14,7 @@ even when the loop is blocked inside a collective. Call sequence, driver side:
        (never raises: errors come back as an outcome, so no exception object keeps a dead
        process group alive). Unless it finished, the rank leaves the generation on the way
        out, keeping its slices for a ``configure(start=kept)``;
-    3. any time, from the driver: ``poll()``, ``request_stop()``, ``abort_collectives()``;
+    3. any time, from the driver: ``poll()``, ``request_stop()``, ``abort_collectives(generation)``;
        ``shutdown()`` at the end.
 """
 
@@ -115,6 +115,9 @@ class RankActor:
         self.last_step = 0
         self._kept_shards: dict | None = None
         self._stop = threading.Event()
+        # Set when the driver aborted this generation's groups: any error the loop sees after
+        # that is a consequence of another rank's failure, whatever torch's message says.
+        self._aborted = threading.Event()
         self._phase = ("starting", time.monotonic())
         self._loop_thread: int | None = None
         self._drain_reported = False
@@ -168,6 +171,7 @@ class RankActor:
         self.rank, self.generation, self.mesh = rank, generation, mesh
         self.channel.rank = rank
         self._stop.clear()
+        self._aborted.clear()
         forget_old_meshes()
         if self.store is None:
             self.store = connect_store(*store_address)
@@ -221,7 +225,7 @@ class RankActor:
             outcome = RunOutcome("aborted", self.last_step)
         except Exception as error:  # noqa: BLE001 - reported to the driver, never swallowed
             outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_kind=type(error).__name__,
-                                 caused_by_peer=_caused_by_peer(error))
+                                 caused_by_peer=self._aborted.is_set() or _caused_by_peer(error))
         # Outside the except block: the exception and its traceback (which pin the blocked
         # collective and its process group) are gone by now.
         self._loop_thread = None
@@ -257,14 +261,18 @@ class RankActor:
         self._set_phase("shutdown")
 
     # ------------------------------------------------------------------ helpers
-    def abort_collectives(self) -> None:
-        """Control thread, any time: abort every process group of this rank.
+    def abort_collectives(self, generation: int) -> None:
+        """Control thread, any time: abort every process group of this rank in ``generation``.
 
         Shuts the rank's process-group connections down, so its own blocked collective fails
         at once and so do peers blocked on it, instead of waiting for the collective timeout.
         The driver calls it on every survivor when a generation fails: the whole generation
-        unblocks in well under a second.
+        unblocks in well under a second. A call that arrives late, once the rank has moved on
+        to a later generation, is ignored.
         """
+        if generation != self.generation:
+            return
+        self._aborted.set()
         shutdown_sockets(self._group_sockets)
         _abort_all_groups()
 

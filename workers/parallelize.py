@@ -167,14 +167,19 @@ def forget_old_meshes() -> None:
 
     Call in every thread, at the start of every generation, before it runs DTensor ops.
     A DeviceMesh compares equal to one of an earlier generation with the same layout (names,
-    shape, thread), so the sharding-propagation cache would hand back output specs that hold
-    the old mesh object, whose process-group names no longer resolve once a shrink and a grow
-    bring the same layout back ("Could not resolve the process group registered under ...").
-    The propagation cache is per thread: clear it on the thread that will use it.
+    shape, thread), so a sharding-propagation cache would hand back output specs that hold
+    the old mesh object, whose process-group names no longer resolve ("Could not resolve the
+    process group registered under the name 8") once a shrink, a drain or a grow brings the
+    same layout back. There are two such caches: the Python one (per thread) and the C++
+    dispatch fast path's, which answers first; missing the second made a drained run fail
+    steps after it resumed. The redistribute planners and topology infos are keyed by mesh too.
     """
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
     MeshTopoInfo.build_from_mesh.cache_clear()

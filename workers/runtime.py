@@ -13,6 +13,9 @@ import torch.distributed as dist
 from workers.data import SampleSource, SyntheticSource, TextSource
 from workers.spec import TrainSpec
 
+# Process-group names one generation may use (a mesh creates a few per dimension).
+GROUP_NAMES_PER_GENERATION = 100_000
+
 
 def pick_device(backend: str) -> torch.device:
     if backend == "nccl":
@@ -38,5 +41,11 @@ def init_generation(*, store: dist.Store, generation: int, rank: int, world_size
     generation can never be mistaken for this one's.
     """
     prefixed = dist.PrefixStore(f"gen{generation}/pg/", store)
+    # Destroying the world resets torch's counter of process-group names to 0, so the next
+    # generation's groups would reuse the names of the last one's: a stale mesh that escaped
+    # every cache would then run its collective on whichever new group took its name.
+    # Numbering each generation's groups from its own base makes a stale name fail loudly
+    # instead. Every rank of a generation sets the same base, so the names still agree.
+    dist.distributed_c10d._world.group_count = generation * GROUP_NAMES_PER_GENERATION
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
