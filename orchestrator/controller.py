@@ -438,6 +438,10 @@ class Controller:
                 nodes = sorted({self.group.active[r].node_id for r in draining})
                 self.events.emit("drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining),
                                  reason="node draining")
+            elif purpose == "grow":
+                # The grow event comes after the first step of the grown mesh; say now that one began.
+                log.info("growing: %d warm actors can join %s at the next step boundary",
+                         len(self.group.warm()), state.mesh.describe())
             everyone_leaves = purpose == "drain" and _replicas_of(state.mesh, draining) == state.mesh.dp_replicate
             self.group.request_pause(state.generation, checkpoint=everyone_leaves)
         return Settling(state.generation, state.mesh, state.calls, purpose, lost=dict(lost or {}),

@@ -20,6 +20,7 @@ even when the loop is blocked inside a collective. Call sequence, driver side:
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -94,6 +95,9 @@ class RankActor:
     def __init__(self, *, spec: TrainSpec, data: bytes | None) -> None:
         import torch
 
+        # A native crash (a segfault in a backend thread) prints every Python thread's stack to
+        # the worker's log, not only the crashing thread's (Ray's default), which may have none.
+        faulthandler.enable(all_threads=True)
         # Ray sets OMP_NUM_THREADS=1; torch's intra-op pool must agree or ranks oversubscribe cores.
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
