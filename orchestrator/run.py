@@ -60,6 +60,7 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
     rank_logs = RankLogWriter(run_dir)
     events = EventLog(run_dir / "events.jsonl", [*(subscribers or []), metrics, rank_logs, ConsoleEventPrinter(logger)])
     started_here = False
+    previous_handlers: dict = {}
     try:
         url = metrics.start_server(config.metrics.host, config.metrics.port)
         if url:
@@ -69,12 +70,16 @@ def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers:
         if handle_signals:
             # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
             # Flags, not exceptions: raised inside a Ray call, KeyboardInterrupt can be lost.
-            signal.signal(signal.SIGTERM, lambda signum, frame: controller.request_termination())
-            signal.signal(signal.SIGINT, lambda signum, frame: controller.request_interrupt())
+            previous_handlers = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: controller.request_termination()),
+                signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: controller.request_interrupt()),
+            }
         final = controller.run()
     finally:
-        if handle_signals:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A finished controller ignores requests: give both signals back, or a SIGTERM after
+        # the run (during the demo's export) would be swallowed.
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         events.close()
         rank_logs.close()
         metrics.close()
