@@ -2,7 +2,7 @@
 
 Every benchmark prints human-readable lines, then, as its last stdout line, one JSON object
 with our figure, the reference measured in the same run, and their ratio. Figures the goodput
-simulator uses are also recorded with ``orchestrator.bench_figures.record_figure``.
+simulator uses are also recorded with ``orchestrator.analysis.bench_figures.record_figure``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import config_from_dict, load_config  # noqa: E402
-from orchestrator.metrics import MetricsExporter  # noqa: E402
+from orchestrator.observe.metrics import MetricsExporter  # noqa: E402
 
 DEFAULT_JOB = {
     "name": "metrics-overhead", "data": {"source": "synthetic"},
@@ -86,8 +86,8 @@ class SwitchedExporter:
 
 
 def run_ab(config, *, block: int, scrape_interval_s: float) -> dict[str, Any]:
-    from orchestrator.events import read_events
-    from orchestrator.run import run_training
+    from orchestrator.observe.events import read_events
+    from orchestrator.driver.run import run_training
 
     # The run's own exporter stays off (metrics.enabled=false): only the switched one below
     # sees events, so "off" blocks really run without metrics.

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
 from orchestrator.config import load_config  # noqa: E402
-from orchestrator.events import read_events  # noqa: E402
+from orchestrator.observe.events import read_events  # noqa: E402
 
 
 def median_phases(steps: list[dict], warmup: int) -> dict[str, float]:

@@ -164,7 +164,7 @@ def start_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.cluster import worker_pythonpath
+    from orchestrator.driver.cluster import worker_pythonpath
 
     # Raylets started here, and their workers, inherit the environment: they import this code.
     os.environ["PYTHONPATH"] = worker_pythonpath()
@@ -188,8 +188,8 @@ def job_config(steps: int):
 def run_meshpilot(run_dir: Path, *, steps: int, faults: tuple[str, ...], on_event=None, node_fault=None):
     """One meshpilot job on the benchmark's cluster; its events. ``on_event`` may raise
     ``StopRun`` to end the job early (as Ctrl-C does: after the step in flight)."""
-    from orchestrator.events import read_events
-    from orchestrator.run import run_training
+    from orchestrator.observe.events import read_events
+    from orchestrator.driver.run import run_training
     from workers.faults import FaultSpec
 
     stopped = []
@@ -320,7 +320,7 @@ def _losses(events, *, upto: int) -> dict[int, float]:
 # ------------------------------------------------------------------ the reference
 def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = None, on_step=None):
     from bench.recovery_reference import run_reference
-    from orchestrator.job import data_bytes, train_spec
+    from orchestrator.driver.train_spec import data_bytes, train_spec
 
     config = job_config(steps)
     return run_reference(spec=train_spec(config, backend="gloo"), mesh=MESH, data=data_bytes(config),
@@ -490,7 +490,7 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
 
 
 def record_figures(summary: dict[str, Any]) -> None:
-    from orchestrator.bench_figures import DEFAULT_PATH, record_figure
+    from orchestrator.analysis.bench_figures import DEFAULT_PATH, record_figure
 
     layout = "4 ranks as dp_replicate=2 x dp_shard=2, debug model, CPU gloo, 2-core machine"
     figures = [

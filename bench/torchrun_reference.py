@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from orchestrator.config import load_config  # noqa: E402
-from orchestrator.job import data_bytes, train_spec  # noqa: E402
+from orchestrator.driver.train_spec import data_bytes, train_spec  # noqa: E402
 from workers.runtime import make_source, pick_device  # noqa: E402
 from workers.trainer import Trainer  # noqa: E402
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import load_config
-from orchestrator.events import read_events
-from orchestrator.run import RunResult, run_training
+from orchestrator.observe.events import read_events
+from orchestrator.driver.run import RunResult, run_training
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"

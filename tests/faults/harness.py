@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.events import read_events
-from orchestrator.run import RunResult, run_training
+from orchestrator.observe.events import read_events
+from orchestrator.driver.run import RunResult, run_training
 from tests.fixtures.worker_nodes import NODE_RESOURCE
 from tests.jobs import DEMO_CONFIG, REPO, losses
 from workers.faults import FaultSpec

@@ -13,7 +13,7 @@ import pytest
 from checkpointing.catalog import list_committed
 from checkpointing.storage import open_storage
 from checkpointing.verify import verify_checkpoint
-from orchestrator.events import read_events
+from orchestrator.observe.events import read_events
 from tests.faults.harness import ON_WORKER_NODES, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import DEMO_CONFIG, REPO, losses, signal_after_step

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.metrics import MetricsExporter, build_metrics
-from orchestrator.run import run_training
+from orchestrator.observe.metrics import MetricsExporter, build_metrics
+from orchestrator.driver.run import run_training
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, synthetic_run
 from workers.spec import PRESETS
 
@@ -204,9 +204,9 @@ def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, s3_buck
     the bytes of every committed checkpoint, and the mesh shrinking from 4 ranks to 2 with one
     failure and one recovery time, the same as events.jsonl says.
     """
-    import orchestrator.run as run_module
+    import orchestrator.driver.run as run_module
     from orchestrator.config import load_config
-    from orchestrator.events import checkpoint_failure_reason, read_events
+    from orchestrator.observe.events import checkpoint_failure_reason, read_events
     from tests.faults.harness import ELASTIC_LAYOUT
     from tests.jobs import DEMO_CONFIG, REPO
     from workers.faults import FaultSpec

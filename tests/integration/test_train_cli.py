@@ -9,8 +9,8 @@ import sys
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.events import read_events
-from orchestrator.run import run_training
+from orchestrator.observe.events import read_events
+from orchestrator.driver.run import run_training
 from tests.jobs import DEMO_CONFIG, REPO, signal_after_step
 
 

@@ -114,6 +114,6 @@ def test_driver_side_modules_do_not_import_torch():
     import sys
 
     code = ("import sys, checkpointing.commit, checkpointing.catalog, checkpointing.verify, "
-            "checkpointing.local_s3, checkpointing.s3, orchestrator.ckpt_cli; "
+            "checkpointing.local_s3, checkpointing.s3, orchestrator.cli.ckpt; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.controller import Configuring, Controller, Finished, Running, Starting, group_errors
-from orchestrator.events import EventLog, read_events
-from orchestrator.worker_group import CallFailed
+from orchestrator.driver.controller import Configuring, Controller, Finished, Running, Starting, group_errors
+from orchestrator.observe.events import EventLog, read_events
+from orchestrator.driver.worker_group import CallFailed
 from tests.jobs import DEMO_CONFIG, REPO
 from workers.actor import Heartbeat, RunOutcome
 

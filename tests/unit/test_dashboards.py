@@ -1,7 +1,7 @@
 """The Grafana dashboard and the alert rules ask only for what meshpilot exports.
 
 Every PromQL expression (dashboard panels, variables, annotations, alert rules) is parsed for
-metric and label names, which must be among those declared in ``orchestrator/metrics.py``; a
+metric and label names, which must be among those declared in ``orchestrator/observe/metrics.py``; a
 renamed metric fails here instead of leaving an empty panel or an alert that never fires.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.metrics import exported_labels, exported_names
+from orchestrator.observe.metrics import exported_labels, exported_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "meshpilot-dashboard.json"

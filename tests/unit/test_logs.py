@@ -9,9 +9,9 @@ import logging
 import pytest
 from rich.console import Console
 
-from orchestrator.events import EventLog
-from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
-from orchestrator.redact import register_secret
+from orchestrator.observe.events import EventLog
+from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
+from orchestrator.observe.redact import register_secret
 from tests.fixtures.synthetic_events import synthetic_run
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"

@@ -14,11 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from checkpointing.spec import FailureReport, ShardReport
 from elastic.spec import MeshSpec
-from orchestrator.checkpoints import DriverCheckpoints
+from orchestrator.driver.checkpoint_commits import DriverCheckpoints
 from orchestrator.config import config_from_dict
 from orchestrator.errors import UserError
-from orchestrator.events import EventLog, read_events
-from orchestrator.metrics import (
+from orchestrator.observe.events import EventLog, read_events
+from orchestrator.observe.metrics import (
     METRICS,
     MetricsExporter,
     NullMetrics,

@@ -10,7 +10,7 @@ import pytest
 from matplotlib.image import imread
 
 import orchestrator.cli as cli
-from orchestrator.report import (
+from orchestrator.analysis.timeline import (
     MARKERS,
     PARTIAL_LOSS_COLOUR,
     STARTUP_ALPHA,
@@ -27,7 +27,7 @@ from tests.fixtures.synthetic_events import START_TIME, synthetic_run, write_eve
 @pytest.fixture
 def report_main(monkeypatch):
     """``meshpilot`` with only the report command registered (other commands land separately)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("orchestrator.report_cli",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("orchestrator.cli.report",))
     return cli.main
 
 

@@ -15,7 +15,7 @@ from elastic.simulator import (
     LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, SimulationInputs, default_mttf_hours, simulate, sweep,
     young_daly_interval_s,
 )
-from orchestrator.bench_figures import FORMAT, load_figures, record_figure
+from orchestrator.analysis.bench_figures import FORMAT, load_figures, record_figure
 from orchestrator.cli import main
 
 DAY = 86400.0

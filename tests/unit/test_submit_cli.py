@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from ray._private.runtime_env.packaging import _get_excludes  # the matcher Ray packs working_dir with
 
-from orchestrator import submit_cli
+from orchestrator.cli import submit as submit_cli
 from orchestrator.config import JobConfig, load_config
 from orchestrator.errors import UserError
-from orchestrator.redact import redact_text
+from orchestrator.observe.redact import redact_text
 
 
 def _config(tmp_path: Path, text: str) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UserError
-from orchestrator.events import checkpoint_failure_reason, is_failure_recovery, read_events
+from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery, read_events
 
 # Marker styles, one per event kind: (colour, line style, legend label).
 MARKERS: dict[str, tuple[str, str, str]] = {

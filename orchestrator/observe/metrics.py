@@ -1,7 +1,7 @@
 """Prometheus metrics of a run: every name declared here, every value driven by events.
 
 Runs on the driver, and only there: ranks report through the controller, the controller
-emits events (``orchestrator/events.py``), and ``MetricsExporter`` is one more subscriber of
+emits events (``orchestrator/observe/events.py``), and ``MetricsExporter`` is one more subscriber of
 the ``EventLog``. So one job is one scrape target, and the metrics, ``events.jsonl`` and the
 terminal can never disagree. Usage (in the controller)::
 
@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_wsgi_server
 
 from orchestrator.errors import UserError
-from orchestrator.events import CHECKPOINT_FAILURE_REASONS, checkpoint_failure_reason, is_failure_recovery
+from orchestrator.observe.events import CHECKPOINT_FAILURE_REASONS, checkpoint_failure_reason, is_failure_recovery
 from workers.spec import ModelSpec
 
 log = logging.getLogger("meshpilot.metrics")

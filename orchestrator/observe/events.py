@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from checkpointing.commit import MESH_CHANGED
-from orchestrator.redact import redact
+from orchestrator.observe.redact import redact
 
 # Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {

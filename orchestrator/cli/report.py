@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.report import format_summary, load_events, render_timeline, summarize
+from orchestrator.analysis.timeline import format_summary, load_events, render_timeline, summarize
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

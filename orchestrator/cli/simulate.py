@@ -6,7 +6,7 @@ reported 419 unexpected interruptions in 54 days on 16,384 GPUs:
     meshpilot simulate --gpus 16384 --interruptions 419 --days 54 --plot bench/results/goodput-llama3.png
 
 Recovery and checkpoint times come from, in order: the flag, the measured figure in
-bench/results/latest.json (``orchestrator.bench_figures``), the documented default below. The
+bench/results/latest.json (``orchestrator.analysis.bench_figures``), the documented default below. The
 output says which for each.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from elastic.simulator import (
     POLICIES, SimulationInputs, SimulationResult, Sweep, default_mttf_hours, sweep,
 )
-from orchestrator.bench_figures import DEFAULT_PATH, Figure, load_figures
+from orchestrator.analysis.bench_figures import DEFAULT_PATH, Figure, load_figures
 from orchestrator.errors import UserError
 
 # Defaults where no flag and no measured figure is given: assumptions for a large GPU job, each
@@ -89,7 +89,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                    seed=args.seed, requested_interval_s=requested)
     plot_path = None
     if args.plot:
-        from orchestrator.goodput_plot import render_goodput_plot
+        from orchestrator.analysis.goodput_plot import render_goodput_plot
 
         title = (f"{inputs.gpus} GPUs, MTTF {inputs.mttf_s / 3600:.2f} h, {inputs.horizon_s / 86400:g} days, "
                  f"stall {inputs.checkpoint_stall_s:g} s, restart {inputs.restart_s:g} s, "

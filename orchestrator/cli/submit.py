@@ -21,7 +21,7 @@ submission id it has seen. A second attempt is refused while one of the same nam
 Token authentication (on by default since Ray 2.52 clusters): the token is read the way Ray
 reads it (``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or
 ``~/.ray/auth_token``) and sent as a bearer header, unless ``RAY_AUTH_MODE=disabled``. The
-token is never printed: it is registered with orchestrator.redact, and every message here
+token is never printed: it is registered with orchestrator.observe.redact, and every message here
 names where a token is looked for, never its value.
 """
 
@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 from orchestrator.config import JobConfig, load_config, resolve_data_path
 from orchestrator.errors import UserError
-from orchestrator.redact import register_secret
+from orchestrator.observe.redact import register_secret
 
 # Never shipped to the cluster: environments, outputs, VCS data and caches.
 DEFAULT_EXCLUDES: tuple[str, ...] = (

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from elastic.placement import RankResources, shortfall, spread_replicas, tp_bundles
 from elastic.spec import MeshSpec
-from orchestrator import cluster
+from orchestrator.driver import cluster
 from orchestrator.errors import ConfigError
 from workers.actor import RankActor, StartFrom
 from workers.rendezvous import StoreHost

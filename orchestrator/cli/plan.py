@@ -1,4 +1,4 @@
-"""``meshpilot plan`` (and, through ``orchestrator.simulate_cli``, ``meshpilot simulate``).
+"""``meshpilot plan`` (and, through ``orchestrator.cli.simulate``, ``meshpilot simulate``).
 
 Runs on the driver or a laptop; no cluster, no torch. Example:
 
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default %(default)s)")
     parser.set_defaults(handler=run_plan)
 
-    from orchestrator import simulate_cli
+    from orchestrator.cli import simulate as simulate_cli
 
     simulate_cli.register(subparsers)
 

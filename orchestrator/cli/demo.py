@@ -18,9 +18,9 @@ from checkpointing.catalog import list_committed
 from checkpointing.local_s3 import LocalS3Server
 from checkpointing.storage import open_storage
 from orchestrator.config import load_config
-from orchestrator.progress import ProgressView
-from orchestrator.redact import register_secret
-from orchestrator.report import format_summary, load_events, render_timeline, summarize
+from orchestrator.observe.progress import ProgressView
+from orchestrator.observe.redact import register_secret
+from orchestrator.analysis.timeline import format_summary, load_events, render_timeline, summarize
 
 BUCKET = "meshpilot-demo"
 
@@ -36,8 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.cluster import SOURCE_ROOT
-    from orchestrator.run import run_training  # Ray and the controller: only when a job runs
+    from orchestrator.driver.cluster import SOURCE_ROOT
+    from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
 
     from checkpointing.export import export_hf  # torch: only once the demo runs
 

@@ -16,12 +16,12 @@ import ray
 
 from rich.console import Console
 
-from orchestrator import cluster
+from orchestrator.driver import cluster
 from orchestrator.config import JobConfig
-from orchestrator.controller import Controller
-from orchestrator.events import EventLog
-from orchestrator.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
-from orchestrator.metrics import build_metrics
+from orchestrator.driver.controller import Controller
+from orchestrator.observe.events import EventLog
+from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
+from orchestrator.observe.metrics import build_metrics
 from workers.faults import FaultSpec
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from orchestrator.config import load_config
 from orchestrator.errors import UserError
-from orchestrator.progress import ProgressView
+from orchestrator.observe.progress import ProgressView
 from workers.faults import FaultSpec
 
 
@@ -46,7 +46,7 @@ def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.run import run_training  # Ray and the controller: only when a job runs
+    from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
 
     overrides = list(args.overrides)
     if args.address:

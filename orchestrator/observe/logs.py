@@ -4,7 +4,7 @@ Runs on the driver. Ranks do not write log files: they send ``log`` events throu
 reporting channel like everything else, and ``RankLogWriter`` (an ``EventLog`` subscriber)
 appends each to ``RUN_DIR/logs/rank-N.jsonl``. The driver's own records go to the console
 (rich, or JSON lines for log collectors) and to ``RUN_DIR/logs/driver.jsonl``. Every handler
-installed here masks credentials (``orchestrator/redact.py``), tracebacks included. Usage::
+installed here masks credentials (``orchestrator/observe/redact.py``), tracebacks included. Usage::
 
     logger = setup_logging(run_dir=run_dir, console=progress_console)
     event_log.subscribe(RankLogWriter(run_dir))
@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from elastic.spec import MeshSpec
-from orchestrator.redact import redact, redact_text
-from orchestrator.events import checkpoint_failure_reason, is_failure_recovery
+from orchestrator.observe.redact import redact, redact_text
+from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery
 
 LOGGER_NAME = "meshpilot"
 CONSOLE_FORMATS = ("rich", "json")

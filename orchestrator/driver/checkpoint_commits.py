@@ -18,7 +18,7 @@ from checkpointing.manifest import Manifest
 from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
-from orchestrator.events import EventLog
+from orchestrator.observe.events import EventLog
 
 log = logging.getLogger("meshpilot")
 

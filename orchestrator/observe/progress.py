@@ -3,7 +3,7 @@
 Runs on the driver as an event subscriber. On a terminal it draws a rich progress bar; when
 output goes to a file or a CI log it prints one plain line every ~10% of the run instead.
 Everything else an operator must notice (failures, checkpoints, the end) is printed by
-``orchestrator.logs.ConsoleEventPrinter`` through the same console.
+``orchestrator.observe.logs.ConsoleEventPrinter`` through the same console.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from elastic.spec import MeshSpec
-from orchestrator.events import EventLog
+from orchestrator.observe.events import EventLog
 
 Handler = Callable[[dict[str, Any]], None]
 

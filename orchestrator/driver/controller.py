@@ -43,14 +43,14 @@ from elastic.policy import (
     restore_mesh,
 )
 from elastic.spec import MeshSpec
-from orchestrator import cluster
-from orchestrator.checkpoints import driver_checkpoints
+from orchestrator.driver import cluster
+from orchestrator.driver.checkpoint_commits import driver_checkpoints
 from orchestrator.config import JobConfig
-from orchestrator.detector import HANG_STEP_FACTOR, Detector, Lost
-from orchestrator.events import EventLog
-from orchestrator.job import data_bytes, train_spec
-from orchestrator.reports import ReportRouter
-from orchestrator.worker_group import CallFailed, PendingCalls, RankSlot, WorkerGroup
+from orchestrator.driver.detector import HANG_STEP_FACTOR, Detector, Lost
+from orchestrator.observe.events import EventLog
+from orchestrator.driver.train_spec import data_bytes, train_spec
+from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.worker_group import CallFailed, PendingCalls, RankSlot, WorkerGroup
 from workers.actor import RunOutcome, StartFrom
 from workers.faults import FaultSpec
 

@@ -12,15 +12,15 @@ import importlib
 import sys
 
 from orchestrator.errors import user_error_types
-from orchestrator.redact import redact_text
+from orchestrator.observe.redact import redact_text
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "orchestrator.train_cli",
-    "orchestrator.demo",
-    "orchestrator.plan_cli",
-    "orchestrator.report_cli",
-    "orchestrator.submit_cli",
-    "orchestrator.ckpt_cli",
+    "orchestrator.cli.train",
+    "orchestrator.cli.demo",
+    "orchestrator.cli.plan",
+    "orchestrator.cli.report",
+    "orchestrator.cli.submit",
+    "orchestrator.cli.ckpt",
 )
 
 
