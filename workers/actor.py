@@ -29,7 +29,6 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.spec import MeshSpec
@@ -38,6 +37,7 @@ from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import shutdown_sockets, socket_inodes
 from workers.spec import TrainSpec
+from workers.spec.messages import FailureKind, Heartbeat, RunOutcome, StartFrom, failure_kind_of
 
 log = logging.getLogger("meshpilot.rank")
 
@@ -48,45 +48,6 @@ PEER_FAILURE_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
     "Socket Timeout", "timed out", "Timeout", "NCCL communicator was aborted", "ProcessGroupNCCL",
 )
-
-
-@dataclass(frozen=True)
-class StartFrom:
-    """How ``configure`` fills the new trainer's state.
-
-    ``fresh``: seeded initialisation (step 0). ``kept``: rebind the slices this process kept
-    from the previous generation. ``peer``: receive them from replica group 0 of the new mesh
-    (every rank of such a generation is configured with ``sync_replicas=True``).
-    ``checkpoint``: load committed checkpoint ``step`` from storage, resharded to this mesh.
-    """
-
-    mode: str = "fresh"
-    step: int = 0
-
-
-@dataclass
-class RunOutcome:
-    status: str  # finished | paused | aborted | failed | stopped
-    last_step: int  # the last step whose optimizer update this rank applied
-    error: str | None = None
-    error_kind: str | None = None
-    # True when the error is a consequence of another rank's failure (a closed connection).
-    caused_by_peer: bool = False
-    # Fingerprint of the rank's state when it finished or paused (see Trainer.state_digest).
-    state_digest: str | None = None
-
-
-@dataclass
-class Heartbeat:
-    rank: int
-    phase: str
-    step: int
-    phase_age_s: float
-    reports: list[dict[str, Any]] = field(default_factory=list)
-    # In a step: is the loop blocked waiting for other ranks (a collective, the commit vote)?
-    # A rank busy in a step that everyone else waits on is the one that hangs.
-    waiting: bool | None = None
-    where: str | None = None
 
 
 class RankActor:
@@ -149,7 +110,7 @@ class RankActor:
         phase, since = self._phase
         waiting, where = self._loop_position() if phase == "step" else (None, None)
         return Heartbeat(rank=self.rank, phase=phase, step=self.last_step, phase_age_s=time.monotonic() - since,
-                         reports=self.channel.drain(), waiting=waiting, where=where)
+                         reports=tuple(self.channel.drain()), waiting=waiting, where=where)
 
     def _drain_notice(self, reason: str) -> None:
         if not self._drain_reported:
@@ -228,8 +189,9 @@ class RankActor:
         except StepAborted:
             outcome = RunOutcome("aborted", self.last_step)
         except Exception as error:  # noqa: BLE001 - reported to the driver, never swallowed
-            outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_kind=type(error).__name__,
-                                 caused_by_peer=self._aborted.is_set() or _caused_by_peer(error))
+            peer = self._aborted.is_set() or _caused_by_peer(error)
+            outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_type=type(error).__name__,
+                                 failure_kind=FailureKind.PEER_FAILURE if peer else failure_kind_of(error))
         # Outside the except block: the exception and its traceback (which pin the blocked
         # collective and its process group) are gone by now.
         self._loop_thread = None

@@ -51,7 +51,7 @@ from orchestrator.observe.events import EventLog
 from orchestrator.driver.train_spec import data_bytes, train_spec
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.worker_group import CallFailed, PendingCalls, RankSlot, WorkerGroup
-from workers.actor import RunOutcome, StartFrom
+from workers.spec.messages import RunOutcome, StartFrom
 from workers.faults import FaultSpec
 
 log = logging.getLogger("meshpilot")
@@ -745,7 +745,7 @@ def group_errors(messages: dict[int, str]) -> str:
 def _as_outcome(result: Any, last_step: int) -> RunOutcome:
     if isinstance(result, CallFailed):
         status = "died" if result.kind == "died" else "failed"
-        return RunOutcome(status, last_step, error=result.message, error_kind=result.kind)
+        return RunOutcome(status, last_step, error=result.message, error_type=result.kind)
     return result
 
 

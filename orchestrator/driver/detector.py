@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from workers.actor import RunOutcome
+from workers.spec.messages import RunOutcome
 
 
 @dataclass(frozen=True)

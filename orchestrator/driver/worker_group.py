@@ -28,7 +28,8 @@ from elastic.placement import RankResources, shortfall, spread_replicas, tp_bund
 from elastic.spec import MeshSpec
 from orchestrator.driver import cluster
 from orchestrator.errors import ConfigError
-from workers.actor import RankActor, StartFrom
+from workers.actor import RankActor  # the class handle only: ray.remote needs it
+from workers.spec.messages import StartFrom
 from workers.rendezvous import StoreHost
 from workers.spec import TrainSpec
 

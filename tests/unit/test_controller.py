@@ -11,7 +11,7 @@ from orchestrator.driver.controller import Configuring, Controller, Finished, Ru
 from orchestrator.observe.events import EventLog, read_events
 from orchestrator.driver.worker_group import CallFailed
 from tests.jobs import DEMO_CONFIG, REPO
-from workers.actor import Heartbeat, RunOutcome
+from workers.spec.messages import FailureKind, Heartbeat, RunOutcome
 
 
 class FakeCalls:
@@ -171,7 +171,7 @@ def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_p
 
 def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
     FakeGroup.script = {"runs": {1: {"outcomes": {0: CallFailed("died", "The actor died unexpectedly"),
-                                                  1: RunOutcome("failed", 0, caused_by_peer=True)}}}}
+                                                  1: RunOutcome("failed", 0, failure_kind=FailureKind.PEER_FAILURE)}}}}
     assert controller.run().status == "failed"
     failure = next(e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure")
     assert failure["kind"] == "rank_died"
@@ -182,7 +182,7 @@ def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch
     monkeypatch.setattr(Controller, "worker_group_class", FakeGroup)
     FakeGroup.script = {"resume_step": 2, "runs": {1: {"steps_done": 2, "outcomes": {
         0: RunOutcome("aborted", 2), 1: RunOutcome("aborted", 2),
-        2: CallFailed("died", "The actor died unexpectedly"), 3: RunOutcome("failed", 2, caused_by_peer=True)}}}}
+        2: CallFailed("died", "The actor died unexpectedly"), 3: RunOutcome("failed", 2, failure_kind=FailureKind.PEER_FAILURE)}}}}
     config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1",
                                        "parallelism.dp_replicate=2", "parallelism.dp_shard=2"])
     controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)

@@ -1,0 +1,34 @@
+"""Plain values both sides import: the model's shape, what a rank trains, and the messages
+between the driver and the ranks. No torch and no Ray here (the planner and the driver's
+config validation import it on a laptop).
+
+    model.py     ModelSpec and the presets
+    train.py     TrainSpec (the job as a rank sees it), CheckpointTarget, the commit vote's outcomes
+    messages.py  everything that crosses the Ray boundary: enums and frozen dataclasses
+"""
+
+from workers.spec.messages import (
+    FailureKind,
+    Heartbeat,
+    Phase,
+    RunOutcome,
+    RunStatus,
+    StartFrom,
+    StartMode,
+    failure_kind_of,
+)
+from workers.spec.model import PRESETS, ModelSpec, model_spec
+from workers.spec.train import (
+    ABORT,
+    COMMIT,
+    COMMIT_AND_PAUSE,
+    COMMIT_PAUSE_CHECKPOINT,
+    CheckpointTarget,
+    TrainSpec,
+)
+
+__all__ = [
+    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "PRESETS", "CheckpointTarget", "FailureKind",
+    "Heartbeat", "ModelSpec", "Phase", "RunOutcome", "RunStatus", "StartFrom", "StartMode", "TrainSpec",
+    "failure_kind_of", "model_spec",
+]

@@ -1,0 +1,112 @@
+"""Values that cross the Ray boundary between the driver and a rank actor, in both directions.
+
+Declared once, imported by both sides: the driver never imports ``workers/actor.py`` for a
+type, and no side parses the other's message text to learn what happened. Every value here is
+a ``StrEnum`` member or a frozen dataclass; a ``StrEnum`` member equals its string value, so
+events and logs written with them read as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class RunStatus(StrEnum):
+    """How a rank's ``run`` call ended."""
+
+    FINISHED = "finished"  # reached the last step
+    PAUSED = "paused"  # left at a step boundary the driver asked for (drain, grow, termination)
+    ABORTED = "aborted"  # the driver vetoed the step in flight
+    FAILED = "failed"  # an error ended the loop: see ``RunOutcome.failure_kind``
+    STOPPED = "stopped"  # the driver asked the loop to stop (Ctrl-C)
+
+
+class StartMode(StrEnum):
+    """Where ``configure`` takes the new trainer's state from."""
+
+    FRESH = "fresh"  # seeded initialisation, step 0
+    KEPT = "kept"  # the slices this process kept from the previous generation
+    PEER = "peer"  # broadcast from replica group 0 of the new mesh
+    CHECKPOINT = "checkpoint"  # a committed checkpoint, resharded to this mesh
+
+
+class FailureKind(StrEnum):
+    """Why a rank-side call failed; set where the failure is raised or first caught."""
+
+    PEER_FAILURE = "peer_failure"  # a consequence of another rank's failure (its connection closed)
+    OWN_ERROR = "own_error"  # this rank's own error (a bug, a bad input, an OOM)
+    TIMEOUT = "timeout"  # this rank's own wait (a collective, the commit vote) timed out
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # a checksum mismatch while restoring
+    STORAGE = "storage"  # object storage refused or could not be reached
+    INJECTED = "injected"  # a fault injected on purpose (``--inject raise@STEP``)
+
+
+class Phase(StrEnum):
+    """What a rank is doing, as its heartbeat says."""
+
+    STARTING = "starting"
+    CONFIGURING = "configuring"
+    READY = "ready"
+    STEP = "step"
+    CHECKPOINT = "checkpoint"
+    FINISHED = "finished"
+    PAUSED = "paused"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    SHUTDOWN = "shutdown"
+
+
+def failure_kind_of(error: BaseException) -> FailureKind:
+    """The kind an exception class declares (``failure_kind = FailureKind.X``), else OWN_ERROR."""
+    kind = getattr(error, "failure_kind", None)
+    return kind if isinstance(kind, FailureKind) else FailureKind.OWN_ERROR
+
+
+@dataclass(frozen=True)
+class StartFrom:
+    """How ``configure`` fills the new trainer's state.
+
+    ``FRESH``: seeded initialisation (step 0). ``KEPT``: rebind the slices this process kept
+    from the previous generation. ``PEER``: receive them from replica group 0 of the new mesh
+    (every rank of such a generation is configured with ``sync_replicas=True``).
+    ``CHECKPOINT``: load committed checkpoint ``step`` from storage, resharded to this mesh.
+    """
+
+    mode: StartMode = StartMode.FRESH
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a rank's ``run`` call returns (it never raises)."""
+
+    status: RunStatus
+    last_step: int  # the last step whose optimizer update this rank applied
+    error: str | None = None  # the traceback's last frames, for whoever debugs it
+    error_type: str | None = None  # the exception's class name
+    failure_kind: FailureKind | None = None  # set when status is FAILED
+    # Fingerprint of the rank's state when it finished or paused (see Trainer.state_digest).
+    state_digest: str | None = None
+
+    @property
+    def caused_by_peer(self) -> bool:
+        """The error is a consequence of another rank's failure: this rank is a survivor."""
+        return self.failure_kind == FailureKind.PEER_FAILURE
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's answer to ``poll()``: where it is, and the reports queued since the last poll."""
+
+    rank: int
+    phase: Phase
+    step: int
+    phase_age_s: float
+    reports: tuple[dict[str, Any], ...] = ()
+    # In a step: is the loop blocked waiting for other ranks (a collective, the commit vote)?
+    # A rank busy in a step that everyone else waits on is the one that hangs.
+    waiting: bool | None = None
+    where: str | None = None
