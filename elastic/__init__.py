@@ -1,0 +1,11 @@
+"""Pure decisions, importable without Ray or torch: functions take values and return decisions.
+
+    spec.py        MeshSpec: the parallel degrees, ranks and replica groups, validated
+    policy.py      failure and scaling policies -> Continue / Shrink / Grow / RestoreFromCheckpoint / Fail
+    planner.py     the mesh for a model on a cluster; cost_model.py and hardware.py behind it
+    placement.py   which node each replica group goes to
+    simulator.py   goodput of the recovery policies over a failure trace
+
+Imports nothing of meshpilot's but its own modules and plain-value spec modules (``workers.spec``
+for a model's shape).
+"""

@@ -2,7 +2,10 @@
 
 Runs on the driver (the user's terminal, or a Ray job's entrypoint). Each command module in
 ``COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its parser and sets
-``handler=`` to a function ``(args) -> int`` returning the exit code.
+``handler=`` to a function ``(args) -> int`` returning the exit code. A command module parses
+and prints; the work is done by ``orchestrator.driver`` (train, demo), ``orchestrator.submission``
+(submit, jobs), ``orchestrator.analysis`` (report, simulate), ``elastic`` (plan) or
+``checkpointing`` (ckpt). Nothing imports ``cli`` but the console script.
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""One training run on the driver: from a validated config to a terminal state.
+
+    run.py              run_training: run directory, Ray, event log, controller, signals
+    controller.py       the state machine, one iteration per ``step()``; states.py holds its states
+    detector.py         what the driver sees -> which ranks are lost and why
+    worker_group.py     the rank actors: placement groups, slots, fan-out calls
+    cluster.py          connecting to Ray (embedded or existing), node liveness, drains
+    checkpoint_commits  the driver's half of checkpoints: commit manifests, choose what to resume
+    rank_reports.py     rank reports -> the run's events (step, log, checkpoint, drain notice)
+    train_spec.py       the job config -> what every rank is sent (TrainSpec)
+
+May import ``orchestrator.observe``, ``orchestrator.config``/``errors``, ``elastic``,
+``workers.spec`` (and ``workers.actor`` for the class handle), ``checkpointing``'s torch-free
+modules. Never ``torch``; Ray's private APIs only through its one compat module.
+"""
