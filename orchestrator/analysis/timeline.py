@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator.errors import UserError
 from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery, read_events
@@ -203,8 +203,6 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     """Draw the run's timeline as a PNG at ``out``; returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     summary = summary or summarize(events)
     start_time = next((e["time"] for e in events if e["event"] == "start"), events[0]["time"])
@@ -225,22 +223,7 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
                     f"wall {_duration(summary.wall_s)}, effective training {summary.goodput:.0%}",
                     fontsize=13, fontweight="bold")
 
-    # One line per stretch of uninterrupted training: no line drawn across a failure's downtime.
-    for segment in _segments(events):
-        xs = [at(e) for e in segment]
-        loss_ax.plot(xs, [e.get("loss") for e in segment], color="#222222", linewidth=1.4)
-        speed_ax.plot(xs, [_tokens_per_s(e) for e in segment], color="#17becf", linewidth=1.2)
-    kept = {id(e) for e in productive_steps(events)}
-    lost = [e for e in steps if id(e) not in kept]
-    partial = [e for e in steps if e.get("loss_partial") and e.get("loss") is not None]
-    if partial:  # a blip there is the missing ranks' share, not the model
-        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=70,
-                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=2.0, zorder=4)
-    if lost:
-        loss_ax.scatter([at(e) for e in lost], [e.get("loss") for e in lost], marker="x", s=40,
-                        color="#7f7f7f", zorder=3, label="lost step (redone)")
-        speed_ax.scatter([at(e) for e in lost], [_tokens_per_s(e) for e in lost], marker="x", s=40,
-                         color="#7f7f7f", zorder=3)
+    lost, partial = _draw_training(loss_ax, speed_ax, events, at)
     loss_ax.set_ylabel("loss")
     speed_ax.set_ylabel("tokens / s")
     speed_ax.set_ylim(bottom=0)
@@ -258,6 +241,44 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     ckpt_ax.set_xlabel(f"time since start ({unit})")
     ckpt_ax.set_xlim(left=0, right=max(at(events[-1]) * 1.01, 1.0))
 
+    handles = _legend_handles(events, summary, lost=bool(lost), partial=bool(partial))
+    if handles:  # under the panels, where it hides no data
+        figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    return out
+
+
+def _draw_training(loss_ax: Any, speed_ax: Any, events: list[dict[str, Any]],
+                   at: Callable[[dict[str, Any]], float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Loss and tokens/s, one line per stretch of training; returns the lost and the partial-loss steps."""
+    steps = [e for e in events if e["event"] == "step"]
+    # One line per stretch of uninterrupted training: no line drawn across a failure's downtime.
+    for segment in _segments(events):
+        xs = [at(e) for e in segment]
+        loss_ax.plot(xs, [e.get("loss") for e in segment], color="#222222", linewidth=1.4)
+        speed_ax.plot(xs, [_tokens_per_s(e) for e in segment], color="#17becf", linewidth=1.2)
+    kept = {id(e) for e in productive_steps(events)}
+    lost = [e for e in steps if id(e) not in kept]
+    partial = [e for e in steps if e.get("loss_partial") and e.get("loss") is not None]
+    if partial:  # a blip there is the missing ranks' share, not the model
+        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=70,
+                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=2.0, zorder=4)
+    if lost:
+        loss_ax.scatter([at(e) for e in lost], [e.get("loss") for e in lost], marker="x", s=40,
+                        color="#7f7f7f", zorder=3, label="lost step (redone)")
+        speed_ax.scatter([at(e) for e in lost], [_tokens_per_s(e) for e in lost], marker="x", s=40,
+                         color="#7f7f7f", zorder=3)
+    return lost, partial
+
+
+def _legend_handles(events: list[dict[str, Any]], summary: RunSummary, *, lost: bool, partial: bool) -> list[Any]:
+    """What the legend explains: only the kinds of marker the picture shows."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     shown = {e["event"] for e in events if e["event"] != "recovered" or is_failure_recovery(e)}
     handles = [Line2D([], [], color=colour, linestyle=style, linewidth=2, label=label)
                for kind, (colour, style, label) in MARKERS.items() if kind in shown]
@@ -273,13 +294,7 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     if partial:
         handles.append(Line2D([], [], color=PARTIAL_LOSS_COLOUR, marker="o", markerfacecolor="none", linestyle="",
                               label="partial loss (a rank did not report)"))
-    if handles:  # under the panels, where it hides no data
-        figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    return out
+    return handles
 
 
 def _segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.observe.metrics import exported_labels, exported_names
+from orchestrator.observe.metric_names import exported_labels, exported_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "meshpilot-dashboard.json"

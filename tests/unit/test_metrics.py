@@ -18,14 +18,8 @@ from orchestrator.driver.checkpoint_commits import DriverCheckpoints
 from orchestrator.config import config_from_dict
 from orchestrator.errors import UserError
 from orchestrator.observe.events import EventLog, read_events
-from orchestrator.observe.metrics import (
-    METRICS,
-    MetricsExporter,
-    NullMetrics,
-    build_metrics,
-    exported_names,
-    peak_flops,
-)
+from orchestrator.observe.metric_names import METRICS, exported_names, peak_flops
+from orchestrator.observe.metrics import MetricsExporter, NullMetrics, build_metrics
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, START_TIME, TOKENS_PER_STEP, synthetic_run
 from workers.spec import PRESETS
 
