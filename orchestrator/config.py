@@ -24,6 +24,7 @@ import yaml
 from elastic.spec import MeshSpec
 from orchestrator.errors import ConfigError
 from workers.spec import PRESETS, ModelSpec, model_spec
+from workers.spec.train import OptimizerSpec
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DATA_SOURCES = ("text", "synthetic")
@@ -77,19 +78,16 @@ class ParallelismConfig:
         return 2 if self.pp_schedule == "interleaved_1f1b" else 1
 
 
-@dataclass
-class TrainingConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig(OptimizerSpec):
+    """The ``training:`` section: the run's length and batch, and every optimizer setting
+    (``lr``, ``warmup_steps``, ... are OptimizerSpec's fields, declared once there)."""
+
     steps: int = 50
     global_batch: int = 16
     seq_len: int = 128
-    lr: float = 3.0e-4
-    # Cosine decay ends at lr * min_lr_ratio on the last step.
-    min_lr_ratio: float = 0.1
+    # A job warms up over its first steps unless told otherwise; OptimizerSpec itself does not.
     warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
     seed: int = 0
     # auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
