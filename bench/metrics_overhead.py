@@ -1,6 +1,7 @@
 """What Prometheus metrics cost a training run: step time with metrics on vs off, same run.
 
     python bench/metrics_overhead.py                       # 2 ranks, 160 steps, embedded Ray (~1 min)
+    python bench/metrics_overhead.py --quick               # 24 steps, for a smoke run (noisy)
     python bench/metrics_overhead.py configs/tiny-3d.yaml --steps 40 --block 4
 
 Two measurements, both printed; the last stdout line is one JSON object.
@@ -39,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.config import config_from_dict, load_config  # noqa: E402
 from orchestrator.observe.metrics import MetricsExporter  # noqa: E402
 
+DEFAULT_STEPS = 160
+QUICK_STEPS = 24
 DEFAULT_JOB = {
     "name": "metrics-overhead", "data": {"source": "synthetic"},
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1},
@@ -147,14 +150,23 @@ def driver_cost(config, world_size: int, repeats: int = 2000) -> dict[str, float
     return {"event_us": round(per_event_us, 2), "scrape_ms": round(per_render_ms, 3)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=None, help="job YAML (default: 2 ranks, synthetic data)")
-    parser.add_argument("--steps", type=int, default=160,
-                        help="steps in the run (with 40 the medians of a shared 2-core machine move by ~5%%)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps in the run (default {DEFAULT_STEPS}, --quick {QUICK_STEPS}; with 40 the "
+                             "medians of a shared 2-core machine move by ~5%%)")
+    parser.add_argument("--quick", action="store_true", help=f"a short run of {QUICK_STEPS} steps (noisy)")
     parser.add_argument("--block", type=int, default=2, help="steps per on/off block")
     parser.add_argument("--scrape-interval", type=float, default=1.0, dest="scrape_interval_s")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.config:
         config = load_config(args.config, [f"training.steps={args.steps}", "metrics.enabled=false"])
     else:
@@ -173,6 +185,7 @@ def main() -> None:
           f"({ab['world_size']} ranks); {cost_large['event_us']:.0f} us and {cost_large['scrape_ms']:.1f} ms for 1024 ranks")
     print(json.dumps({
         "benchmark": "metrics_overhead",
+        "quick": args.quick,
         "measured": "one real run, exporter switched on/off in alternating step blocks, scraped over HTTP while on",
         "world_size": ab["world_size"],
         "steps": ab["steps"],

@@ -1,16 +1,19 @@
 """Plain torchrun training of the same model on the same mesh: the reference meshpilot is measured against.
 
     torchrun --nproc-per-node 8 bench/torchrun_reference.py configs/tiny-3d.yaml --steps 20 --out losses.json
+    torchrun --nproc-per-node 8 bench/torchrun_reference.py configs/tiny-3d.yaml --quick   # 5 steps
 
 No Ray, no controller, no reporting: ``torch.distributed`` started by torchrun, then this
 repository's Trainer (the same model, parallelisation and step as the rank actors run).
-Rank 0 writes per-step losses and step times to ``--out`` as JSON.
+Rank 0 writes per-step losses and step times to ``--out`` as JSON (bench/overhead.py reads
+them), and prints a summary as one JSON object, its last stdout line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -21,20 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.common import emit  # noqa: E402
 from orchestrator.config import load_config  # noqa: E402
 from orchestrator.driver.train_spec import data_bytes, train_spec  # noqa: E402
 from workers.runtime import make_source, pick_device  # noqa: E402
 from workers.trainer import Trainer  # noqa: E402
 
+QUICK_STEPS = 5
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="steps to train (default: the config's)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps unless --steps says otherwise")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    overrides = list(args.overrides) + ([f"training.steps={args.steps}"] if args.steps else [])
+    steps = args.steps or (QUICK_STEPS if args.quick else None)
+    overrides = list(args.overrides) + ([f"training.steps={steps}"] if steps else [])
     config = load_config(args.config, overrides)
     spec = train_spec(config, backend="gloo")
     torch.set_num_threads(1)
@@ -51,25 +59,35 @@ def main() -> None:
                         "dp_rank": trainer.dp_rank, "completed_at": time.time(), "phases": result.phases})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
-    if rank == 0 and args.out:
-        losses = {}
-        for rank_records in gathered:
-            for record in rank_records:
-                if record["loss"] is not None:
-                    losses.setdefault(record["step"], []).append(record["loss"])
-        rank_phases = records[0]["phases"] if records else {}
-        steps = [
-            {"step": step, "loss": sum(values) / len(values),
-             "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
-             "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step),
-             "phases_s": {phase: max(r["phases"][phase] for rr in gathered for r in rr if r["step"] == step)
-                          for phase in rank_phases}}
-            for step, values in sorted(losses.items())
-        ]
-        Path(args.out).write_text(json.dumps({
-            "steps": steps,
-        }))
+    if rank == 0:
+        steps = summarize_steps(gathered)
+        if args.out:
+            Path(args.out).write_text(json.dumps({
+                "steps": steps,
+            }))
+        step_times = [step["step_time_s"] for step in steps]
+        emit({"benchmark": "torchrun_reference", "quick": args.quick, "world_size": dist.get_world_size(),
+              "steps": len(steps), "median_step_time_s": round(statistics.median(step_times), 4) if step_times else None,
+              "final_loss": steps[-1]["loss"] if steps else None})
     dist.destroy_process_group()
+
+
+def summarize_steps(gathered: list[list[dict]]) -> list[dict]:
+    """Per step, over every rank's records: the mean reported loss and the slowest rank's times."""
+    losses: dict[int, list[float]] = {}
+    for rank_records in gathered:
+        for record in rank_records:
+            if record["loss"] is not None:
+                losses.setdefault(record["step"], []).append(record["loss"])
+    rank_phases = gathered[0][0]["phases"] if gathered and gathered[0] else {}
+    return [
+        {"step": step, "loss": sum(values) / len(values),
+         "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
+         "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step),
+         "phases_s": {phase: max(r["phases"][phase] for rr in gathered for r in rr if r["step"] == step)
+                      for phase in rank_phases}}
+        for step, values in sorted(losses.items())
+    ]
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from elastic.hardware import GpuSpec
-from elastic.spec import MeshSpec
+from elastic.spec import BatchPlan, MeshSpec
 from workers.spec import ModelSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
@@ -254,7 +254,7 @@ def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: 
     """
     model, mesh = workload.model, layout.mesh
     tp, pp, v, m = mesh.tp, mesh.pp, layout.virtual_stages, layout.microbatches
-    microbatch_size = workload.global_batch // (mesh.dp * m)
+    microbatch_size = BatchPlan.for_mesh(workload.global_batch, dp=mesh.dp, microbatches=m).microbatch_size
     tokens = microbatch_size * workload.seq_len  # per microbatch, before tp splits it
     chunks = pp * v
     layers_per_chunk = chunk_layers(model.n_layers, chunks)

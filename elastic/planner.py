@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
 from elastic.hardware import GpuSpec
-from elastic.spec import DIM_ORDER, MeshSpec
+from elastic.spec import DIM_ORDER, MeshSpec, samples_per_rank
 from workers.spec import ModelSpec
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -196,7 +196,7 @@ def _price_mesh(workload: Workload, cluster: Cluster, constraints: Constraints, 
 def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> Iterator[Layout]:
     """Schedules x virtual stages x activation checkpointing x microbatches worth pricing."""
     model = workload.model
-    per_rank = workload.global_batch // mesh.dp
+    per_rank = samples_per_rank(workload.global_batch, mesh.dp)
     for checkpointing in constraints.activation_checkpointing:
         if mesh.pp == 1:
             for microbatches in _divisors(per_rank):
@@ -304,7 +304,7 @@ def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: i
     if workload.global_batch % dp:
         return (f"dp must divide the global batch of {workload.global_batch} sequences "
                 "(every data-parallel rank takes an equal share)"), "batch"
-    per_rank = workload.global_batch // dp
+    per_rank = samples_per_rank(workload.global_batch, dp)
     if pp > 1 and per_rank < pp:
         return ("fewer sequences per data-parallel rank than pipeline stages, so some stage idles; "
                 "raise --global-batch or give dp fewer GPUs"), "batch"

@@ -9,6 +9,9 @@ Rank order, outermost to innermost, is ``DIM_ORDER = (dp_replicate, pp, dp_shard
 * a replica group (one ``dp_replicate`` slice, one whole copy of the model state) is a
   contiguous block of ``pp * dp_shard * tp`` ranks: it is the unit that fails, is dropped and
   is added back, and dropping one renumbers the survivors without moving any shard.
+
+``BatchPlan`` owns the batch arithmetic the same way: how a step's global batch splits over the
+data-parallel ranks, into microbatches, and over gradient-accumulation rounds on a smaller mesh.
 """
 
 from __future__ import annotations
@@ -21,6 +24,58 @@ DIM_ORDER: tuple[str, ...] = ("dp_replicate", "pp", "dp_shard", "tp")
 
 class MeshError(ValueError):
     """An impossible mesh; the message names every degree and what it must divide."""
+
+
+def samples_per_rank(global_batch: int, dp: int) -> int:
+    """Samples each of ``dp`` data-parallel ranks takes of a step's ``global_batch``."""
+    return global_batch // dp
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's ``global_batch`` samples are split: ``dp`` ranks x ``microbatches`` forward
+    passes of ``microbatch_size`` samples x accumulation rounds.
+
+    The microbatch size is fixed from the configured mesh (``for_mesh``); a smaller mesh keeps it
+    and runs more rounds, so the global batch, and with it the loss, stays the same.
+    """
+
+    global_batch: int
+    microbatch_size: int
+    microbatches: int = 1
+
+    @classmethod
+    def for_mesh(cls, global_batch: int, *, dp: int, microbatches: int) -> "BatchPlan":
+        """The configured mesh's plan: one round per step."""
+        return cls(global_batch=global_batch, microbatch_size=global_batch // (dp * microbatches),
+                   microbatches=microbatches)
+
+    @property
+    def rank_round_samples(self) -> int:
+        """Samples one data-parallel rank takes per accumulation round."""
+        return self.microbatches * self.microbatch_size
+
+    def round_samples(self, dp: int) -> int:
+        """Samples all ``dp`` data-parallel ranks take together per accumulation round."""
+        return dp * self.rank_round_samples
+
+    def fits(self, dp: int) -> bool:
+        """Whether ``dp`` data-parallel ranks can take the global batch in whole rounds."""
+        return self.global_batch % self.round_samples(dp) == 0
+
+    def accumulation(self, dp: int) -> int:
+        """Forward/backward rounds per step so that dp * microbatches * size * rounds = global_batch."""
+        rounds, remainder = divmod(self.global_batch, self.round_samples(dp))
+        if remainder or rounds < 1:
+            raise ValueError(
+                f"global_batch={self.global_batch} is not a multiple of dp={dp} x microbatches="
+                f"{self.microbatches} x microbatch_size={self.microbatch_size}"
+            )
+        return rounds
+
+    def samples_per_rank(self, dp: int) -> int:
+        """Samples each data-parallel rank takes of one step."""
+        return samples_per_rank(self.global_batch, dp)
 
 
 @dataclass(frozen=True)

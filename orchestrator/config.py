@@ -24,6 +24,7 @@ import yaml
 from elastic.spec import MeshSpec
 from orchestrator.errors import ConfigError
 from workers.spec import PRESETS, ModelSpec, model_spec
+from workers.spec.train import OptimizerSpec
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DATA_SOURCES = ("text", "synthetic")
@@ -77,19 +78,16 @@ class ParallelismConfig:
         return 2 if self.pp_schedule == "interleaved_1f1b" else 1
 
 
-@dataclass
-class TrainingConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig(OptimizerSpec):
+    """The ``training:`` section: the run's length and batch, and every optimizer setting
+    (``lr``, ``warmup_steps``, ... are OptimizerSpec's fields, declared once there)."""
+
     steps: int = 50
     global_batch: int = 16
     seq_len: int = 128
-    lr: float = 3.0e-4
-    # Cosine decay ends at lr * min_lr_ratio on the last step.
-    min_lr_ratio: float = 0.1
+    # A job warms up over its first steps unless told otherwise; OptimizerSpec itself does not.
     warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
     seed: int = 0
     # auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
@@ -385,27 +383,8 @@ def validate(config: JobConfig) -> list[str]:
         return problems
     model = config.model_spec
     problems.extend(model.problems())
+    problems.extend(_parallelism_problems(config, model, check_mesh=not problems))
     par, train = config.parallelism, config.training
-    if par.stages_per_rank is not None and par.stages_per_rank < 1:
-        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
-    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
-        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
-    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
-        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
-    if par.pp > 1 and par.microbatches < par.pp:
-        problems.append(f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} "
-                        "so that every pipeline stage has work")
-    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
-        problems.append(f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
-                        "for pp_schedule=interleaved_1f1b")
-    if not problems:
-        problems.extend(
-            "parallelism: " + p for p in config.mesh.check_divides(
-                n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
-                ffn_dim=model.ffn_dim, global_batch=train.global_batch, microbatches=par.microbatches,
-                seq_len=train.seq_len, stages_per_rank=par.virtual_stages,
-            )
-        )
     if train.seq_len > model.max_seq_len:
         problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
     if not 0.0 <= train.min_lr_ratio <= 1.0:
@@ -432,6 +411,34 @@ def validate(config: JobConfig) -> list[str]:
         problems.append("runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs)")
     if config.checkpoint.uri is not None:
         problems.extend(_check_uri(config.checkpoint.uri))
+    return problems
+
+
+def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bool) -> list[str]:
+    """The schedule's own rules, then the mesh against model and batch (when ``check_mesh`` and the
+    rules hold: a mesh checked against a broken model or schedule only repeats the same problem)."""
+    par, train = config.parallelism, config.training
+    problems: list[str] = []
+    if par.stages_per_rank is not None and par.stages_per_rank < 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
+    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
+    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
+    if par.pp > 1 and par.microbatches < par.pp:
+        problems.append(f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} "
+                        "so that every pipeline stage has work")
+    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
+        problems.append(f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
+                        "for pp_schedule=interleaved_1f1b")
+    if check_mesh and not problems:
+        problems.extend(
+            "parallelism: " + p for p in config.mesh.check_divides(
+                n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
+                ffn_dim=model.ffn_dim, global_batch=train.global_batch, microbatches=par.microbatches,
+                seq_len=train.seq_len, stages_per_rank=par.virtual_stages,
+            )
+        )
     return problems
 
 

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from elastic.spec import samples_per_rank
+
 
 class SampleSource(Protocol):
     seq_len: int
@@ -69,6 +71,6 @@ def step_samples(step: int, global_batch: int) -> range:
 
 def local_batch(source: SampleSource, *, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
     """This data-parallel slice's samples of ``step``: a [global_batch / dp, seq_len + 1] tensor."""
-    per_rank = global_batch // dp
+    per_rank = samples_per_rank(global_batch, dp)
     first = (step - 1) * global_batch + dp_rank * per_rank
     return torch.stack([source.sample(index) for index in range(first, first + per_rank)])

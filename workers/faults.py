@@ -99,10 +99,7 @@ class FaultInjector:
 def _drain_this_node(message: str) -> None:
     """Tell Ray's GCS this node will be preempted, exactly as the autoscaler or a preStop hook does."""
     import ray
-    from ray.core.generated import autoscaler_pb2
 
-    node_id = ray.get_runtime_context().get_node_id()
-    gcs = ray._private.worker.global_worker.gcs_client
-    deadline_ms = int((time.time() + 60) * 1000)
-    gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message,
-                   deadline_ms)
+    from workers import ray_compat  # Ray's private modules: imported only when a drain fault fires
+
+    ray_compat.drain_node_for_preemption(ray.get_runtime_context().get_node_id(), message, deadline_s=60.0)

@@ -126,7 +126,7 @@ class Trainer:
     # ---------------------------------------------------------------------- step
     @property
     def accumulation(self) -> int:
-        return self.spec.accumulation(self.mesh.dp)
+        return self.spec.batch.accumulation(self.mesh.dp)
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Each microbatch's mean is divided by the microbatch count of the whole step, so the
@@ -141,7 +141,7 @@ class Trainer:
                             dp_rank=self.dp_rank, dp=self.mesh.dp).to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
-        per_round = self.spec.microbatches * self.spec.microbatch_size
+        per_round = self.spec.batch.rank_round_samples
         loss_sum = torch.zeros((), device=self.device)
         for index in range(self.accumulation):
             rows = slice(index * per_round, (index + 1) * per_round)

@@ -14,6 +14,7 @@ import ray
 
 from elastic.placement import NodeCapacity
 from orchestrator.config import JobConfig
+from orchestrator.driver import ray_compat
 from orchestrator.errors import UserError
 
 log = logging.getLogger("meshpilot")
@@ -26,8 +27,7 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 def connect(config: JobConfig) -> bool:
     """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
-    # Token authentication stays on (Ray 2.60's default); its start-up notice is not ours to print.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    ray_compat.silence_token_setup_notice()
     if ray.is_initialized():
         return False
     address = config.runtime.address or os.environ.get("RAY_ADDRESS")
@@ -93,11 +93,9 @@ def driver_node_id() -> str:
 
 def free_nodes() -> list[NodeCapacity]:
     """Alive nodes that are not draining, with the CPUs and GPUs not yet reserved, now."""
-    from ray._private import state
-
     alive = {node.node_id for node in alive_nodes()} - draining_nodes()
     free = []
-    for node_id, resources in state.available_resources_per_node().items():
+    for node_id, resources in ray_compat.available_resources_per_node().items():
         if node_id in alive:
             free.append(_capacity(node_id, resources))
     return free
@@ -105,9 +103,7 @@ def free_nodes() -> list[NodeCapacity]:
 
 def draining_nodes() -> set[str]:
     """Nodes Ray has been told are going away (preemption, autoscaler, ``ray drain-node``)."""
-    from ray._private import state
-
-    return set(state.state.get_draining_nodes())
+    return ray_compat.draining_node_ids()
 
 
 def dead_nodes(node_ids: set[str]) -> set[str]:

@@ -1,12 +1,18 @@
 """From a validated job config to what the ranks are sent: the TrainSpec and the data bytes.
 
-Runs on the driver (and in the torchrun reference script). No torch here.
+Runs on the driver (and in the torchrun reference script). No torch here. This is the one
+place the job config becomes rank-side values: fields whose names match are copied by
+``dataclasses.fields`` (every optimizer setting, since TrainingConfig and TrainSpec both extend
+OptimizerSpec); only what is renamed, converted or resolved is written out below.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from orchestrator.config import JobConfig, resolve_data_path
-from workers.spec import CheckpointTarget, TrainSpec
+from workers.spec.train import BatchPlan, CheckpointTarget, OptimizerSpec, TrainSpec
 
 
 def resolve_backend(config: JobConfig) -> str:
@@ -25,24 +31,18 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
     """The rank-side view of the job; the microbatch size is fixed by the configured mesh."""
     backend = backend or resolve_backend(config)
     par, train = config.parallelism, config.training
-    mesh = config.mesh
+    batch = BatchPlan.for_mesh(train.global_batch, dp=config.mesh.dp, microbatches=par.microbatches)
     return TrainSpec(
+        **same_named(train, OptimizerSpec),
         model=config.model_spec,
         steps=train.steps,
-        global_batch=train.global_batch,
+        global_batch=batch.global_batch,
         seq_len=train.seq_len,
-        microbatch_size=train.global_batch // (mesh.dp * par.microbatches),
-        microbatches=par.microbatches,
+        microbatch_size=batch.microbatch_size,
+        microbatches=batch.microbatches,
         pp_schedule=par.pp_schedule,
         stages_per_rank=par.virtual_stages,
         activation_checkpointing=par.activation_checkpointing,
-        lr=train.lr,
-        min_lr_ratio=train.min_lr_ratio,
-        warmup_steps=train.warmup_steps,
-        weight_decay=train.weight_decay,
-        beta1=train.beta1,
-        beta2=train.beta2,
-        grad_clip=train.grad_clip,
         seed=train.seed,
         dtype=resolve_dtype(config, backend),
         data_source=config.data.source,
@@ -59,11 +59,15 @@ def checkpoint_target(config: JobConfig) -> CheckpointTarget | None:
     if ckpt.uri is None:
         return None
     return CheckpointTarget(
-        uri=ckpt.uri, endpoint_url=ckpt.endpoint_url, region=ckpt.region,
-        interval_steps=ckpt.interval_steps, async_save=ckpt.async_,
-        part_size_bytes=ckpt.part_size_mb << 20, upload_concurrency=ckpt.upload_concurrency,
-        max_in_flight=ckpt.max_in_flight,
+        **same_named(ckpt, CheckpointTarget, skip=("async_save", "part_size_bytes")),
+        async_save=ckpt.async_,
+        part_size_bytes=ckpt.part_size_mb << 20,
     )
+
+
+def same_named(source: Any, target: type, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``source``'s values for every field of the dataclass ``target`` (all must exist on ``source``)."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(target) if f.name not in skip}
 
 
 def data_bytes(config: JobConfig) -> bytes | None:

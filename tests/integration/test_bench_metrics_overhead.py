@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from bench.metrics_overhead import DEFAULT_JOB, driver_cost, paired_ratio, run_ab
+from bench.metrics_overhead import DEFAULT_JOB, DEFAULT_STEPS, QUICK_STEPS, driver_cost, paired_ratio, parse_args, run_ab
 from orchestrator.config import config_from_dict
 
 
@@ -28,3 +28,8 @@ def test_paired_ratio_compares_each_on_block_with_the_off_block_after_it():
     times = {3: 1.0, 4: 1.0, 5: 2.2, 6: 2.2, 7: 2.0, 8: 2.0, 9: 3.3, 10: 3.3, 11: 3.0, 12: 3.0}
     steps = [{"step": step, "step_time_s": seconds} for step, seconds in times.items()]
     assert paired_ratio(steps, block=2, is_on=on) == statistics.median([2.2 / 2.0, 3.3 / 3.0])
+
+
+def test_quick_is_a_short_run_and_steps_still_win():
+    assert (parse_args([]).steps, parse_args(["--quick"]).steps) == (DEFAULT_STEPS, QUICK_STEPS)
+    assert parse_args(["--quick", "--steps", "40"]).steps == 40

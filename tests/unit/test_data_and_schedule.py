@@ -1,4 +1,4 @@
-"""Exactly-once data for any mesh, and the learning-rate schedule."""
+"""Exactly-once data for any mesh, the batch plan, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from workers.data import SyntheticSource, TextSource, local_batch, step_samples
 from workers.spec import PRESETS, TrainSpec
+from workers.spec.train import BatchPlan
 
 
 def _rows(batch: torch.Tensor) -> list[tuple[int, ...]]:
@@ -70,3 +71,19 @@ def test_accumulation_keeps_the_global_batch():
     assert spec.accumulation(1) == 4
     with pytest.raises(ValueError, match="not a multiple of dp=3"):
         spec.accumulation(3)
+
+
+def test_the_configured_mesh_runs_one_round_and_a_smaller_one_accumulates():
+    plan = BatchPlan.for_mesh(32, dp=4, microbatches=2)
+    assert (plan.microbatch_size, plan.rank_round_samples, plan.round_samples(4)) == (4, 8, 32)
+    assert [plan.accumulation(dp) for dp in (4, 2, 1)] == [1, 2, 4]
+    assert [plan.fits(dp) for dp in (1, 2, 3, 4, 8)] == [True, True, False, True, False]
+    assert plan.samples_per_rank(4) == 8 and plan.samples_per_rank(2) == 16
+    with pytest.raises(ValueError, match=r"^global_batch=32 is not a multiple of dp=3 x microbatches=2 x "
+                                         r"microbatch_size=4$"):
+        plan.accumulation(3)
+
+
+def test_the_train_spec_s_batch_is_the_plan_of_its_fields():
+    spec = TrainSpec(model=PRESETS["debug"], steps=1, global_batch=16, seq_len=8, microbatch_size=2, microbatches=2)
+    assert spec.batch == BatchPlan(global_batch=16, microbatch_size=2, microbatches=2)

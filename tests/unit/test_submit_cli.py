@@ -17,6 +17,7 @@ from orchestrator.cli import submit as submit_cli
 from orchestrator.config import JobConfig, load_config
 from orchestrator.errors import UserError
 from orchestrator.observe.redact import redact_text
+from orchestrator.submission import auth, client, packaging
 
 
 def _config(tmp_path: Path, text: str) -> Path:
@@ -30,7 +31,7 @@ def test_overrides_round_trip_through_the_train_side_loader(tmp_path):
     path = _config(tmp_path, "name: base\ndata: {source: synthetic}\ncheckpoint: {uri: 's3://bucket/prefix/', resume: false}\n")
     config = load_config(path)
     # A name YAML would read as a number must stay a string on the cluster.
-    overrides = submit_cli.job_overrides(config, name="1e3", user_overrides=["training.steps=7"])
+    overrides = packaging.job_overrides(config, name="1e3", user_overrides=["training.steps=7"])
     seen_by_train = load_config(path, overrides)
     assert seen_by_train.name == "1e3"
     assert seen_by_train.checkpoint.uri == "s3://bucket/prefix/1e3"
@@ -39,18 +40,18 @@ def test_overrides_round_trip_through_the_train_side_loader(tmp_path):
 
 
 def test_without_a_checkpoint_uri_only_the_name_is_set():
-    assert submit_cli.job_overrides(JobConfig(), name="plain", user_overrides=[]) == ['name="plain"']
+    assert packaging.job_overrides(JobConfig(), name="plain", user_overrides=[]) == ['name="plain"']
 
 
 def test_entrypoint_is_one_shell_command_with_every_override():
-    entrypoint = submit_cli.train_entrypoint(Path("configs/a b.yaml"), ['name="x"', "data.path=it's.txt"])
+    entrypoint = packaging.train_entrypoint(Path("configs/a b.yaml"), ['name="x"', "data.path=it's.txt"])
     assert shlex.split(entrypoint) == ["python", "-m", "orchestrator.cli", "train", "configs/a b.yaml",
                                        "--set", 'name="x"', "--set", "data.path=it's.txt"]
 
 
 def test_submission_ids_are_unique_per_attempt_and_carry_the_name():
     now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
-    first, second = (submit_cli.submission_id_for("job.a", now=now) for _ in range(2))
+    first, second = (packaging.submission_id_for("job.a", now=now) for _ in range(2))
     assert first != second
     assert first.startswith("job.a-20260102-030405-") and len(first) == len("job.a-20260102-030405-") + 6
 
@@ -58,7 +59,7 @@ def test_submission_ids_are_unique_per_attempt_and_carry_the_name():
 @pytest.mark.parametrize("name", ["", "a/b", "-lead", "x" * 64, "sp ace", "../up"])
 def test_bad_job_names_are_refused(name):
     with pytest.raises(UserError, match=r"use 1-63 letters, digits, '\.', '_' or '-'"):
-        submit_cli.check_job_name(name)
+        packaging.check_job_name(name)
 
 
 def test_large_files_are_left_out_except_config_and_data(tmp_path):
@@ -68,7 +69,7 @@ def test_large_files_are_left_out_except_config_and_data(tmp_path):
     (tmp_path / "small.txt").write_text("s")
     (tmp_path / ".venv" / "lib").mkdir(parents=True)
     (tmp_path / ".venv" / "lib" / "huge.so").write_bytes(b"z" * 4096)  # inside an excluded dir: never walked
-    patterns, left_out = submit_cli.working_dir_excludes(
+    patterns, left_out = packaging.working_dir_excludes(
         tmp_path, max_file_bytes=1024, keep=[tmp_path / "data" / "corpus.txt", None])
     assert left_out == ["data/big [1].bin"]
     excluded = _get_excludes(tmp_path, patterns)
@@ -89,16 +90,16 @@ def test_address_precedence(monkeypatch, flag, env, expected):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert submit_cli.resolve_address(flag) == expected
+    assert client.resolve_address(flag) == expected
 
 
 def test_address_errors(monkeypatch):
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address is not the dashboard
     with pytest.raises(UserError, match=r"^no Ray cluster address: pass --address http://HEAD:8265"):
-        submit_cli.resolve_address(None)
+        client.resolve_address(None)
     with pytest.raises(UserError, match=r"that is a Ray Client address; jobs are submitted to the dashboard"):
-        submit_cli.resolve_address("ray://head:10001")
+        client.resolve_address("ray://head:10001")
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def token_loader(monkeypatch):
 def test_token_from_the_environment_is_sent_and_masked(token_loader, tmp_path):
     token_loader.setenv("HOME", str(tmp_path))
     token_loader.setenv("RAY_AUTH_TOKEN", "s3cr3t-token-value")
-    assert submit_cli.auth_headers() == {"authorization": "Bearer s3cr3t-token-value"}
+    assert auth.auth_headers() == {"authorization": "Bearer s3cr3t-token-value"}
     assert redact_text("server said: s3cr3t-token-value") == "server said: ***"
 
 
@@ -125,22 +126,22 @@ def test_token_file_is_read_and_auth_mode_disabled_sends_nothing(token_loader, t
     token_file.write_text("from-a-file-123\n")
     token_loader.setenv("HOME", str(tmp_path))
     token_loader.setenv("RAY_AUTH_TOKEN_PATH", str(token_file))
-    assert submit_cli.auth_headers() == {"authorization": "Bearer from-a-file-123"}
+    assert auth.auth_headers() == {"authorization": "Bearer from-a-file-123"}
     token_loader.setenv("RAY_AUTH_MODE", "disabled")
-    assert submit_cli.auth_headers() == {}
+    assert auth.auth_headers() == {}
 
 
 def test_unreadable_token_path_is_one_clear_error(token_loader, tmp_path):
     token_loader.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
     with pytest.raises(UserError) as caught:
-        submit_cli.auth_headers()
+        auth.auth_headers()
     assert str(caught.value) == (f"RAY_AUTH_TOKEN_PATH={tmp_path / 'absent'} is not a readable, non-empty file; point "
                                  "it at the cluster's token file (the head's ~/.ray/auth_token)")
 
 
 def test_no_token_anywhere_sends_no_header(token_loader, tmp_path):
     token_loader.setenv("HOME", str(tmp_path))
-    assert submit_cli.auth_headers() == {}
+    assert auth.auth_headers() == {}
 
 
 def _submit_args(config: Path, working_dir: Path) -> argparse.Namespace:

@@ -1,7 +1,11 @@
 """What a rank is asked to train: the job's rank-side view, its batch split and checkpoint target.
 
 Plain values (no torch): built once on the driver (``orchestrator/driver/train_spec.py``) and
-sent to every rank actor.
+sent to every rank actor. ``OptimizerSpec`` declares the optimizer settings once: the job
+config's ``training:`` section and ``TrainSpec`` both extend it, so a new setting is one field
+here, read from YAML, validated for type and sent to the ranks without further edits.
+``BatchPlan`` (the batch arithmetic) lives with ``MeshSpec`` in ``elastic/spec.py`` and is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -9,7 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from elastic.spec import BatchPlan
 from workers.spec.model import ModelSpec
+
+__all__ = [
+    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "BatchPlan", "CheckpointTarget",
+    "OptimizerSpec", "TrainSpec",
+]
 
 # The per-step commit vote's outcomes (see workers/rendezvous.py).
 COMMIT = "commit"
@@ -32,11 +42,30 @@ class CheckpointTarget:
     max_in_flight: int = 1
 
 
-@dataclass(frozen=True)
-class TrainSpec:
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """AdamW with linear warmup and cosine decay: the settings, declared once.
+
+    The job config's ``training:`` section extends this class (its YAML keys are these field
+    names) and so does ``TrainSpec`` (ranks read ``spec.lr``); the driver copies the fields by name.
+    """
+
+    lr: float = 3e-4
+    # Cosine decay ends at lr * min_lr_ratio on the last step.
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec(OptimizerSpec):
     """Everything a rank needs to train, except the mesh, which changes with the cluster.
 
-    Built by the driver from the job config; sent to every rank actor once.
+    Built by the driver from the job config; sent to every rank actor once. The optimizer
+    settings are its own fields (it extends OptimizerSpec); the batch split is ``batch``.
     """
 
     model: ModelSpec
@@ -49,13 +78,6 @@ class TrainSpec:
     pp_schedule: str = "1f1b"
     stages_per_rank: int = 1
     activation_checkpointing: bool = False
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
     seed: int = 0
     dtype: str = "float32"  # float32, or bfloat16 parameters with float32 gradient reduction
     data_source: str = "synthetic"
@@ -67,16 +89,15 @@ class TrainSpec:
     instance_action_url: str | None = None
     instance_action_poll_s: float = 2.0
 
+    @property
+    def batch(self) -> BatchPlan:
+        """How each step's global batch splits over a mesh's data-parallel ranks and rounds."""
+        return BatchPlan(global_batch=self.global_batch, microbatch_size=self.microbatch_size,
+                         microbatches=self.microbatches)
+
     def accumulation(self, dp: int) -> int:
-        """Forward/backward rounds per step so that dp * microbatches * size * rounds = global_batch."""
-        per_round = dp * self.microbatches * self.microbatch_size
-        rounds, remainder = divmod(self.global_batch, per_round)
-        if remainder or rounds < 1:
-            raise ValueError(
-                f"global_batch={self.global_batch} is not a multiple of dp={dp} x microbatches="
-                f"{self.microbatches} x microbatch_size={self.microbatch_size}"
-            )
-        return rounds
+        """Forward/backward rounds per step on ``dp`` data-parallel ranks (see BatchPlan.accumulation)."""
+        return self.batch.accumulation(dp)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of (1-based) step: linear warmup, then cosine down to lr * min_lr_ratio."""
