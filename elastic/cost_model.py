@@ -263,18 +263,8 @@ def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: 
     memory, params_on_rank = _memory(workload, layout, layers_per_chunk, layers_on_rank, tokens)
     usable = cluster.gpu.memory_bytes * (1.0 - assumptions.memory_reserve)
 
-    # ---- compute and tensor-parallel time per layer and microbatch, on one GPU
-    flops_rate = cluster.gpu.peak_flops * assumptions.compute_efficiency
-    recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
-    layer_flops = layer_flops_per_token(model, workload.seq_len)
-    output_flops = model.flops_per_token(workload.seq_len) - model.n_layers * layer_flops
-    layer_s = layer_flops * recompute * tokens / (tp * flops_rate)
-    output_s = output_flops * tokens / (tp * flops_rate)
-
-    tp_link, tp_bw = _link(mesh, "tp", cluster, assumptions)
-    collectives = 8 + (4 if layout.activation_checkpointing else 0)
-    tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * model.dim
-    tp_layer_s = tp_bytes_layer / tp_bw if tp > 1 else 0.0
+    layer_s, output_s = _layer_seconds(workload, cluster, layout, assumptions, tokens)
+    tp_link, tp_bytes_layer, tp_layer_s = _tp_per_layer(workload, cluster, layout, assumptions, tokens)
 
     pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
     p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
@@ -314,6 +304,27 @@ def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: 
         mfu=model_flops / (cluster.gpus * cluster.gpu.peak_flops * step_s),
         tokens_per_s_per_gpu=workload.tokens_per_step / (step_s * cluster.gpus),
     )
+
+
+def _layer_seconds(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions,
+                   tokens: int) -> tuple[float, float]:
+    """Compute time of one layer and of the output head, per microbatch, on one GPU."""
+    model, tp = workload.model, layout.mesh.tp
+    flops_rate = cluster.gpu.peak_flops * assumptions.compute_efficiency
+    recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
+    layer_flops = layer_flops_per_token(model, workload.seq_len)
+    output_flops = model.flops_per_token(workload.seq_len) - model.n_layers * layer_flops
+    return layer_flops * recompute * tokens / (tp * flops_rate), output_flops * tokens / (tp * flops_rate)
+
+
+def _tp_per_layer(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions,
+                  tokens: int) -> tuple[str, float, float]:
+    """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds)."""
+    tp = layout.mesh.tp
+    tp_link, tp_bw = _link(layout.mesh, "tp", cluster, assumptions)
+    collectives = 8 + (4 if layout.activation_checkpointing else 0)
+    tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * workload.model.dim
+    return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
 
 
 def _memory(workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int,

@@ -24,13 +24,13 @@ group uses from ``MeshSpec.stride``.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
 from elastic.hardware import GpuSpec
+from elastic.plan_explain import Rejection, explain_choice, memory_rejection, merge_families, merge_tp
 from elastic.spec import DIM_ORDER, MeshSpec, samples_per_rank
 from workers.spec import ModelSpec
 
@@ -52,24 +52,6 @@ class Constraints:
     min_replicas: int = 1
     schedules: tuple[str, ...] = PIPELINE_SCHEDULES
     activation_checkpointing: tuple[bool, ...] = (False, True)
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A family of layouts that cannot run, and why, in one line."""
-
-    layout: str
-    reason: str
-    kind: str  # "tp", "pp", "batch", "memory"
-    layouts: int = 1  # how many (dp_replicate, dp_shard, tp, pp) meshes this line covers
-    needs_gb: float | None = None
-
-    def line(self) -> str:
-        return f"{self.layout}: {self.reason}"
-
-    def as_dict(self) -> dict[str, object]:
-        return {"layout": self.layout, "reason": self.reason, "kind": self.kind, "layouts": self.layouts,
-                "needs_gb": None if self.needs_gb is None else round(self.needs_gb, 3)}
 
 
 @dataclass(frozen=True)
@@ -158,14 +140,14 @@ def plan_layouts(
                 fitting, closest, count = _price_mesh(workload, cluster, constraints, assumptions, mesh)
                 priced += count
                 if fitting is not None:
-                    plans.append(Plan(fitting, _reasons(workload, cluster, constraints, assumptions, fitting)))
+                    plans.append(Plan(fitting, explain_choice(workload, cluster, constraints, assumptions, fitting)))
                 elif closest is not None and (best_failure is None or closest.memory.total < best_failure.memory.total):
                     best_failure = closest
             if best_failure is not None and not any(p.mesh.tp == tp and p.mesh.pp == pp for p in plans):
-                rejections.append(_memory_rejection(name, best_failure, len(splits)))
-        rejections.extend(_merge_families(tp, families))
+                rejections.append(memory_rejection(name, best_failure, len(splits)))
+        rejections.extend(merge_families(tp, families))
     plans.sort(key=lambda plan: (round(plan.estimate.step_s, 9), plan.estimate.memory.total))
-    rejections = _merge_tp(rejections)
+    rejections = merge_tp(rejections)
     return PlanResult(workload, cluster, assumptions, plans, rejections, considered, priced,
                       time.perf_counter() - started)
 
@@ -269,7 +251,7 @@ def check_layout(
         return None, problems
     result = estimate(workload, cluster, layout, assumptions)
     if not result.fits:
-        problems.append(_memory_rejection(layout.describe(), result, 1).reason)
+        problems.append(memory_rejection(layout.describe(), result, 1).reason)
     return result, problems
 
 
@@ -309,105 +291,6 @@ def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: i
         return ("fewer sequences per data-parallel rank than pipeline stages, so some stage idles; "
                 "raise --global-batch or give dp fewer GPUs"), "batch"
     return None, ""
-
-
-def _memory_rejection(name: str, closest: Estimate, splits: int) -> Rejection:
-    memory, layout = closest.memory, closest.layout
-    state = memory.params + memory.grads + memory.optimizer
-    detail = (f"params+grads+optimizer {format_gb(state)}, FSDP buffers {format_gb(memory.fsdp_buffers)}, "
-              f"activations {format_gb(memory.activations)}, logits {format_gb(memory.logits)}")
-    ac = " with activation checkpointing" if layout.activation_checkpointing else ""
-    across = f" (best of {splits} dp splits: {layout.mesh.describe()})" if splits > 1 else ""
-    return Rejection(
-        name,
-        f"needs {format_gb(memory.total)} GB per GPU{ac} > {format_gb(closest.usable_memory)} GB usable "
-        f"({detail}){across}",
-        "memory", splits, needs_gb=memory.total / 1e9,
-    )
-
-
-def _reasons(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
-             chosen: Estimate) -> tuple[str, ...]:
-    layout, memory = chosen.layout, chosen.memory
-    reasons = [f"fits {format_gb(memory.total)} of {format_gb(chosen.usable_memory)} GB usable "
-               f"(state {format_gb(memory.params + memory.grads + memory.optimizer)}, "
-               f"FSDP buffers {format_gb(memory.fsdp_buffers)}, activations {format_gb(memory.activations)}, "
-               f"logits {format_gb(memory.logits)})"]
-    if layout.mesh.pp > 1:
-        schedule = layout.schedule if layout.virtual_stages == 1 else f"{layout.schedule} v={layout.virtual_stages}"
-        reasons.append(f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
-                       f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})")
-    for dim in ("tp", "pp", "dp_shard", "dp_replicate"):
-        cost = chosen.comm[dim]
-        if cost.bytes_per_step > 0:
-            reasons.append(f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
-                           f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed")
-    chunks = layout.mesh.pp * layout.virtual_stages
-    if workload.model.n_layers % chunks:
-        low, high = workload.model.n_layers // chunks, -(-workload.model.n_layers // chunks)
-        reasons.append(f"uneven pipeline split: {workload.model.n_layers} layers in {chunks} chunks of {low}-{high} "
-                       "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)")
-    if layout.activation_checkpointing and False in constraints.activation_checkpointing:
-        without = estimate(workload, cluster, Layout(layout.mesh, layout.schedule, layout.virtual_stages,
-                                                     layout.microbatches, False), assumptions)
-        if not without.fits:
-            reasons.append(f"activation checkpointing needed (off: {format_gb(without.memory.total)} GB)")
-    return tuple(reasons)
-
-
-def _merge_families(tp: int, families: list[tuple[int, int, str, str, int]]) -> list[Rejection]:
-    """One line per run of consecutive pp values rejected for the same reason."""
-    merged: list[Rejection] = []
-    run: list[tuple[int, int, str, str, int]] = []
-    for family in families + [(0, 0, "", "", 0)]:
-        if run and (family[2], family[3]) != (run[0][2], run[0][3]):
-            pps = [f[0] for f in run]
-            dps = [f[1] for f in run]
-            if len(run) == 1:
-                name = f"tp={tp} pp={pps[0]} dp={dps[0]}"
-            else:
-                name = f"tp={tp} pp={_span(pps)} (dp={_span(dps)})"
-            merged.append(Rejection(name, run[0][3], run[0][2], sum(f[4] for f in run)))
-            run = []
-        run.append(family)
-    return merged
-
-
-def _merge_tp(rejections: list[Rejection]) -> list[Rejection]:
-    """Consecutive tp degrees rejected for the same kind of reason become one line."""
-    merged: list[Rejection] = []
-    for rejection in rejections:
-        previous = merged[-1] if merged else None
-        if (previous is not None and rejection.kind == "tp" == previous.kind
-                and _reason_shape(rejection.reason) == _reason_shape(previous.reason)):
-            first = previous.layout.split("..")[0]
-            last = rejection.layout.removeprefix("tp=")
-            merged[-1] = Rejection(f"{first}..{last}", previous.reason + _LIKEWISE if not previous.reason.endswith(
-                _LIKEWISE) else previous.reason, "tp", previous.layouts + rejection.layouts)
-        else:
-            merged.append(rejection)
-    return merged
-
-
-_LIKEWISE = " (and likewise for the larger tp)"
-
-
-def _reason_shape(reason: str) -> str:
-    """A reason with its numbers taken out, so tp=16 and tp=32 failing alike compare equal."""
-    return re.sub(r"\d+", "#", reason.removesuffix(_LIKEWISE))
-
-
-def _span(values: list[int]) -> str:
-    if len(values) <= 3:
-        return ",".join(str(v) for v in values)
-    return f"{values[0]}..{values[-1]}"
-
-
-# ---------------------------------------------------------------------------- helpers
-def format_gb(num_bytes: float) -> str:
-    """Gigabytes with three significant digits, so 0.0123 and 361 both read well."""
-    value = num_bytes / 1e9
-    return f"{value:.1f}" if 10 <= value < 1000 else f"{value:.3g}"
 
 
 def _divisors(n: int) -> list[int]:

@@ -17,8 +17,14 @@ from pathlib import Path
 
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
+from elastic.plan_explain import format_gb
 from elastic.planner import (
-    PIPELINE_SCHEDULES, Constraints, Plan, PlanResult, check_layout, format_gb, plan_layouts,
+    PIPELINE_SCHEDULES,
+    Constraints,
+    Plan,
+    PlanResult,
+    check_layout,
+    plan_layouts,
 )
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
