@@ -3,7 +3,8 @@ between the driver and the ranks. No torch and no Ray here (the planner and the 
 config validation import it on a laptop).
 
     model.py     ModelSpec and the presets
-    train.py     TrainSpec (the job as a rank sees it), CheckpointTarget, the commit vote's outcomes
+    train.py     TrainSpec (the job as a rank sees it), OptimizerSpec, BatchPlan (from elastic.spec),
+                 CheckpointTarget, the commit vote's outcomes
     messages.py  everything that crosses the Ray boundary: enums and frozen dataclasses
 """
 
