@@ -27,7 +27,7 @@ from orchestrator.observe.metrics import (
     peak_flops,
 )
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, START_TIME, TOKENS_PER_STEP, synthetic_run
-from workers.spec import PRESETS
+from workers.spec import CheckpointUploadReport, PRESETS
 
 
 class FakeClock:
@@ -275,9 +275,11 @@ def test_a_save_dropped_by_a_mesh_change_is_no_storage_failure(tmp_path):
     exporter = MetricsExporter(world_size=4, checkpoint_interval_steps=4)
     checkpoints = DriverCheckpoints(config, EventLog(None, [exporter]), mesh=config.mesh)
     assert value(scrape(exporter), "meshpilot_checkpoint_failures_total", reason="storage") == 0
-    checkpoints.on_report({"report": ShardReport(step=8, rank=0).to_dict()})  # 1 of 4 ranks durable
+    durable = ShardReport(step=8, rank=0)
+    checkpoints.on_report(CheckpointUploadReport(rank=0, time=0.0, upload=durable))  # 1 of 4 ranks durable
     checkpoints.reset(MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1))  # a replica left: the save is dropped
-    checkpoints.on_report({"report": FailureReport(step=12, rank=1, error="SlowDown", attempts=5).to_dict()})
+    given_up = FailureReport(step=12, rank=1, error="SlowDown", attempts=5)
+    checkpoints.on_report(CheckpointUploadReport(rank=1, time=0.0, upload=given_up))
     samples = scrape(exporter)
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="interrupted") == 1
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="storage") == 1
