@@ -174,7 +174,7 @@ def test_event_log_subscribers_see_mesh_objects():
     exporter = MetricsExporter(world_size=8)
     log = EventLog(None, [exporter])
     log.emit("start", name="via-event-log", config_hash="abc", world_size=8, steps=5,
-             mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2))
+             mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), run_dir=None, global_batch=16, seq_len=128)
     assert value(scrape(exporter), "meshpilot_run_info", name="via-event-log", config_hash="abc") == 1
     mesh = MeshSpec(dp_replicate=1, dp_shard=2, tp=2, pp=1)
     log.emit("recovered", mttr_s=1.0, lost_steps=0, old_mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), new_mesh=mesh)
