@@ -94,8 +94,9 @@ class StepCommitter:
         try:
             self.store.wait([key], self.timeout)
         except dist.DistStoreError as error:
-            raise CommitVoteTimeout(f"step {step}: no commit decision within {self.timeout.total_seconds():g} s "
-                                    f"({arrived} of {self.world_size} ranks had voted when this one arrived)") from error
+            waited = self.timeout.total_seconds()
+            raise CommitVoteTimeout(f"step {step}: no commit decision within {waited:g} s ({arrived} of "
+                                    f"{self.world_size} ranks had voted when this one arrived)") from error
         return self.store.get(key).decode()
 
     def _commit_decision(self) -> str:

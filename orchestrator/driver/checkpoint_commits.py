@@ -1,15 +1,16 @@
 """The driver's side of checkpoints: commit what the ranks uploaded, choose what to resume from.
 
 Runs on the driver (no torch). The ranks upload their shards and report; ``on_report`` hands
-the upload of each ``CheckpointUploadReport`` to the commit coordinator, which writes the manifest (the commit) once every rank
-of the step is durable, and turns the outcome into ``checkpoint_committed`` /
-``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
+the upload of each ``CheckpointUploadReport`` to the commit coordinator, which writes the
+manifest (the commit) once every rank of the step is durable, and turns the outcome into
+``checkpoint_committed`` / ``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+
 from checkpointing.catalog import choose_restore, latest_committed
 from checkpointing.commit import CommitCoordinator
 from checkpointing.manifest import Manifest

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpointing.errors as errors
+from checkpointing import errors
 from tests.unit.gloo_ranks import run_rank
 from workers.actor import classify_failure
 from workers.faults import InjectedFault
