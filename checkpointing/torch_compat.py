@@ -121,8 +121,9 @@ def clear_dtensor_caches() -> None:
 _GLOO_TRANSPORT = "gloo/transport"
 _GLOO_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _GLOO_TIMED_OUT = "Timed out waiting"
-# NCCL reports a communicator aborted by a peer's error as a DistBackendError with this text.
-_NCCL_PEER_ABORT = ("NCCL communicator was aborted", "remote process exited", "ncclRemoteError")
+# NCCL (not measured here: CPU only) reports a communicator aborted after a peer's error as a
+# DistBackendError with one of these texts.
+_NCCL_PEER_ABORT = ("NCCL communicator was aborted", "ncclRemoteError")
 
 
 class CollectiveFailure(StrEnum):
