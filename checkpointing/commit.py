@@ -1,11 +1,12 @@
 """``CommitCoordinator``: the driver side of a save — wait for every rank, then commit the manifest.
 
 Runs on the driver (the controller), never on a rank; torch-free. The controller feeds it every
-checkpoint report that reaches it from the ranks' ``CheckpointWriter``::
+checkpoint upload report (``ShardReport`` or ``FailureReport``, frozen, ``checkpointing/spec.py``) that
+reaches it from the ranks' ``CheckpointWriter``::
 
     coordinator = CommitCoordinator(storage, world_size=8, mesh=mesh_dict, config_hash=h,
                                     model=model_dict, keep_last=3, keep_every=0)
-    manifest = coordinator.on_report(report_dict)     # None until the step is complete
+    manifest = coordinator.on_report(shard_report)    # None until the step is complete
     if manifest: emit checkpoint_committed(step, uri, bytes, upload_s)
 
 When all ``world_size`` reports of a step are in and none failed, it merges them into a
@@ -73,13 +74,19 @@ class CommitCoordinator:
         self.world_size = world_size
         self.mesh = dict(mesh)
 
-    def on_report(self, report: dict[str, Any]) -> Manifest | None:
-        """Record one rank's report; return the manifest when this report completed a commit."""
-        try:
-            parsed = report_from_dict(report)
-        except (ValueError, KeyError, TypeError) as error:
-            log.warning("ignoring a malformed checkpoint report: %s", error)
-            return None
+    def on_report(self, report: ShardReport | FailureReport | dict[str, Any]) -> Manifest | None:
+        """Record one rank's report; return the manifest when this report completed a commit.
+
+        A report that crossed a process boundary as JSON (a dict) is rebuilt first.
+        """
+        if isinstance(report, (ShardReport, FailureReport)):
+            parsed = report
+        else:
+            try:
+                parsed = report_from_dict(report)
+            except (ValueError, KeyError, TypeError) as error:
+                log.warning("ignoring a malformed checkpoint report: %s", error)
+                return None
         step = parsed.step
         if step in self.failed_steps or step in self.committed_steps:
             return None

@@ -3,6 +3,10 @@
 Raised on both sides (driver and ranks). ``orchestrator.errors.user_error_types`` lists
 ``CheckpointError``, so the CLI prints the message on one line, without a traceback, and exits 2.
 No message ever holds a credential: only bucket names, object keys, endpoints and step numbers.
+
+A class that says why a rank failed declares ``failure_kind``: the value of a
+``workers.spec.messages.FailureKind`` member, as a string, because ``checkpointing/`` does not
+import ``workers/`` (``failure_kind_of`` reads it back as the member).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ class CheckpointError(Exception):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes disagree with their checksum or their format; ``key`` names the object."""
+
+    failure_kind = "corrupt_checkpoint"  # FailureKind.CORRUPT_CHECKPOINT
 
     def __init__(self, message: str, *, key: str) -> None:
         super().__init__(message)
@@ -48,6 +54,8 @@ class CommitConflictError(CheckpointError):
 
 class StorageAccessError(CheckpointError):
     """The storage cannot be reached or refuses us; subclasses say which and how to fix it."""
+
+    failure_kind = "storage"  # FailureKind.STORAGE
 
 
 class StorageCredentialsError(StorageAccessError):

@@ -14,7 +14,7 @@ Which rank writes what, without talking to the others (DESIGN.md: dedup without 
   across tp: one copy is written);
 * a plain tensor is written where the caller says ``owns_plain_tensors=True``.
 
-Chunk offsets come from torch.distributed.checkpoint's own helper (``_create_chunk_list``), the
+Chunk offsets come from torch.distributed.checkpoint's own helper (``torch_compat.chunk_list``), the
 same one its planner uses when it reads, so writer and reader agree on every layout, including
 FSDP2-over-TP strided shards and uneven shards.
 """
@@ -30,6 +30,7 @@ import torch
 from checkpointing.errors import CheckpointError
 from checkpointing.shardfile import build_header
 from checkpointing.spec import DTYPES, TensorEntry, block_count, block_rows
+from checkpointing.torch_compat import chunk_list
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ class Placement:
 def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
                  placement: Placement | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) of the local slices this rank writes for ``tensor`` (maybe none)."""
-    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
@@ -133,7 +133,7 @@ def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
     elif not owns_plain_tensors:
         return []
     chunks = []
-    for chunk in _create_chunk_list(tensor):
+    for chunk in chunk_list(tensor):
         sizes = tuple(int(s) for s in chunk.sizes)
         if math.prod(sizes) or not sizes:  # empty slices of uneven shards hold nothing to write
             chunks.append((tuple(int(o) for o in chunk.offsets), sizes))

@@ -12,14 +12,15 @@ Runs on every rank; each rank owns one writer. Call sequence (every rank, every 
 ``save`` copies this rank's slices into a reusable host buffer (the only stall), queues the
 upload and returns the stall in seconds. A background thread computes block checksums while it
 streams the buffer as one safetensors object (multipart, no temporary file), retries a failed
-upload with backoff, and finally calls ``report`` with a ``ShardReport`` dict once the object is
-durable, or a ``FailureReport`` dict. It never commits anything and never raises into training:
+upload with backoff, and finally calls ``report`` with a ``ShardReport`` (frozen, ``checkpointing/spec.py``)
+once the object is durable, or a ``FailureReport``. It never commits anything and never raises into training:
 the driver's ``CommitCoordinator`` commits a step when all world_size reports are in. Every rank
 reports for every save, with no files when it owns no slice.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -49,7 +50,7 @@ class _Job:
     extra: dict[str, Any]
     stall_s: float
     done: threading.Event
-    outcome: dict[str, Any] | None = None
+    outcome: ShardReport | FailureReport | None = None
 
 
 class CheckpointWriter:
@@ -60,7 +61,7 @@ class CheckpointWriter:
         storage: StorageBackend,
         *,
         rank: int,
-        report: Callable[[dict[str, Any]], None],
+        report: Callable[[ShardReport | FailureReport], None],
         pin_memory: bool = False,
         max_in_flight: int = 1,
         upload_attempts: int = 3,
@@ -114,8 +115,8 @@ class CheckpointWriter:
         if not job.done.wait(timeout_s):
             raise CheckpointError(f"step {step}: rank {self.rank}'s checkpoint upload did not finish "
                                   f"within {timeout_s} s")
-        if job.outcome and job.outcome.get("kind") == "failure":
-            raise CheckpointError(f"step {step}: rank {self.rank}'s checkpoint upload failed: {job.outcome['error']}")
+        if isinstance(job.outcome, FailureReport):
+            raise CheckpointError(f"step {step}: rank {self.rank}'s checkpoint upload failed: {job.outcome.error}")
         return time.perf_counter() - started
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -167,7 +168,8 @@ class CheckpointWriter:
         except BaseException:
             self._finish(buffer)
             raise
-        job = _Job(step=step, buffer=buffer, layout=layout, extra=extra,
+        # The report outlives this call and crosses threads: it holds its own copy of extra.
+        job = _Job(step=step, buffer=buffer, layout=layout, extra=copy.deepcopy(extra),
                    stall_s=time.perf_counter() - started, done=threading.Event())
         self._queue.put(job)
         return job
@@ -199,15 +201,15 @@ class CheckpointWriter:
             try:
                 job.outcome = self._upload_with_retries(job)
             except BaseException as error:  # never let the thread die silently
-                job.outcome = FailureReport(step=job.step, rank=self.rank, error=_describe(error)).to_dict()
+                job.outcome = FailureReport(step=job.step, rank=self.rank, error=_describe(error))
             self._deliver(job.outcome)
             self._finish(job.buffer)
             job.done.set()
 
-    def _upload_with_retries(self, job: _Job) -> dict[str, Any]:
+    def _upload_with_retries(self, job: _Job) -> ShardReport | FailureReport:
         if job.buffer is None:
             return ShardReport(step=job.step, rank=self.rank, tensors=job.layout.tensors, stall_s=job.stall_s,
-                               extra=job.extra).to_dict()
+                               extra=job.extra)
         error_text = ""
         for attempt in range(1, self._attempts + 1):
             started = time.perf_counter()
@@ -222,8 +224,8 @@ class CheckpointWriter:
                 continue
             return ShardReport(step=job.step, rank=self.rank, files=files, tensors=job.layout.tensors, chunks=chunks,
                                upload_s=time.perf_counter() - started, stall_s=job.stall_s,
-                               extra=job.extra).to_dict()
-        return FailureReport(step=job.step, rank=self.rank, error=error_text, attempts=self._attempts).to_dict()
+                               extra=job.extra)
+        return FailureReport(step=job.step, rank=self.rank, error=error_text, attempts=self._attempts)
 
     def _upload(self, job: _Job) -> tuple[tuple[FileEntry, ...], tuple[ChunkEntry, ...]]:
         layout = job.layout
@@ -244,11 +246,11 @@ class CheckpointWriter:
                                header_checksum=header_checksum)
         return (file_entry,), chunks
 
-    def _deliver(self, outcome: dict[str, Any]) -> None:
+    def _deliver(self, outcome: ShardReport | FailureReport) -> None:
         try:
             self._report(outcome)
         except Exception:  # the channel to the driver is the caller's; training must go on
-            log.exception("rank %d: delivering the checkpoint report of step %s failed", self.rank, outcome.get("step"))
+            log.exception("rank %d: delivering the checkpoint report of step %s failed", self.rank, outcome.step)
 
 
 def _hashed_windows(view: memoryview, layout: Layout, digests: list[str], part_size: int) -> Iterator[memoryview]:

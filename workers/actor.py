@@ -37,17 +37,18 @@ from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import shutdown_sockets, socket_inodes
 from workers.spec import TrainSpec
-from workers.spec.messages import FailureKind, Heartbeat, RunOutcome, StartFrom, failure_kind_of
+from workers.spec.messages import (
+    FailureKind,
+    Heartbeat,
+    Phase,
+    RunOutcome,
+    RunStatus,
+    StartFrom,
+    StartMode,
+    failure_kind_of,
+)
 
 log = logging.getLogger("meshpilot.rank")
-
-
-# Messages of errors that a rank sees because *another* rank failed (a closed socket, a
-# vetoed vote that timed out): such a rank is a survivor, not a cause.
-PEER_FAILURE_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
-    "Socket Timeout", "timed out", "Timeout", "NCCL communicator was aborted", "ProcessGroupNCCL",
-)
 
 
 class RankActor:
@@ -62,8 +63,11 @@ class RankActor:
         # Ray sets OMP_NUM_THREADS=1; torch's intra-op pool must agree or ranks oversubscribe cores.
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         import torch._dynamo  # noqa: F401  -- imported lazily by the first FSDP step otherwise (~1 s)
+
+        from checkpointing.torch_compat import REDISTRIBUTE_LOGGER
+
+        logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
         self.spec = spec
         self.data = data
@@ -83,7 +87,7 @@ class RankActor:
         # Set when the driver aborted this generation's groups: any error the loop sees after
         # that is a consequence of another rank's failure, whatever torch's message says.
         self._aborted = threading.Event()
-        self._phase = ("starting", time.monotonic())
+        self._phase = (Phase.STARTING, time.monotonic())
         self._loop_thread: int | None = None
         self._drain_reported = False
         watch_sigterm(self._drain_notice)
@@ -108,14 +112,14 @@ class RankActor:
 
     def poll(self) -> Heartbeat:
         phase, since = self._phase
-        waiting, where = self._loop_position() if phase == "step" else (None, None)
+        waiting, where = self._loop_position() if phase == Phase.STEP else (None, None)
         return Heartbeat(rank=self.rank, phase=phase, step=self.last_step, phase_age_s=time.monotonic() - since,
                          reports=tuple(self.channel.drain()), waiting=waiting, where=where)
 
     def _drain_notice(self, reason: str) -> None:
         if not self._drain_reported:
             self._drain_reported = True
-            self.channel.report("drain_notice", reason=reason)
+            self.channel.drain_notice(reason)
 
     def request_stop(self) -> None:
         """Stop after the step in flight (Ctrl-C, end of job)."""
@@ -130,9 +134,9 @@ class RankActor:
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
 
-        self._set_phase("configuring")
+        self._set_phase(Phase.CONFIGURING)
         if self.trainer is not None:  # still in an earlier generation (a retried configure)
-            self._drop_process_groups(keep_shards=start.mode == "kept")
+            self._drop_process_groups(keep_shards=start.mode == StartMode.KEPT)
         self.rank, self.generation, self.mesh = rank, generation, mesh
         self.channel.rank = rank
         self._stop.clear()
@@ -153,15 +157,15 @@ class RankActor:
         self.checkpoints = (RankCheckpoints(self.spec, self.trainer, rank=rank, channel=self.channel,
                                             storage_down=self.faults.storage_down)
                             if self.spec.checkpoint else NoCheckpoints())
-        if start.mode == "kept" and self._kept_shards is not None:
+        if start.mode == StartMode.KEPT and self._kept_shards is not None:
             self.trainer.load_local_shards(self._kept_shards)
-        elif start.mode == "fresh":
+        elif start.mode == StartMode.FRESH:
             self.trainer.init_weights()
             self.last_step = 0
-        elif start.mode == "peer":
+        elif start.mode == StartMode.PEER:
             self.trainer.ensure_optimizer_state()
             self.last_step = start.step
-        elif start.mode == "checkpoint":
+        elif start.mode == StartMode.CHECKPOINT:
             self.checkpoints.restore(start.step)
             self.last_step = start.step
         else:
@@ -169,7 +173,7 @@ class RankActor:
         self._kept_shards = None
         if sync_replicas:
             self.trainer.sync_from_first_replica()
-        self._set_phase("ready")
+        self._set_phase(Phase.READY)
         return self.last_step
 
     def run(self, *, last_step: int) -> RunOutcome:
@@ -187,44 +191,44 @@ class RankActor:
         try:
             outcome = self._loop(last_step)
         except StepAborted:
-            outcome = RunOutcome("aborted", self.last_step)
+            outcome = RunOutcome(RunStatus.ABORTED, self.last_step)
         except Exception as error:  # noqa: BLE001 - reported to the driver, never swallowed
-            peer = self._aborted.is_set() or _caused_by_peer(error)
-            outcome = RunOutcome("failed", self.last_step, error=_describe(error), error_type=type(error).__name__,
-                                 failure_kind=FailureKind.PEER_FAILURE if peer else failure_kind_of(error))
+            outcome = RunOutcome(RunStatus.FAILED, self.last_step, error=_describe(error),
+                                 error_type=type(error).__name__,
+                                 failure_kind=classify_failure(error, aborted=self._aborted.is_set()))
         # Outside the except block: the exception and its traceback (which pin the blocked
         # collective and its process group) are gone by now.
         self._loop_thread = None
-        if outcome.status != "finished":
-            self._drop_process_groups(keep_shards=outcome.status != "failed" or outcome.caused_by_peer)
-        self._set_phase(outcome.status)
+        if outcome.status != RunStatus.FINISHED:
+            self._drop_process_groups(keep_shards=outcome.status != RunStatus.FAILED or outcome.caused_by_peer)
+        self._set_phase(Phase(outcome.status))
         return outcome
 
     def _loop(self, last_step: int) -> RunOutcome:
         trainer = self.trainer
         while self.last_step < last_step:
             if self._stop.is_set():
-                return RunOutcome("stopped", self.last_step)
+                return RunOutcome(RunStatus.STOPPED, self.last_step)
             step = self.last_step + 1
-            self._set_phase("step")
+            self._set_phase(Phase.STEP)
             self.faults.before_step(step)
             result = trainer.train_step(step)
             self.last_step = step
-            self._set_phase("checkpoint")
+            self._set_phase(Phase.CHECKPOINT)
             stall = self.checkpoints.after_step(step, last=step == self.spec.steps,
                                                 emergency=result.checkpoint_before_pause)
-            self.channel.report("step", step=step, loss=result.loss, dp_rank=trainer.dp_rank,
-                                step_time_s=result.step_time_s, lr=result.lr, grad_norm=result.grad_norm,
-                                phases=result.phases, checkpoint_stall_s=stall)
+            self.channel.step(step=step, loss=result.loss, dp_rank=trainer.dp_rank, step_time_s=result.step_time_s,
+                              lr=result.lr, grad_norm=result.grad_norm, phases=result.phases,
+                              checkpoint_stall_s=stall)
             if result.pause:
                 self.checkpoints.close(wait=True)  # uploads of this generation are reported before it ends
-                return RunOutcome("paused", self.last_step, state_digest=trainer.state_digest())
+                return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())
         self.checkpoints.close(wait=True)
-        return RunOutcome("finished", self.last_step, state_digest=trainer.state_digest())
+        return RunOutcome(RunStatus.FINISHED, self.last_step, state_digest=trainer.state_digest())
 
     def shutdown(self) -> None:
         self._drop_process_groups(keep_shards=False)
-        self._set_phase("shutdown")
+        self._set_phase(Phase.SHUTDOWN)
 
     # ------------------------------------------------------------------ helpers
     def abort_collectives(self, generation: int) -> None:
@@ -269,7 +273,7 @@ class RankActor:
                 log.debug("destroy_process_group after abort: %s", error)
         gc.collect()
 
-    def _set_phase(self, phase: str) -> None:
+    def _set_phase(self, phase: Phase) -> None:
         self._phase = (phase, time.monotonic())
 
     def _loop_position(self) -> tuple[bool | None, str | None]:
@@ -286,20 +290,33 @@ class RankActor:
 def _abort_all_groups() -> None:
     import torch.distributed as dist
 
+    from checkpointing.torch_compat import abort_process_groups
+
     if dist.is_initialized():
         try:
-            dist.distributed_c10d._abort_process_group()
+            abort_process_groups()
         except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
             log.debug("abort of process groups: %s", error)
 
 
-def _caused_by_peer(error: BaseException) -> bool:
-    import torch.distributed as dist
+def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:
+    """Rank side, the loop thread: why ``run`` failed, from what this rank knows and the error's type.
 
-    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
-        return True
-    text = str(error)
-    return any(marker in text for marker in PEER_FAILURE_MARKERS)
+    ``aborted``: the driver aborted this generation's groups before the error, so whatever
+    torch says, the error is a consequence of another rank's failure (PEER_FAILURE). Else the
+    kind the exception declares (``failure_kind``: checkpoint errors, injected faults, the
+    commit vote's timeout), else what torch's error says (``checkpointing/torch_compat.py``):
+    a closed or reset connection to a peer is PEER_FAILURE, this rank's own wait running past
+    its timeout is TIMEOUT; anything else is the rank's OWN_ERROR.
+    """
+    from checkpointing.torch_compat import collective_failure
+
+    if aborted:
+        return FailureKind.PEER_FAILURE
+    if getattr(error, "failure_kind", None) is not None:
+        return failure_kind_of(error)
+    torch_says = collective_failure(error)
+    return FailureKind(torch_says) if torch_says is not None else FailureKind.OWN_ERROR
 
 
 def _describe(error: BaseException) -> str:

@@ -43,7 +43,7 @@ class RankCheckpoints:
                                part_size=target.part_size_bytes, concurrency=target.upload_concurrency)
         self.storage = _Outage(storage, storage_down)
         self.writer = CheckpointWriter(
-            self.storage, rank=rank, report=lambda report: channel.report("checkpoint", report=report),
+            self.storage, rank=rank, report=channel.checkpoint_upload,
             pin_memory=trainer.device.type == "cuda", max_in_flight=target.max_in_flight, mesh=trainer.world_mesh,
         )
         coords = trainer.coords

@@ -25,6 +25,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from workers.spec.messages import FailureKind
+
 RANK_KINDS = ("kill", "raise", "hang", "drain", "sigterm", "s3_outage")
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
@@ -34,6 +36,8 @@ KINDS = RANK_KINDS + DRIVER_KINDS
 
 class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws inside the step."""
+
+    failure_kind = FailureKind.INJECTED
 
 
 @dataclass(frozen=True)

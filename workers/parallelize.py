@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -25,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from checkpointing.torch_compat import clear_dtensor_caches, local_shape_and_offset
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.model import Transformer, init_std
 from workers.spec import ModelSpec
@@ -157,7 +157,7 @@ def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of the full tensor that this rank's shard of ``param`` holds (uneven shards too)."""
     if not isinstance(param, DTensor):
         return full
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(param)
     index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
     return full[index]
 
@@ -174,12 +174,4 @@ def forget_old_meshes() -> None:
     dispatch fast path's, which answers first; missing the second made a drained run fail
     steps after it resumed. The redistribute planners and topology infos are keyed by mesh too.
     """
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    clear_redistribute_planner_cache()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+    clear_dtensor_caches()

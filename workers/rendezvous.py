@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind
 
 # torch.distributed is imported inside the methods: the driver imports this module for the
 # StoreHost class handle and must not load torch.distributed itself.
@@ -61,6 +61,12 @@ class StoreHost:
             step += 1
 
 
+class CommitVoteTimeout(RuntimeError):
+    """This rank waited for the step's decision longer than the collective timeout."""
+
+    failure_kind = FailureKind.TIMEOUT
+
+
 class StepCommitter:
     """Rank side of the vote; one per rank per generation."""
 
@@ -71,6 +77,13 @@ class StepCommitter:
         self.timeout = timedelta(seconds=timeout_s)
 
     def vote(self, step: int) -> str:
+        """Loop thread, every rank, once per step: this rank is ready; returns the decision.
+
+        Raises ``CommitVoteTimeout`` when no decision came within the timeout (this rank's own
+        wait: a rank that never arrives, and a driver that never vetoed).
+        """
+        import torch.distributed as dist
+
         arrived = self.store.add(f"{self.prefix}step/{step}/ready", 1)
         key = f"{self.prefix}step/{step}"
         if arrived == self.world_size:
@@ -78,7 +91,12 @@ class StepCommitter:
             decided = self.store.compare_set(key, "", wanted).decode()
             self._forget(step - 2)
             return decided
-        self.store.wait([key], self.timeout)
+        try:
+            self.store.wait([key], self.timeout)
+        except dist.DistStoreError as error:
+            waited = self.timeout.total_seconds()
+            raise CommitVoteTimeout(f"step {step}: no commit decision within {waited:g} s ({arrived} of "
+                                    f"{self.world_size} ranks had voted when this one arrived)") from error
         return self.store.get(key).decode()
 
     def _commit_decision(self) -> str:

@@ -1,10 +1,12 @@
 """The one channel through which a rank tells the driver anything.
 
-Runs on every rank. Worker code never calls the controller: it appends reports here, and the
-driver drains them with the actor's ``poll()``. Each report is a JSON-able dict with a
-``kind`` (``step``, ``log``, ``checkpoint_shard`` ...). ``RankLogHandler`` routes the rank's
-Python log records through the same channel, so per-rank logs reach the driver's run
-directory even when the rank runs on another machine.
+Runs on every rank. Worker code never calls the controller: it queues reports here, and the
+driver drains them with the actor's ``poll()``. Each report is a frozen dataclass of
+``workers/spec/messages.py`` (``StepReport``, ``LogReport``, ``CheckpointUploadReport``,
+``DrainNoticeReport``) carrying the rank and the rank's clock; the channel stamps both, so
+callers say only what happened. ``RankLogHandler`` routes the rank's Python log records
+through the same channel, so per-rank logs reach the driver's run directory even when the
+rank runs on another machine.
 """
 
 from __future__ import annotations
@@ -15,21 +17,41 @@ import time
 from collections import deque
 from typing import Any
 
+from checkpointing.spec import FailureReport, ShardReport
+from workers.spec.messages import CheckpointUploadReport, DrainNoticeReport, LogReport, RankReport, StepReport
+
 
 class ReportChannel:
-    """Thread-safe queue of reports, bounded so a driver that stops polling cannot exhaust memory."""
+    """Thread-safe queue of reports, bounded so a driver that stops polling cannot exhaust memory.
+
+    Written by the loop thread, the checkpoint uploader and the control threads; drained by
+    ``poll()`` on a control thread.
+    """
 
     def __init__(self, rank: int = -1, max_reports: int = 100_000) -> None:
         self.rank = rank
-        self._reports: deque[dict[str, Any]] = deque(maxlen=max_reports)
+        self._reports: deque[RankReport] = deque(maxlen=max_reports)
         self._lock = threading.Lock()
 
-    def report(self, kind: str, **fields: Any) -> None:
-        record = {"kind": kind, "rank": self.rank, "time": time.time(), **fields}
-        with self._lock:
-            self._reports.append(record)
+    def step(self, **fields: Any) -> None:
+        """The loop applied a step (fields of ``StepReport`` other than rank and time)."""
+        self.send(StepReport(rank=self.rank, time=time.time(), **fields))
 
-    def drain(self) -> list[dict[str, Any]]:
+    def log(self, *, level: str, logger: str, message: str) -> None:
+        self.send(LogReport(rank=self.rank, time=time.time(), level=level, logger=logger, message=message))
+
+    def checkpoint_upload(self, upload: ShardReport | FailureReport) -> None:
+        """The uploader finished one save: durable, or given up."""
+        self.send(CheckpointUploadReport(rank=self.rank, time=time.time(), upload=upload))
+
+    def drain_notice(self, reason: str) -> None:
+        self.send(DrainNoticeReport(rank=self.rank, time=time.time(), reason=reason))
+
+    def send(self, report: RankReport) -> None:
+        with self._lock:
+            self._reports.append(report)
+
+    def drain(self) -> list[RankReport]:
         with self._lock:
             reports = list(self._reports)
             self._reports.clear()
@@ -39,12 +61,12 @@ class ReportChannel:
 class NullChannel(ReportChannel):
     """Drops every report (torchrun reference, unit tests)."""
 
-    def report(self, kind: str, **fields: Any) -> None:
+    def send(self, report: RankReport) -> None:
         return None
 
 
 class RankLogHandler(logging.Handler):
-    """Forwards log records of level INFO and above to the driver as ``log`` reports."""
+    """Forwards log records of level INFO and above to the driver as ``LogReport``s."""
 
     def __init__(self, channel: ReportChannel, level: int = logging.INFO) -> None:
         super().__init__(level)
@@ -52,7 +74,6 @@ class RankLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.channel.report("log", level=record.levelname.lower(), logger=record.name,
-                                message=record.getMessage())
+            self.channel.log(level=record.levelname.lower(), logger=record.name, message=record.getMessage())
         except Exception:  # a log line must never take the rank down
             self.handleError(record)

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from checkpointing.torch_compat import set_group_name_base
 from workers.data import SampleSource, SyntheticSource, TextSource
 from workers.spec import TrainSpec
 
@@ -46,6 +47,6 @@ def init_generation(*, store: dist.Store, generation: int, rank: int, world_size
     # every cache would then run its collective on whichever new group took its name.
     # Numbering each generation's groups from its own base makes a stale name fail loudly
     # instead. Every rank of a generation sets the same base, so the names still agree.
-    dist.distributed_c10d._world.group_count = generation * GROUP_NAMES_PER_GENERATION
+    set_group_name_base(generation * GROUP_NAMES_PER_GENERATION)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))

@@ -28,10 +28,12 @@ from torch.distributed.tensor import DTensor
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, TrainSpec
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 
 class StepAborted(RuntimeError):
     """The step was vetoed (a failure elsewhere); nothing of it was applied."""
+
+    failure_kind = FailureKind.PEER_FAILURE  # the driver vetoed it because another rank failed
 
     def __init__(self, step: int) -> None:
         super().__init__(f"step {step} aborted before its optimizer update")

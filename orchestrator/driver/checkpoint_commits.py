@@ -1,16 +1,15 @@
 """The driver's side of checkpoints: commit what the ranks uploaded, choose what to resume from.
 
 Runs on the driver (no torch). The ranks upload their shards and report; ``on_report`` hands
-each report to the commit coordinator, which writes the manifest (the commit) once every rank
-of the step is durable, and turns the outcome into ``checkpoint_committed`` /
-``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
+the upload of each ``CheckpointUploadReport`` to the commit coordinator, which writes the
+manifest (the commit) once every rank of the step is durable, and turns the outcome into
+``checkpoint_committed`` / ``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from checkpointing.catalog import choose_restore, latest_committed
 from checkpointing.commit import CommitCoordinator
@@ -19,6 +18,7 @@ from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.observe.events import EventLog
+from workers.spec.messages import CheckpointUploadReport
 
 log = logging.getLogger("meshpilot")
 
@@ -30,7 +30,7 @@ class NoCheckpoints:
     def check_access(self) -> None:
         return None
 
-    def on_report(self, report: dict[str, Any]) -> None:
+    def on_report(self, report: CheckpointUploadReport) -> None:
         return None
 
     def reset(self, mesh: MeshSpec) -> None:
@@ -63,8 +63,8 @@ class DriverCheckpoints:
         """Raise the storage's clear error (credentials, bucket, endpoint) before any rank starts."""
         self.storage.check_access()
 
-    def on_report(self, report: dict[str, Any]) -> None:
-        manifest = self.coordinator.on_report(report["report"])
+    def on_report(self, report: CheckpointUploadReport) -> None:
+        manifest = self.coordinator.on_report(report.upload)
         if manifest is not None:
             self.events.emit("checkpoint_committed", step=manifest.step, uri=self.uri, bytes=manifest.total_bytes,
                              upload_s=round(manifest.upload_s, 3))

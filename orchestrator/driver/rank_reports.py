@@ -1,20 +1,24 @@
 """Turning the ranks' reports into the run's events.
 
-Runs on the driver, called by the controller with every batch of reports it polls. Per-rank
-``step`` reports are joined into one ``step`` event once every rank of the mesh has reported
+Runs on the driver, called by the controller with every batch of reports it polls (the typed
+reports of ``workers/spec/messages.py``, dispatched on their ``ReportKind``). Per-rank
+``StepReport``s are joined into one ``step`` event once every rank of the mesh has reported
 that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
-``log`` reports become ``log`` events. Other kinds are handed to the handlers registered for
-them (checkpoint coordination registers its own).
+``LogReport``s become ``log`` events. Other kinds are handed to the handlers registered for
+them (checkpoint coordination registers its own for ``CHECKPOINT_UPLOAD``, the controller one
+for ``DRAIN_NOTICE``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from elastic.spec import MeshSpec
 from orchestrator.observe.events import EventLog
+from workers.spec.messages import LogReport, RankReport, ReportKind, StepReport
 
-Handler = Callable[[dict[str, Any]], None]
+Handler = Callable[[Any], None]  # called with the report of the kind it was registered for
 
 
 class ReportRouter:
@@ -22,8 +26,8 @@ class ReportRouter:
         self.events = events
         self.tokens_per_step = tokens_per_step
         self.mesh = mesh
-        self.handlers: dict[str, Handler] = {"step": self._on_step, "log": self._on_log}
-        self._pending: dict[int, dict[int, dict[str, Any]]] = {}
+        self.handlers: dict[ReportKind, Handler] = {ReportKind.STEP: self._on_step, ReportKind.LOG: self._on_log}
+        self._pending: dict[int, dict[int, StepReport]] = {}
         self.last_emitted_step = 0
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
@@ -31,8 +35,8 @@ class ReportRouter:
         # Called after each step event, with ``last_emitted_step`` already updated.
         self.after_step: Callable[[], None] | None = None
 
-    def on(self, kind: str, handler: Handler) -> None:
-        self.handlers[kind] = handler
+    def on(self, kind: ReportKind | str, handler: Handler) -> None:
+        self.handlers[ReportKind(kind)] = handler
 
     def set_mesh(self, mesh: MeshSpec) -> None:
         """A new generation: reports of steps the old mesh did not finish are dropped."""
@@ -49,26 +53,25 @@ class ReportRouter:
                 break
             self._emit(step, ranks)
 
-    def route(self, reports: list[dict[str, Any]]) -> None:
+    def route(self, reports: Iterable[RankReport]) -> None:
         for report in reports:
-            handler = self.handlers.get(report.get("kind"))
+            handler = self.handlers.get(report.kind)
             if handler is not None:
                 handler(report)
 
-    def _on_log(self, report: dict[str, Any]) -> None:
-        self.events.emit("log", rank=report.get("rank"), level=report.get("level", "info"),
-                         message=report.get("message", ""), logger=report.get("logger"))
+    def _on_log(self, report: LogReport) -> None:
+        self.events.emit("log", rank=report.rank, level=report.level, message=report.message, logger=report.logger)
 
-    def _on_step(self, report: dict[str, Any]) -> None:
-        step = report["step"]
+    def _on_step(self, report: StepReport) -> None:
+        step = report.step
         if step <= self.last_emitted_step:
             return
-        self._pending.setdefault(step, {})[report["rank"]] = report
+        self._pending.setdefault(step, {})[report.rank] = report
         while (ranks := self._pending.get(self.last_emitted_step + 1)) and len(ranks) == self.mesh.world_size:
             self._emit(self.last_emitted_step + 1, self._pending.pop(self.last_emitted_step + 1))
 
-    def _emit(self, step: int, ranks: dict[int, dict[str, Any]]) -> None:
-        losses = [r["loss"] for r in ranks.values() if r.get("loss") is not None]
+    def _emit(self, step: int, ranks: dict[int, StepReport]) -> None:
+        losses = [r.loss for r in ranks.values() if r.loss is not None]
         any_report = next(iter(ranks.values()))
         extra = {}
         if len(ranks) < self.mesh.world_size:
@@ -81,24 +84,24 @@ class ReportRouter:
             step=step,
             loss=sum(losses) / len(losses) if losses else None,
             tokens=self.tokens_per_step,
-            step_time_s=max(r["step_time_s"] for r in ranks.values()),
+            step_time_s=max(r.step_time_s for r in ranks.values()),
             world_size=self.mesh.world_size,
             mesh=self.mesh.as_dict(),
-            lr=any_report.get("lr"),
-            grad_norm=any_report.get("grad_norm"),
-            rank_step_time_s={str(rank): round(r["step_time_s"], 6) for rank, r in sorted(ranks.items())},
+            lr=any_report.lr,
+            grad_norm=any_report.grad_norm,
+            rank_step_time_s={str(rank): round(r.step_time_s, 6) for rank, r in sorted(ranks.items())},
             # Per phase of the step (compute, sync = the clip and the commit vote, optimizer),
             # the longest any rank spent in it.
             phases_s=_slowest_phases(ranks.values()),
             # When the slowest rank finished the step (its own clock): the driver learns of
             # it up to one poll interval later.
-            completed_at=max(r["time"] for r in ranks.values()),
+            completed_at=max(r.time for r in ranks.values()),
         )
         self.last_emitted_step = step
-        self.last_step_time_s = max(r["step_time_s"] for r in ranks.values())
-        self.completed_at[step] = max(r["time"] for r in ranks.values())
+        self.last_step_time_s = max(r.step_time_s for r in ranks.values())
+        self.completed_at[step] = max(r.time for r in ranks.values())
         self.completed_at.pop(step - 100, None)
-        stalls = [r["checkpoint_stall_s"] for r in ranks.values() if r.get("checkpoint_stall_s") is not None]
+        stalls = [r.checkpoint_stall_s for r in ranks.values() if r.checkpoint_stall_s is not None]
         if stalls:
             # The loop waits for its slowest rank: that rank's staging time is the run's stall.
             self.events.emit("checkpoint_staged", step=step, stall_s=round(max(stalls), 6))
@@ -111,9 +114,9 @@ class ReportRouter:
         self.last_emitted_step = step
 
 
-def _slowest_phases(reports: Any) -> dict[str, float]:
+def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:
     slowest: dict[str, float] = {}
     for report in reports:
-        for phase, seconds in (report.get("phases") or {}).items():
+        for phase, seconds in (report.phases or {}).items():
             slowest[phase] = round(max(seconds, slowest.get(phase, 0.0)), 6)
     return slowest

@@ -5,7 +5,9 @@ writes it as one JSON line and hands it to every subscriber (metrics, progress b
 file, Prometheus and the terminal can never disagree.
 
 The schema below is a contract with dashboards, ``meshpilot report`` and users' scripts:
-add fields freely, never rename or drop one.
+add fields freely (declare them in ``OPTIONAL_FIELDS``), never rename or drop one.
+``EventLog.emit`` refuses an event whose name is not declared or that lacks a required field
+(a programming error: the tests that drive the emitting code catch it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, Callable, Protocol
 from checkpointing.commit import MESH_CHANGED
 from orchestrator.observe.redact import redact
 
-# Every event has ``event`` (its name) and ``time`` (unix seconds); these fields come on top.
+# Every event has ``event`` (its name) and ``time`` (unix seconds); these required fields come
+# on top (a field may be None where the emitter has no value, but it is always there).
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("run_dir", "name", "mesh", "world_size", "steps", "global_batch", "seq_len", "config_hash"),
     "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s"),
@@ -50,6 +53,8 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     # cause: failure | restore | drain | grow; refilled_ranks: ranks rebuilt from warm actors
     "recovered": ("cause", "refilled_ranks"),
     "grow": ("old_mesh",),
+    # logger: the rank's logger that wrote the record
+    "log": ("logger",),
     # replicas_consistent: with several replica groups, whether they ended bitwise identical
     "done": ("reason", "replicas_consistent"),
 }
@@ -102,8 +107,9 @@ class EventLog:
         self.subscribers.append(subscriber)
 
     def emit(self, name: str, /, **fields: Any) -> dict[str, Any]:
-        if name not in EVENT_FIELDS:
-            raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
+        """Write one event and hand it to every subscriber; raises ValueError for an undeclared
+        event name or a missing required field (see ``EVENT_FIELDS``)."""
+        check_event(name, fields)
         event = {"event": name, "time": round(self._clock(), 6), **redact(fields)}
         with self._lock:
             if self._file is not None:
@@ -117,6 +123,16 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def check_event(name: str, fields: dict[str, Any]) -> None:
+    """Raise ValueError naming the event and the field when ``fields`` break the declared schema."""
+    if name not in EVENT_FIELDS:
+        raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
+    missing = [field for field in EVENT_FIELDS[name] if field not in fields]
+    if missing:
+        raise ValueError(f"event {name!r} lacks required field(s) {', '.join(map(repr, missing))} "
+                         "(see EVENT_FIELDS in orchestrator/observe/events.py)")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

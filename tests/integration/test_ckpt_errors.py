@@ -100,8 +100,8 @@ def test_writer_reports_failure_instead_of_raising(s3_bucket, monkeypatch):
     stall = writer.save(5, {"w": torch.ones(4)}, extra={}, owns_plain_tensors=True)
     assert stall < 5
     writer.close()
-    assert [r["kind"] for r in reports] == ["failure"]
-    assert "secret key does not match" in reports[0]["error"] and reports[0]["attempts"] == 2
+    assert [r.kind for r in reports] == ["failure"]
+    assert "secret key does not match" in reports[0].error and reports[0].attempts == 2
     assert 5 in coordinator.failed_steps and coordinator.committed_steps == []
     assert storage.list() == []
 

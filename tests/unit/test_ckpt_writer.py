@@ -11,6 +11,7 @@ import torch
 from checkpointing.commit import CommitCoordinator
 from checkpointing.local import LocalStorage
 from checkpointing.reader import load_manifest, restore
+from checkpointing.spec import FailureReport
 from checkpointing.writer import CheckpointWriter
 
 
@@ -80,12 +81,11 @@ def test_failed_uploads_are_retried_then_reported(tmp_path):
     writer = CheckpointWriter(storage, rank=0, report=reports.append, upload_attempts=2, retry_backoff_s=0.01)
     writer.save(1, {"w": torch.ones(3)}, extra={}, owns_plain_tensors=True)
     writer.wait()
-    assert storage.calls == 2 and reports[-1]["kind"] == "shard"
+    assert storage.calls == 2 and reports[-1].kind == "shard"
     storage.failures = 5
     writer.save(2, {"w": torch.ones(3)}, extra={}, owns_plain_tensors=True)
     writer.close()
-    assert reports[-1] == {"kind": "failure", "step": 2, "rank": 0, "attempts": 2,
-                           "error": "OSError: connection reset by peer"}
+    assert reports[-1] == FailureReport(step=2, rank=0, attempts=2, error="OSError: connection reset by peer")
 
 
 def test_save_sync_raises_when_the_upload_fails(tmp_path):
@@ -94,7 +94,7 @@ def test_save_sync_raises_when_the_upload_fails(tmp_path):
     writer = CheckpointWriter(storage, rank=0, report=reports.append, upload_attempts=2, retry_backoff_s=0.0)
     with pytest.raises(Exception, match="rank 0's checkpoint upload failed: OSError"):
         writer.save_sync(4, {"w": torch.ones(3)}, extra={}, owns_plain_tensors=True)
-    assert reports[-1]["kind"] == "failure"
+    assert reports[-1].kind == "failure"
     writer.close()
 
 
@@ -116,7 +116,7 @@ def test_every_rank_reports_even_without_files(tmp_path):
     for writer in writers:
         writer.close()
     assert time.perf_counter() - started < 30
-    assert sorted((r["rank"], len(r["files"])) for r in reports) == [(0, 1), (1, 0)]
+    assert sorted((r.rank, len(r.files)) for r in reports) == [(0, 1), (1, 0)]
     manifest = load_manifest(storage)
     assert manifest.step == 3 and manifest.extra == {"rank": 0}
     assert [f.rank for f in manifest.files] == [0]

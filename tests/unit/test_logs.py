@@ -36,7 +36,8 @@ def test_rank_log_events_go_to_one_json_file_per_rank(tmp_path):
     log.emit("log", rank=0, level="INFO", message="loaded shard 0")
     log.emit("log", rank=3, level="WARNING", message=f"retrying upload with secret_key={SECRET} and {KEY_ID}")
     log.emit("log", rank=0, level="INFO", message="step 1 done")
-    log.emit("step", step=1, loss=1.0)  # not a log record: no file
+    log.emit("step", step=1, loss=1.0, tokens=8, step_time_s=0.1, world_size=1, mesh={}, lr=0.001,
+             rank_step_time_s={"0": 0.1})  # not a log record: no file
     writer.close()
     log.close()
 

@@ -21,7 +21,7 @@ from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.metric_names import METRICS, exported_names, peak_flops
 from orchestrator.observe.metrics import MetricsExporter, NullMetrics, build_metrics
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, START_TIME, TOKENS_PER_STEP, synthetic_run
-from workers.spec import PRESETS
+from workers.spec import CheckpointUploadReport, PRESETS
 
 
 class FakeClock:
@@ -168,7 +168,7 @@ def test_event_log_subscribers_see_mesh_objects():
     exporter = MetricsExporter(world_size=8)
     log = EventLog(None, [exporter])
     log.emit("start", name="via-event-log", config_hash="abc", world_size=8, steps=5,
-             mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2))
+             mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), run_dir=None, global_batch=16, seq_len=128)
     assert value(scrape(exporter), "meshpilot_run_info", name="via-event-log", config_hash="abc") == 1
     mesh = MeshSpec(dp_replicate=1, dp_shard=2, tp=2, pp=1)
     log.emit("recovered", mttr_s=1.0, lost_steps=0, old_mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), new_mesh=mesh)
@@ -269,9 +269,11 @@ def test_a_save_dropped_by_a_mesh_change_is_no_storage_failure(tmp_path):
     exporter = MetricsExporter(world_size=4, checkpoint_interval_steps=4)
     checkpoints = DriverCheckpoints(config, EventLog(None, [exporter]), mesh=config.mesh)
     assert value(scrape(exporter), "meshpilot_checkpoint_failures_total", reason="storage") == 0
-    checkpoints.on_report({"report": ShardReport(step=8, rank=0).to_dict()})  # 1 of 4 ranks durable
+    durable = ShardReport(step=8, rank=0)
+    checkpoints.on_report(CheckpointUploadReport(rank=0, time=0.0, upload=durable))  # 1 of 4 ranks durable
     checkpoints.reset(MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1))  # a replica left: the save is dropped
-    checkpoints.on_report({"report": FailureReport(step=12, rank=1, error="SlowDown", attempts=5).to_dict()})
+    given_up = FailureReport(step=12, rank=1, error="SlowDown", attempts=5)
+    checkpoints.on_report(CheckpointUploadReport(rank=1, time=0.0, upload=given_up))
     samples = scrape(exporter)
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="interrupted") == 1
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="storage") == 1

@@ -9,13 +9,19 @@ config validation import it on a laptop).
 """
 
 from workers.spec.messages import (
+    CheckpointUploadReport,
+    DrainNoticeReport,
     FailureKind,
     Heartbeat,
+    LogReport,
     Phase,
+    RankReport,
+    ReportKind,
     RunOutcome,
     RunStatus,
     StartFrom,
     StartMode,
+    StepReport,
     failure_kind_of,
 )
 from workers.spec.model import PRESETS, ModelSpec, model_spec
@@ -29,7 +35,8 @@ from workers.spec.train import (
 )
 
 __all__ = [
-    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "PRESETS", "CheckpointTarget", "FailureKind",
-    "Heartbeat", "ModelSpec", "Phase", "RunOutcome", "RunStatus", "StartFrom", "StartMode", "TrainSpec",
+    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "PRESETS", "CheckpointTarget",
+    "CheckpointUploadReport", "DrainNoticeReport", "FailureKind", "Heartbeat", "LogReport", "ModelSpec", "Phase",
+    "RankReport", "ReportKind", "RunOutcome", "RunStatus", "StartFrom", "StartMode", "StepReport", "TrainSpec",
     "failure_kind_of", "model_spec",
 ]

@@ -8,9 +8,10 @@ events and logs written with them read as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+
+from checkpointing.spec import FailureReport, ShardReport
 
 
 class RunStatus(StrEnum):
@@ -60,9 +61,77 @@ class Phase(StrEnum):
 
 
 def failure_kind_of(error: BaseException) -> FailureKind:
-    """The kind an exception class declares (``failure_kind = FailureKind.X``), else OWN_ERROR."""
+    """The kind an exception class declares (``failure_kind = FailureKind.X``), else OWN_ERROR.
+
+    ``checkpointing/`` cannot import this module (imports go workers -> checkpointing), so its
+    errors declare the kind's string value; it is read here as the member of that value.
+    """
     kind = getattr(error, "failure_kind", None)
-    return kind if isinstance(kind, FailureKind) else FailureKind.OWN_ERROR
+    if isinstance(kind, str) and kind in FailureKind._value2member_map_:
+        return FailureKind(kind)
+    return FailureKind.OWN_ERROR
+
+
+class ReportKind(StrEnum):
+    """What a rank report is about; the driver's ``ReportRouter`` dispatches on it."""
+
+    STEP = "step"  # the rank applied a step
+    LOG = "log"  # a log record of the rank
+    CHECKPOINT_UPLOAD = "checkpoint"  # one of the rank's checkpoint uploads is durable, or was given up
+    DRAIN_NOTICE = "drain_notice"  # the rank's node is about to go away (spot notice, SIGTERM)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Sent by every rank after each step it applied (loop thread)."""
+
+    rank: int
+    time: float  # the rank's clock when it finished the step
+    step: int
+    loss: float | None  # None where this rank holds no loss (not the last pipeline stage)
+    dp_rank: int
+    step_time_s: float
+    lr: float | None = None
+    grad_norm: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step
+    checkpoint_stall_s: float | None = None  # set on steps that staged a checkpoint
+    kind: ReportKind = ReportKind.STEP
+
+
+@dataclass(frozen=True)
+class LogReport:
+    """One log record of level INFO or above, forwarded from the rank's ``meshpilot`` loggers."""
+
+    rank: int
+    time: float
+    level: str  # lower case: info, warning, error
+    logger: str
+    message: str
+    kind: ReportKind = ReportKind.LOG
+
+
+@dataclass(frozen=True)
+class CheckpointUploadReport:
+    """A rank's checkpoint upload of one step ended (uploader thread): its shards are durable
+    (``ShardReport``) or it gave up (``FailureReport``); the driver's commit coordinator reads it."""
+
+    rank: int
+    time: float
+    upload: ShardReport | FailureReport
+    kind: ReportKind = ReportKind.CHECKPOINT_UPLOAD
+
+
+@dataclass(frozen=True)
+class DrainNoticeReport:
+    """The rank's node received a notice that it is going away; sent once per rank."""
+
+    rank: int
+    time: float
+    reason: str
+    kind: ReportKind = ReportKind.DRAIN_NOTICE
+
+
+RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport
 
 
 @dataclass(frozen=True)
@@ -105,7 +174,7 @@ class Heartbeat:
     phase: Phase
     step: int
     phase_age_s: float
-    reports: tuple[dict[str, Any], ...] = ()
+    reports: tuple[RankReport, ...] = ()
     # In a step: is the loop blocked waiting for other ranks (a collective, the commit vote)?
     # A rank busy in a step that everyone else waits on is the one that hangs.
     waiting: bool | None = None

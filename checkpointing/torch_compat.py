@@ -1,0 +1,156 @@
+"""The one module that touches private torch internals; checked against torch 2.13.x at import.
+
+Runs on the ranks (and in tests); the driver never imports it. It lives in ``checkpointing/``,
+the lowest of our packages that imports torch, so that both ``checkpointing/`` (DCP's chunk
+list) and ``workers/`` (process groups, DTensor caches, error classification) use the same
+module while imports still flow one way (workers -> checkpointing). Every other module calls
+the functions below and never names a private symbol itself.
+
+At import, ``check_torch_internals()`` resolves every private symbol listed in
+``PRIVATE_SYMBOLS``; if one is missing (a torch upgrade moved it) it raises one clear line
+naming the torch version we support and the one found, instead of an ``AttributeError`` deep
+in a generation change. ``pyproject.toml`` pins ``torch<2.14`` for the same reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from enum import StrEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED_TORCH = "2.13"
+
+# Logger of DTensor's redistribution, which warns on every implicit redistribute of a step.
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+# Every private symbol used below, as "module:attribute.path".
+PRIVATE_SYMBOLS: tuple[str, ...] = (
+    "torch.distributed.distributed_c10d:_world.group_count",
+    "torch.distributed.distributed_c10d:_abort_process_group",
+    "torch.distributed.checkpoint.planner_helpers:_create_chunk_list",
+    "torch.distributed.tensor:DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear",
+    "torch.distributed.tensor:DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear",
+    "torch:_C._clear_DTensor_sharding_propagator_cache",
+    "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
+    "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear",
+    "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+)
+
+
+class TorchVersionError(ImportError):
+    """The installed torch lacks a private symbol meshpilot relies on."""
+
+
+def _resolve(symbol: str) -> Any:
+    module_name, _, path = symbol.partition(":")
+    value: Any = importlib.import_module(module_name)
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def check_torch_internals(symbols: tuple[str, ...] = PRIVATE_SYMBOLS) -> None:
+    """Raise one ``TorchVersionError`` line if any private symbol we use is missing."""
+    missing = []
+    for symbol in symbols:
+        try:
+            _resolve(symbol)
+        except (ImportError, AttributeError):
+            missing.append(symbol.replace(":", "."))
+    if missing:
+        raise TorchVersionError(f"meshpilot supports torch {SUPPORTED_TORCH}.x, found torch {torch.__version__}: "
+                                f"missing {', '.join(missing)}; install torch>={SUPPORTED_TORCH},<2.14")
+
+
+check_torch_internals()
+
+# Imported once the check passed, so a missing one fails with the line above, not here.
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+# --------------------------------------------------------------------- process groups
+def set_group_name_base(base: int) -> None:
+    """Number the next process groups from ``base`` (torch names groups by a global counter).
+
+    Every rank of a generation calls it with the same base before ``init_process_group``.
+    """
+    dist.distributed_c10d._world.group_count = base
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (no-op errors are the caller's to log)."""
+    dist.distributed_c10d._abort_process_group()
+
+
+# --------------------------------------------------------------------- DTensor
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's slice of DTensor ``tensor``."""
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def chunk_list(tensor: torch.Tensor) -> list[Any]:
+    """torch.distributed.checkpoint's own chunks (``offsets``, ``sizes``) of this rank's part of ``tensor``."""
+    return _create_chunk_list(tensor)
+
+
+def clear_dtensor_caches() -> None:
+    """Clear DTensor's caches keyed by mesh: sharding propagation (the Python one of this
+    thread and the C++ fast path's), redistribute planners and mesh topology infos."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+# --------------------------------------------------------------------- errors
+# gloo raises a plain RuntimeError (not a DistError) from its transport, and only its text says
+# what happened. Measured on torch 2.13 CPU/gloo: a peer process dying mid all_reduce gives
+# "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port ..."; a peer that
+# never joins gives "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for
+# recv operation to complete". These texts are the only place the project reads an error message.
+_GLOO_TRANSPORT = "gloo/transport"
+_GLOO_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_GLOO_TIMED_OUT = "Timed out waiting"
+# NCCL (not measured here: CPU only) reports a communicator aborted after a peer's error as a
+# DistBackendError with one of these texts.
+_NCCL_PEER_ABORT = ("NCCL communicator was aborted", "ncclRemoteError")
+
+
+class CollectiveFailure(StrEnum):
+    """What a torch distributed error says happened; the values are ``FailureKind`` values
+    (``workers/spec/messages.py``), which ``checkpointing/`` cannot import."""
+
+    PEER = "peer_failure"  # the connection to another rank closed or reset: that rank failed
+    TIMEOUT = "timeout"  # this rank's own wait (a collective, a store wait) ran past its timeout
+
+
+def collective_failure(error: BaseException) -> CollectiveFailure | None:
+    """What torch says about a failed collective or store call, told by exception type first;
+    ``None`` when it is not a torch distributed failure this module recognises."""
+    if isinstance(error, dist.DistNetworkError):
+        return CollectiveFailure.PEER  # a store or peer socket closed under us
+    if isinstance(error, dist.DistStoreError):
+        return CollectiveFailure.TIMEOUT  # a store wait (get, wait) ran past the store's timeout
+    if isinstance(error, dist.DistBackendError):
+        text = str(error)
+        if any(marker in text for marker in _NCCL_PEER_ABORT):
+            return CollectiveFailure.PEER
+        return CollectiveFailure.TIMEOUT if "timeout" in text.lower() else None
+    if type(error) is RuntimeError and _GLOO_TRANSPORT in str(error):
+        text = str(error)
+        if any(marker in text for marker in _GLOO_PEER_GONE):
+            return CollectiveFailure.PEER
+        if _GLOO_TIMED_OUT in text:
+            return CollectiveFailure.TIMEOUT
+    return None
+

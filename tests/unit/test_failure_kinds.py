@@ -1,0 +1,86 @@
+"""A failed rank says why, by exception type and by what the rank knows, never by message text.
+
+The two-rank cases run real gloo in two spawned processes on a FileStore (no Ray,
+``tests/unit/gloo_ranks.py``) and classify the error rank 0 raised with the function the actor
+uses (``workers.actor.classify_failure``): a rank whose own collective times out is TIMEOUT
+(its own failure), a rank whose peer's connection closes is PEER_FAILURE (an echo of the
+peer's failure).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpointing import errors
+from tests.unit.gloo_ranks import run_rank
+from workers.actor import classify_failure
+from workers.faults import InjectedFault
+from workers.rendezvous import CommitVoteTimeout, StepCommitter
+from workers.spec.messages import FailureKind, failure_kind_of
+from workers.trainer import StepAborted
+
+
+@pytest.fixture(scope="module")
+def two_rank_outcomes(tmp_path_factory) -> dict[str, FailureKind | None]:
+    """Both scenarios at once (four processes), so the module pays one start-up."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    folder = tmp_path_factory.mktemp("stores")
+    processes = [context.Process(target=run_rank, args=(rank, scenario, str(folder / scenario), results), daemon=True)
+                 for scenario in ("own_timeout", "peer_dies") for rank in range(2)]
+    for process in processes:
+        process.start()
+    errors_seen = dict(results.get(timeout=120) for _ in range(2))
+    for process in processes:
+        process.join(timeout=30)
+    return {scenario: None if error is None else classify_failure(error, aborted=False)
+            for scenario, error in errors_seen.items()}
+
+
+def test_a_rank_whose_own_collective_times_out_fails_with_timeout(two_rank_outcomes):
+    assert two_rank_outcomes["own_timeout"] == FailureKind.TIMEOUT
+
+
+def test_a_rank_whose_peer_connection_closes_is_an_echo_of_the_peer(two_rank_outcomes):
+    assert two_rank_outcomes["peer_dies"] == FailureKind.PEER_FAILURE
+
+
+def test_a_commit_vote_that_times_out_is_the_rank_own_timeout():
+    committer = StepCommitter(dist.HashStore(), generation=0, world_size=2, timeout_s=0.2)
+    with pytest.raises(CommitVoteTimeout, match="no commit decision within 0.2 s") as raised:
+        committer.vote(1)  # the other rank never votes
+    assert classify_failure(raised.value, aborted=False) == FailureKind.TIMEOUT
+
+
+def test_after_the_driver_aborted_the_generation_every_error_is_a_peer_failure():
+    assert classify_failure(RuntimeError("anything at all"), aborted=True) == FailureKind.PEER_FAILURE
+    assert classify_failure(CommitVoteTimeout("late"), aborted=True) == FailureKind.PEER_FAILURE
+
+
+@pytest.mark.parametrize("error, kind", [
+    (errors.CorruptCheckpointError("bad checksum", key="step-00000004/rank-00001.safetensors"),
+     FailureKind.CORRUPT_CHECKPOINT),
+    (errors.StorageUnreachableError("s3://bucket: no answer"), FailureKind.STORAGE),
+    (errors.StorageCredentialsError("s3://bucket: access denied"), FailureKind.STORAGE),
+    (InjectedFault("injected fault raise@3"), FailureKind.INJECTED),
+    (StepAborted(3), FailureKind.PEER_FAILURE),
+    (ValueError("a bug"), FailureKind.OWN_ERROR),
+    # Timeout-like words in an untyped error say nothing: it is the rank's own error.
+    (RuntimeError("the data loader timed out"), FailureKind.OWN_ERROR),
+    (dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed."), FailureKind.PEER_FAILURE),
+    (dist.DistStoreError("wait timeout after 500ms, keys: /gen1/step/4"), FailureKind.TIMEOUT),
+])
+def test_declared_and_typed_errors_keep_their_kind(error, kind):
+    assert classify_failure(error, aborted=False) == kind
+
+
+def test_every_declared_checkpoint_failure_kind_is_a_failure_kind():
+    for _, error_type in inspect.getmembers(errors, inspect.isclass):
+        declared = getattr(error_type, "failure_kind", None)
+        if declared is not None:
+            assert declared in FailureKind._value2member_map_, error_type
+    assert failure_kind_of(errors.CheckpointNotFoundError("no checkpoint")) == FailureKind.OWN_ERROR

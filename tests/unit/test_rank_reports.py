@@ -1,0 +1,66 @@
+"""Typed rank reports on their way to the run's events (driver side, no Ray, no torch)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from checkpointing.spec import ShardReport
+from elastic.spec import MeshSpec
+from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.observe.events import EventLog, read_events
+from workers.reporting import ReportChannel
+from workers.spec.messages import CheckpointUploadReport, DrainNoticeReport, ReportKind, StepReport
+
+
+def step_report(rank: int, step: int, *, loss: float | None, stall: float | None = None) -> StepReport:
+    return StepReport(rank=rank, time=100.0 + step + rank, step=step, loss=loss, dp_rank=rank, step_time_s=0.1 * (rank + 1),
+                      lr=0.001, grad_norm=1.0, phases={"compute": 0.05 * (rank + 1)}, checkpoint_stall_s=stall)
+
+
+def test_a_step_event_waits_for_every_rank_and_takes_the_slowest(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    router = ReportRouter(events, mesh=MeshSpec(dp_shard=2), tokens_per_step=256)
+    router.route([step_report(0, 1, loss=2.0, stall=0.25)])
+    assert router.last_emitted_step == 0  # rank 1 has not reported step 1 yet
+    router.route([step_report(1, 1, loss=4.0)])
+    events.close()
+    step, staged = read_events(tmp_path / "events.jsonl")
+    assert step["event"] == "step" and step["loss"] == 3.0 and step["step_time_s"] == 0.2
+    assert step["rank_step_time_s"] == {"0": 0.1, "1": 0.2} and step["completed_at"] == 102.0
+    assert step["phases_s"] == {"compute": 0.1}
+    assert staged == {"event": "checkpoint_staged", "time": staged["time"], "step": 1, "stall_s": 0.25}
+
+
+def test_other_kinds_go_to_their_handler_as_typed_reports():
+    router = ReportRouter(EventLog(None), mesh=MeshSpec(), tokens_per_step=1)
+    seen = []
+    router.on(ReportKind.CHECKPOINT_UPLOAD, seen.append)
+    router.on("drain_notice", seen.append)  # a StrEnum value names the kind as well
+    channel = ReportChannel(rank=0)
+    channel.checkpoint_upload(ShardReport(step=4, rank=0))
+    channel.drain_notice("spot instance reclaimed")
+    router.route(channel.drain())
+    upload, notice = seen
+    assert isinstance(upload, CheckpointUploadReport) and upload.upload == ShardReport(step=4, rank=0)
+    assert isinstance(notice, DrainNoticeReport) and (notice.rank, notice.reason) == (0, "spot instance reclaimed")
+
+
+def test_reports_cross_a_process_boundary_intact():
+    channel = ReportChannel(rank=3)
+    channel.step(step=2, loss=None, dp_rank=1, step_time_s=0.5)
+    channel.log(level="info", logger="meshpilot.rank", message="hello")
+    reports = channel.drain()
+    assert pickle.loads(pickle.dumps(reports)) == reports
+    assert [report.kind for report in reports] == [ReportKind.STEP, ReportKind.LOG]
+    assert all(report.rank == 3 for report in reports) and channel.drain() == []
+
+
+def test_an_event_without_a_required_field_is_refused_with_its_name():
+    events = EventLog(None)
+    with pytest.raises(ValueError, match=r"event 'checkpoint_committed' lacks required field\(s\) 'upload_s'"):
+        events.emit("checkpoint_committed", step=4, uri="s3://bucket/run", bytes=10)
+    with pytest.raises(ValueError, match="unknown event 'checkpoint_done'"):
+        events.emit("checkpoint_done", step=4)
+    events.emit("checkpoint_staged", step=4, stall_s=0.1)  # complete: accepted
