@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "workers", "checkpointing", "elastic")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
-TORCH_FENCE = "workers/torch_compat.py"
+TORCH_FENCE = "checkpointing/torch_compat.py"
 RAY_FENCES = ("orchestrator/driver/ray_compat.py", "workers/ray_compat.py")
 
 
