@@ -98,23 +98,23 @@ class DriverFaults:
     Runs in the controller. Rank kinds are handed to each generation's ranks
     (``for_generation``); ``driver`` and ``node`` faults fire here the moment their step is
     known to have completed (``fire``). A failure consumes the faults of the step it
-    interrupted, so a redo of that step does not fire them again.
+    interrupted, so a redo of that step does not fire them again. ``node_of`` gives the node of
+    a rank of the current mesh; ``remove_node`` (only under a multi-node test cluster) removes
+    one, and without it node faults are consumed without effect.
     """
 
-    def __init__(self, faults: Iterable[FaultSpec] = ()) -> None:
+    def __init__(self, faults: Iterable[FaultSpec] = (), *, node_of: Callable[[int], str | None] = lambda rank: None,
+                 remove_node: Callable[[str], None] | None = None) -> None:
         self.pending = list(faults)
+        self.node_of = node_of
+        self.remove_node = remove_node
 
     def for_generation(self, after_step: int) -> tuple[FaultSpec, ...]:
         """The faults a generation that resumes after ``after_step`` may still meet."""
         return tuple(fault for fault in self.pending if fault.step > after_step)
 
-    def fire(self, last_step: int, kill_driver: Callable[[], None] = kill_this_process,
-             remove_node: Callable[[FaultSpec], None] | None = None) -> None:
-        """Fire every driver-side fault whose step (``<= last_step``) has completed, once.
-
-        ``remove_node`` takes a ``node`` fault and removes the node of its rank (it decides
-        whether it can); without one, node faults are consumed without effect.
-        """
+    def fire(self, last_step: int, kill_driver: Callable[[], None] = kill_this_process) -> None:
+        """Fire every driver-side fault whose step (``<= last_step``) has completed, once."""
         for fault in [f for f in self.pending if f.kind in DRIVER_KINDS]:
             if last_step < fault.step:
                 continue
@@ -122,8 +122,9 @@ class DriverFaults:
             if fault.kind == FaultKind.DRIVER:
                 log.warning("firing injected fault %s: killing the driver", fault.describe())
                 kill_driver()
-            elif remove_node is not None:
-                remove_node(fault)
+            elif self.remove_node is not None and (node := self.node_of(fault.rank)) is not None:
+                log.warning("firing injected fault %s", fault.describe())
+                self.remove_node(node)
 
     def consume_after_failure(self, last_completed_step: int) -> None:
         """A generation failed after ``last_completed_step``: the faults it fired are spent."""

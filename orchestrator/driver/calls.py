@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from workers.spec.messages import FailureKind, failure_kind_of
+from workers.spec.messages import FailureKind, RunOutcome, RunStatus, failure_kind_of
 
 
 class CallFailedKind(StrEnum):
@@ -74,6 +74,14 @@ def result_of(ref: Any) -> Any:
         return CallFailed(CallFailedKind.DIED, _first_line(error))
     except ray.exceptions.RayError as error:
         return CallFailed(CallFailedKind.ERROR, _first_line(error), failure_kind=_failure_kind(error))
+
+
+def run_status(result: RunOutcome | CallFailed) -> RunStatus | CallFailedKind:
+    """How a rank's ``run`` call ended: its outcome's status; ``died`` or ``failed`` for one that
+    did not return."""
+    if isinstance(result, CallFailed):
+        return CallFailedKind.DIED if result.kind == CallFailedKind.DIED else RunStatus.FAILED
+    return result.status
 
 
 def _failure_kind(error: ray.exceptions.RayError) -> FailureKind | None:

@@ -1,27 +1,19 @@
 """The driver's control loop: an explicit state machine, one iteration per ``step()`` call.
 
-Runs on the driver. States carry their data (``orchestrator.driver.states``); ``step()`` looks
-at the current state, does one bounded piece of work (start actors, wait a little for a
-configuration, poll the ranks once) and moves to the next state. ``run()`` calls ``step()``
-until a terminal state. Tests drive it one iteration at a time with a fake worker group
-(``Controller.worker_group_class``, any ``WorkerGroupProtocol``).
-
-    Starting -> Configuring -> Running -----------------------------> Finished
-                     ^            | failure, drain notice, grow
-                     |            v
-                     +------- Settling: wait until every surviving rank has left the
-                              generation (aborted step, or paused at a step boundary), then
-                              let the policy decide: shrink / refill / grow, or fail
+Runs on the driver. States carry their data (``orchestrator.driver.states``, where the diagram
+of the machine is); ``step()`` looks at the current state, does one bounded piece of work
+(start actors, wait a little for a configuration, poll the ranks once) and moves to the next
+state. ``run()`` calls ``step()`` until a terminal state. Tests drive it one iteration at a time
+with a fake worker group (``Controller.worker_group_class``, any ``WorkerGroupProtocol``).
 
 Recovery in place never restarts a surviving process: survivors keep their slices, the
 process groups are rebuilt under a new generation, replica groups that lost a rank leave
 whole, and warm actors (spares, the healthy remainder of a broken replica) refill or grow the
 mesh with state copied peer to peer from a surviving replica.
 
-The controller only steps the states and carries out decisions. Others own the rest: the
-``Detector`` finds losses, ``Replicas`` keeps the replica books, ``TransitionTimer`` times
-recoveries and grows, ``DriverFaults`` fires injected driver and node faults, the policies in
-``elastic.policy`` decide.
+The controller steps the states and carries out the policies' decisions; the ``Detector``
+finds losses, ``Replicas`` keeps the replica books, ``TransitionTimer`` times mesh changes and
+``DriverFaults`` fires injected driver and node faults.
 """
 
 from __future__ import annotations
@@ -32,45 +24,25 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from elastic.placement import RankResources
-from elastic.policy import (
-    Continue,
-    Decision,
-    Fail,
-    FailurePolicy,
-    GroupStatus,
-    Grow,
-    RestoreFromCheckpoint,
-    ScalingPolicy,
-    Shrink,
-)
+from elastic.policy import Continue, Decision, Fail, FailurePolicy, GroupStatus, Grow, RestoreFromCheckpoint
+from elastic.policy import ScalingPolicy, Shrink
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
-from orchestrator.driver.calls import CallFailed, CallFailedKind
+from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
 from orchestrator.driver.checkpoint_commits import driver_checkpoints
-from orchestrator.driver.detector import Detector, LossKind, Lost, failure_fields, first_found, group_errors
+from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_consistent, replicas_of
-from orchestrator.driver.states import (
-    AwaitingActors,
-    Configuring,
-    Finished,
-    RunEnd,
-    Running,
-    SettlePurpose,
-    Settling,
-    Starting,
-    State,
-)
+from orchestrator.driver.states import AwaitingActors, Configuring, Finished, RunEnd, Running, SettlePurpose
+from orchestrator.driver.states import Settling, Starting, State
 from orchestrator.driver.train_spec import data_bytes, train_spec
-from orchestrator.driver.transitions import Transition, TransitionKind, TransitionTimer, wall_time_of
+from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults, FaultSpec
 from workers.spec.messages import FailureKind, RunOutcome, RunStatus, StartFrom, StartMode
-
-__all__ = ["Controller", "group_errors"]
 
 log = logging.getLogger("meshpilot")
 
@@ -102,9 +74,6 @@ class Controller:
         self.router = ReportRouter(events, mesh=config.mesh,
                                    tokens_per_step=config.training.global_batch * config.training.seq_len)
         self.router.on("drain_notice", self._on_drain_notice)
-        # Injected driver and node faults fire the moment their step is known, before the
-        # reports that came with it (a later step, a checkpoint's commit) are handled.
-        self.router.after_step = self._fire_driver_faults
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on("checkpoint", self.checkpoints.on_report)
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
@@ -119,16 +88,18 @@ class Controller:
                                             max_failures=elastic.max_failures, window_s=elastic.failure_window_s)
         self.scaling_policy = ScalingPolicy(target_replicas=config.parallelism.dp_replicate,
                                             max_replicas=elastic.max_replicas)
-        self.detector = Detector(heartbeat_timeout_s=elastic.heartbeat_timeout_s,
-                                 hang_timeout_s=elastic.hang_timeout_s)
-        self.faults = DriverFaults(faults)
-        self.node_fault = node_fault
+        self.detector = Detector(heartbeat_timeout_s=elastic.heartbeat_timeout_s, hang_timeout_s=elastic.hang_timeout_s,
+                                 node_of=self.replicas.node_of, dead_nodes=self.replicas.dead_nodes)
+        self.faults = DriverFaults(faults, node_of=self.replicas.node_of, remove_node=node_fault)
+        # Injected driver and node faults fire the moment their step is known, before the
+        # reports that came with it (a later step, a checkpoint's commit) are handled.
+        self.router.after_step = lambda: self.faults.fire(self.router.last_emitted_step)
         self.transitions = TransitionTimer(events, self.router)
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()
         self.last_step = 0
         self.generation = 0
-        self._drain_nodes: set[str] = set()
+        self.drains = DrainWatch(cluster.draining_nodes)
         self._next_housekeeping = 0.0
         self._next_heartbeat_event = 0.0
         # After a finished run with several replica groups: did they end identical?
@@ -221,8 +192,8 @@ class Controller:
         calls = self.group.configure(generation=self.generation, mesh=mesh, starts=starts, sync_replicas=sync_replicas,
                                      faults=self.faults.for_generation(restoring or self.last_step))
         now = time.monotonic()
-        return Configuring(self.generation, mesh, calls, deadline=now + self.config.runtime.start_timeout_s,
-                           restoring=restoring, from_mesh=from_mesh, started_at=now)
+        return Configuring(generation=self.generation, mesh=mesh, calls=calls, restoring=restoring, from_mesh=from_mesh,
+                           started_at=now, deadline=now + self.config.runtime.start_timeout_s)
 
     def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
         """Every active rank loads checkpoint ``step``, resharded to ``mesh``."""
@@ -249,7 +220,7 @@ class Controller:
             self.events.emit("restored", step=state.restoring, uri=self.checkpoints.uri, from_mesh=state.from_mesh,
                              to_mesh=state.mesh.as_dict(), restore_s=round(time.monotonic() - state.started_at, 3))
         self.detector.reset(state.mesh.world_size, self.last_step)
-        return Running(state.generation, state.mesh, self.group.run(last_step=self.spec.steps))
+        return Running(generation=state.generation, mesh=state.mesh, calls=self.group.run(last_step=self.spec.steps))
 
     def _restore_around_corruption(self, state: Configuring, step: int, corrupt: CallFailed) -> State:
         """A rank found a checksum mismatch restoring ``step``: fall back to the previous committed step."""
@@ -268,80 +239,42 @@ class Controller:
         # rank queued before returning are drained right after.
         state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
-        lost = self._losses(state)
+        lost = self.detector.losses(state.calls.results, hangs=True)
         returned = state.calls.results
-        if lost or any(_status(r) in ENDED_BADLY for r in returned.values()):
+        if lost or any(run_status(r) in ENDED_BADLY for r in returned.values()):
             return self._begin_settling(state, SettlePurpose.FAILURE, lost=lost)
         if state.calls.done:
-            statuses = {_status(r) for r in returned.values()}
+            statuses = {run_status(r) for r in returned.values()}
             if statuses == {RunStatus.FINISHED}:
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
             return self._fail("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")
-        if time.monotonic() >= self._next_housekeeping:
-            self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
-            changed = self._housekeeping(state)
-            if changed is not None:
-                return changed
-        return state
-
-    def _losses(self, state: Running | Settling) -> dict[int, Lost]:
-        """What the detector finds: returned calls first, then silence, then (running) a hang."""
-        returned = state.calls.results
-        findings = [self.detector.returned_losses(returned, self._node_of, self._dead_nodes),
-                    self.detector.unresponsive_losses(returned)]
-        if isinstance(state, Running):
-            findings.append(self.detector.hang_losses())
-        return first_found(*findings)
-
-    def _node_of(self, rank: int) -> str | None:
-        return self.group.active[rank].node_id if rank < len(self.group.active) else None
-
-    def _dead_nodes(self) -> set[str]:
-        nodes = {slot.node_id for slot in self.group.active if slot.node_id}
-        return cluster.dead_nodes(nodes) if nodes else set()
+        return self._housekeeping(state) or state
 
     def _housekeeping(self, state: Running) -> State | None:
-        """Drains, grows and replacement actors; returns a new state when the mesh must change."""
-        draining = self._draining_ranks()
+        """Drains, grows and replacement actors, once a ``HOUSEKEEPING_INTERVAL_S``; returns a new
+        state when the mesh must change."""
+        if time.monotonic() < self._next_housekeeping:
+            return None
+        self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
+        draining = self.replicas.leaving(self.drains.nodes())
         if draining:
             return self._begin_settling(state, SettlePurpose.DRAIN, draining=draining)
         self.group.refresh()
         decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits)
         if isinstance(decision, Grow):
             return self._begin_settling(state, SettlePurpose.GROW)
-        self._start_replacements(state.mesh)
+        # Actors for replica groups the job wants and cannot form yet, and the warm spares.
+        wanted = self.scaling_policy.wanted_replicas(state.mesh) * state.mesh.replica_size
+        self.replicas.top_up(state.mesh, wanted_ranks=wanted + self.config.elastic.spare_actors)
         return None
-
-    def _start_replacements(self, mesh: MeshSpec) -> None:
-        """Start actors in the background for replica groups the job wants and cannot form yet,
-        and to keep the pool of warm spares full."""
-        wanted = self.scaling_policy.wanted_replicas(mesh) * mesh.replica_size + self.config.elastic.spare_actors
-        have = len(self.group.warm()) + len(self.group.starting())
-        if wanted > have:
-            self.group.start_replica_in_background(mesh)
-
-    def _draining_ranks(self) -> frozenset[int]:
-        nodes = set(self._drain_nodes)
-        try:
-            nodes |= cluster.draining_nodes()
-        except Exception as error:  # noqa: BLE001 - a GCS hiccup must not end the run
-            log.debug("could not read draining nodes: %s", error)
-        if not nodes:
-            return frozenset()
-        stale = [slot for slot in self.group.warm() + self.group.starting() if slot.node_id in nodes]
-        if stale:
-            self.group.remove(stale)
-        return frozenset(rank for rank, slot in enumerate(self.group.active) if slot.node_id in nodes)
 
     def _on_drain_notice(self, report: dict[str, Any]) -> None:
         rank = report.get("rank")
-        if rank is not None and 0 <= rank < len(self.group.active):
-            node = self.group.active[rank].node_id
-            if node and node not in self._drain_nodes:
-                log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.get("reason"))
-                self._drain_nodes.add(node)
-                self.group.avoid_nodes.add(node)
+        node = self.replicas.node_of(rank) if rank is not None and rank >= 0 else None
+        if node and self.drains.notice(node):
+            log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.get("reason"))
+            self.group.avoid_nodes.add(node)
 
     # ---------------------------------------------------------------- settling
     def _begin_settling(self, state: Running, purpose: SettlePurpose, *, lost: dict[int, Lost] | None = None,
@@ -359,7 +292,7 @@ class Controller:
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
         if purpose == SettlePurpose.DRAIN:
-            nodes = sorted({node for node in (self.group.active[r].node_id for r in draining) if node})
+            nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
             self.events.emit("drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining),
                              reason="node draining")
         elif purpose == SettlePurpose.GROW:
@@ -376,16 +309,16 @@ class Controller:
     def _settle(self, state: Settling) -> State:
         state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
-        lost = {**self._losses(state), **state.lost}  # the first diagnosis stands (a hung rank, then killed)
+        # The first diagnosis stands (a hung rank, then killed, is still hung).
+        lost = {**self.detector.losses(state.calls.results, hangs=False), **state.lost}
         if lost and state.purpose != SettlePurpose.FAILURE:
             # A failure during a pause: treat it as a failure from here on.
             self._abort_generation(state, lost)
-            state = replace(state, purpose=SettlePurpose.FAILURE, lost=lost)
+            state = replace(state, purpose=SettlePurpose.FAILURE, lost=dict(lost))
         waiting_for = [rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results
                        and rank not in lost]
         if waiting_for and state.purpose == SettlePurpose.FAILURE:
-            silent = self.detector.silent_while_failing(waiting_for, since=state.started_at, node_of=self._node_of,
-                                                        dead_nodes=self._dead_nodes)
+            silent = self.detector.silent_while_failing(waiting_for, since=state.started_at)
             if silent:
                 self.group.kill([self.group.active[rank] for rank in silent])
             lost.update(silent)
@@ -396,11 +329,9 @@ class Controller:
             lost.update(self.detector.stuck(waiting_for, generation=state.generation, within_s=SETTLE_TIMEOUT_S))
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left and no cause is known yet: give Ray a moment to name it.
-            returned_at = state.all_returned_at
-            if returned_at is None and state.calls.done:
-                returned_at = time.monotonic()
-            if time.monotonic() < max(state.started_at, returned_at or time.monotonic()) + CAUSE_GRACE_S:
-                return replace(state, all_returned_at=returned_at)
+            state = state.noting_returns(time.monotonic())
+            if time.monotonic() < max(state.started_at, state.all_returned_at or time.monotonic()) + CAUSE_GRACE_S:
+                return state
         return self._decide(state, lost)
 
     def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
@@ -416,7 +347,9 @@ class Controller:
             lost = {rank: Lost(LossKind.RANK_ERROR, "left the generation without a cause")
                     for rank in range(state.mesh.world_size)}
         if lost:
-            self._emit_failure(lost)
+            self.events.emit("failure", **failure_fields(lost))
+            # Faults fired in this generation are consumed: a redo of the step must not fire them again.
+            self.faults.consume_after_failure(self.router.last_emitted_step)
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(state.mesh, lost, state.draining)
         status = GroupStatus(mesh=state.mesh, lost_ranks=frozenset(lost), draining_ranks=state.draining,
                              warm_actors=warm, checkpoint_step=self.checkpoints.latest_step(), time=time.monotonic())
@@ -436,12 +369,11 @@ class Controller:
         if isinstance(decision, Continue):
             decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
         if isinstance(decision, Shrink):
-            kept, pool = self.replicas.split(state.mesh, lost, state.draining, decision.drop)
-            joining = self.replicas.pick_warm(pool, decision.refill * state.mesh.replica_size)
+            kept, joining = self.replicas.shrink(state.mesh, lost, state.draining, drop=decision.drop,
+                                                 refill=decision.refill)
             kind = TransitionKind.RECOVERED
         elif isinstance(decision, Grow):
-            kept = list(self.group.active)
-            joining = self.replicas.pick_warm(self.group.warm(), decision.add * state.mesh.replica_size)
+            kept, joining = self.replicas.grow(state.mesh, add=decision.add)
             kind = TransitionKind.GROW
         else:
             return self._fail("policy", f"cannot carry out {decision!r}")
@@ -453,12 +385,10 @@ class Controller:
         surviving replica (every rank then syncs replicas)."""
         self.group.set_active(kept + joining)
         starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
-        self.transitions.begin(Transition(
-            kind=kind, began_at=state.started_at, began_wall=wall_time_of(state.started_at), old_mesh=state.mesh,
-            new_mesh=new_mesh, resume_step=resume_step, lost_steps=max(0, self.router.last_emitted_step - resume_step),
-            added_ranks=tuple(range(len(kept), len(kept) + len(joining))), cause=state.purpose,
-        ))
-        self._drain_nodes.clear()
+        self.transitions.begin(kind, began_at=state.started_at, old_mesh=state.mesh, new_mesh=new_mesh,
+                               resume_step=resume_step, lost_steps=max(0, self.router.last_emitted_step - resume_step),
+                               added_ranks=tuple(range(len(kept), len(kept) + len(joining))), cause=state.purpose)
+        self.drains.clear()
         return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0)
 
     def _begin_restore(self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost],
@@ -467,9 +397,7 @@ class Controller:
         step = decision.step if decision.step is not None else self.checkpoints.latest_step()
         if step is None:
             return self._fail("restore", "no committed checkpoint to restore")
-        gone = [self.group.active[rank] for rank in sorted(set(lost) | set(state.draining))]
-        self.group.remove(gone)
-        self.group.set_active([])
+        self.replicas.release(lost, state.draining)
         log.warning("no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
                     step, resume_step - step)
         return AwaitingActors(step=step, mesh=state.mesh, began_at=state.started_at,
@@ -478,11 +406,7 @@ class Controller:
 
     def _await_actors(self, state: AwaitingActors) -> State:
         """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
-        self.group.refresh()
-        warm = self.group.warm()
-        if len(warm) < state.mesh.world_size and not self.group.starting():
-            self.group.start_replica_in_background(state.mesh)  # False when no node has room
-        target = self.replicas.restore_target(state.mesh, len(warm))
+        warm, target = self.replicas.gather(state.mesh)
         out_of_time = time.monotonic() > state.deadline
         if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
             if out_of_time:
@@ -491,17 +415,10 @@ class Controller:
             time.sleep(self.poll_interval_s)
             return state
         self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
-        self.transitions.begin(Transition(
-            kind=TransitionKind.RECOVERED, began_at=state.began_at, began_wall=wall_time_of(state.began_at),
-            old_mesh=state.mesh, new_mesh=target, resume_step=state.step, lost_steps=state.lost_steps, cause="restore",
-        ))
+        self.transitions.begin(TransitionKind.RECOVERED, began_at=state.began_at, old_mesh=state.mesh, new_mesh=target,
+                               resume_step=state.step, lost_steps=state.lost_steps, cause="restore")
         self.last_step = state.step
         return self._restore(target, state.step)
-
-    def _emit_failure(self, lost: dict[int, Lost]) -> None:
-        self.events.emit("failure", **failure_fields(lost))
-        # Faults fired in this generation are consumed: a redo of the step must not fire them again.
-        self.faults.consume_after_failure(self.router.last_emitted_step)
 
     # ---------------------------------------------------------------- reports
     def _drain_reports(self, timeout: float = 1.0) -> None:
@@ -519,16 +436,6 @@ class Controller:
         if now >= self._next_heartbeat_event:
             self._next_heartbeat_event = now + HEARTBEAT_EVENT_INTERVAL_S
             self.events.emit("heartbeat", rank_age_s=self.detector.heartbeat_ages())
-
-    def _fire_driver_faults(self) -> None:
-        self.faults.fire(self.router.last_emitted_step, remove_node=self._remove_node_of)
-
-    def _remove_node_of(self, fault: FaultSpec) -> None:
-        """A ``node`` fault: remove the node of the fault's rank, under a multi-node test cluster."""
-        node = self._node_of(fault.rank)
-        if self.node_fault is not None and node is not None:
-            log.warning("firing injected fault %s", fault.describe())
-            self.node_fault(node)
 
     # ---------------------------------------------------------------- endings
     def _fail(self, kind: str, message: str) -> Finished:
@@ -568,9 +475,3 @@ class Controller:
         except KeyboardInterrupt:
             log.warning("interrupted again: stopping now")
 
-
-def _status(result: RunOutcome | CallFailed) -> RunStatus | CallFailedKind:
-    """How a run call ended: its outcome's status, or ``died`` / ``failed`` for a call that did not return."""
-    if isinstance(result, CallFailed):
-        return CallFailedKind.DIED if result.kind == CallFailedKind.DIED else RunStatus.FAILED
-    return result.status

@@ -17,13 +17,15 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   when its node is gone, else ``unresponsive``), or that does not leave the generation before
   the settling deadline (``stuck``).
 
-Drain notices (Ray marks a node draining, or a rank reports a cloud notice or SIGTERM) are not
-losses: the controller reads them and pauses the generation. ``group_errors`` and
+Drain notices are not losses: Ray marks a node draining (autoscaler, spot reclaim,
+``ray drain-node``, a pod's preStop hook), or a rank reports a cloud notice or SIGTERM;
+``DrainWatch`` keeps both, and the controller pauses the generation at a step boundary. ``group_errors`` and
 ``failure_fields`` say what was found, for the ``failure`` event and the run's reason.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -33,6 +35,8 @@ from typing import Any, Callable, Container, Mapping
 
 from orchestrator.driver.calls import CallFailed, CallFailedKind
 from workers.spec.messages import RunOutcome, RunStatus
+
+log = logging.getLogger("meshpilot")
 
 # The node id of a rank's actor (None when not known yet).
 NodeOf = Callable[[int], str | None]
@@ -69,10 +73,12 @@ SILENT_GRACE_S = 3.0
 class Detector:
     """Heartbeats and step progress of the current generation, and the losses they reveal."""
 
-    def __init__(self, *, heartbeat_timeout_s: float, hang_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, heartbeat_timeout_s: float, hang_timeout_s: float, node_of: NodeOf = lambda rank: None,
+                 dead_nodes: DeadNodes = set, clock: Callable[[], float] = time.monotonic) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.hang_timeout_s = hang_timeout_s
+        self.node_of = node_of
+        self.dead_nodes = dead_nodes
         self.clock = clock
         # Kept across generations: the first step of a new mesh is judged by the old ones.
         self.step_times: deque[float] = deque(maxlen=20)
@@ -129,6 +135,14 @@ class Detector:
         return self.clock() - self.progress[1]
 
     # ---------------------------------------------------------------- losses
+    def losses(self, results: Mapping[int, Any], *, hangs: bool) -> dict[int, Lost]:
+        """Every loss found now: in the returned run calls (``results`` by rank) first, then
+        silence, then (with ``hangs``: while the generation runs) a hang."""
+        findings = [self.returned_losses(results), self.unresponsive_losses(results)]
+        if hangs:
+            findings.append(self.hang_losses())
+        return first_found(*findings)
+
     @staticmethod
     def loss_of(result: RunOutcome | CallFailed, node: str | None, node_alive: bool) -> Lost | None:
         """The loss a returned run call reveals, or None (finished, paused, a survivor's echo)."""
@@ -142,13 +156,13 @@ class Detector:
             return Lost(LossKind.RANK_ERROR, result.error or "the rank raised", node)
         return None
 
-    def returned_losses(self, results: Mapping[int, Any], node_of: NodeOf, dead_nodes: DeadNodes) -> dict[int, Lost]:
+    def returned_losses(self, results: Mapping[int, Any]) -> dict[int, Lost]:
         """Losses among the run calls that returned (``results`` by rank)."""
         died = any(isinstance(r, CallFailed) and r.kind == CallFailedKind.DIED for r in results.values())
-        dead = dead_nodes() if died else set()
+        dead = self.dead_nodes() if died else set()
         found = {}
         for rank, result in results.items():
-            node = node_of(rank)
+            node = self.node_of(rank)
             loss = self.loss_of(result, node, node not in dead)
             if loss is not None:
                 found[rank] = loss
@@ -171,8 +185,7 @@ class Detector:
                            f"steps); busy at {self.where.get(rank) or 'unknown'}")
                 for rank in culprits}
 
-    def silent_while_failing(self, waiting_for: list[int], *, since: float, node_of: NodeOf,
-                             dead_nodes: DeadNodes) -> dict[int, Lost]:
+    def silent_while_failing(self, waiting_for: list[int], *, since: float) -> dict[int, Lost]:
         """Ranks still out while their generation fails (since ``since``), and answering no poll.
 
         A live rank answers polls even while its loop is blocked; one that does not is dead or
@@ -183,10 +196,10 @@ class Detector:
                   if now - self.last_heard.get(rank, since) > SILENT_GRACE_S and now - since > SILENT_GRACE_S]
         if not silent:
             return {}
-        dead = dead_nodes()
+        dead = self.dead_nodes()
         found = {}
         for rank in silent:
-            node = node_of(rank)
+            node = self.node_of(rank)
             if node in dead:
                 found[rank] = Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
             else:
@@ -199,6 +212,33 @@ class Detector:
         return {rank: Lost(LossKind.STUCK, f"did not leave generation {generation} within {within_s:g} s "
                            f"(blocked at {self.where.get(rank) or 'unknown'})")
                 for rank in ranks}
+
+
+class DrainWatch:
+    """Nodes going away: announced by a rank (a cloud notice, SIGTERM) or marked draining by Ray."""
+
+    def __init__(self, ray_draining: Callable[[], set[str]]) -> None:
+        self.ray_draining = ray_draining  # one GCS call
+        self.noticed: set[str] = set()
+
+    def notice(self, node: str) -> bool:
+        """A rank reports that ``node`` goes away; True the first time it is heard of."""
+        if node in self.noticed:
+            return False
+        self.noticed.add(node)
+        return True
+
+    def nodes(self) -> set[str]:
+        nodes = set(self.noticed)
+        try:
+            nodes |= self.ray_draining()
+        except Exception as error:  # noqa: BLE001 - a GCS hiccup must not end the run
+            log.debug("could not read draining nodes: %s", error)
+        return nodes
+
+    def clear(self) -> None:
+        """The mesh changed without the noticed nodes' ranks: their notices are handled."""
+        self.noticed.clear()
 
 
 def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:

@@ -17,6 +17,7 @@ from elastic.hardware import gpu_spec
 from elastic.planner import best_mesh
 from elastic.policy import restore_mesh
 from elastic.spec import MeshSpec
+from orchestrator.driver import cluster
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from workers.spec import TrainSpec
 
@@ -29,6 +30,31 @@ class Replicas:
     def __init__(self, group: WorkerGroupProtocol[Slot], spec: TrainSpec) -> None:
         self.group = group
         self.spec = spec
+
+    def node_of(self, rank: int) -> str | None:
+        """The node of the actor holding ``rank`` of the current mesh (None if unknown)."""
+        return self.group.active[rank].node_id if rank < len(self.group.active) else None
+
+    def dead_nodes(self) -> set[str]:
+        """The nodes of active ranks that Ray reports dead (one GCS call)."""
+        nodes = {slot.node_id for slot in self.group.active if slot.node_id}
+        return cluster.dead_nodes(nodes) if nodes else set()
+
+    def shrink(self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], *, drop: tuple[int, ...],
+               refill: int) -> tuple[list[Slot], list[Slot]]:
+        """Ranks that stay (``drop``ped replica groups leave) and warm actors for ``refill``
+        replica groups, or none if there are too few."""
+        kept, pool = self.split(mesh, lost, draining, drop)
+        return kept, self.pick_warm(pool, refill * mesh.replica_size)
+
+    def grow(self, mesh: MeshSpec, *, add: int) -> tuple[list[Slot], list[Slot]]:
+        """Every active rank stays; warm actors for ``add`` more replica groups, or none."""
+        return list(self.group.active), self.pick_warm(self.group.warm(), add * mesh.replica_size)
+
+    def release(self, lost: Collection[int], draining: Collection[int]) -> None:
+        """No replica group survived: lost and draining actors are removed, the others go warm."""
+        self.group.remove([self.group.active[rank] for rank in sorted(set(lost) | set(draining))])
+        self.group.set_active([])
 
     def split(self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int],
               drop: tuple[int, ...]) -> tuple[list[Slot], list[Slot]]:
@@ -46,6 +72,19 @@ class Replicas:
                 kept.extend(slots)
         self.group.remove(gone)
         return kept, self.group.warm() + released
+
+    def leaving(self, nodes: set[str]) -> frozenset[int]:
+        """The active ranks on ``nodes`` (going away); warm and starting actors there are removed."""
+        stale = [slot for slot in self.group.warm() + self.group.starting() if slot.node_id in nodes]
+        if stale:
+            self.group.remove(stale)
+        return frozenset(rank for rank, slot in enumerate(self.group.active) if slot.node_id in nodes)
+
+    def top_up(self, mesh: MeshSpec, *, wanted_ranks: int) -> None:
+        """Start a replica group's worth of actors in the background while the pool (warm and
+        starting) holds fewer than ``wanted_ranks``; one group per call."""
+        if wanted_ranks > len(self.group.warm()) + len(self.group.starting()):
+            self.group.start_replica_in_background(mesh)
 
     @staticmethod
     def pick_warm(pool: Sequence[Slot], count: int) -> list[Slot]:
@@ -65,6 +104,15 @@ class Replicas:
         """Whether the trainer can run ``mesh``: the global batch splits into its rounds."""
         per_round = mesh.dp * self.spec.microbatches * self.spec.microbatch_size
         return self.spec.global_batch % per_round == 0
+
+    def gather(self, mesh: MeshSpec) -> tuple[list[Slot], MeshSpec | None]:
+        """Warm actors for a restore onto ``mesh``, and the mesh they can hold now; while too few
+        are warm and none are starting, a replica group's worth more starts in the background."""
+        self.group.refresh()
+        warm = self.group.warm()
+        if len(warm) < mesh.world_size and not self.group.starting():
+            self.group.start_replica_in_background(mesh)  # False when no node has room
+        return warm, self.restore_target(mesh, len(warm))
 
     def restore_target(self, mesh: MeshSpec, available: int) -> MeshSpec | None:
         """The mesh to restore onto with ``available`` ranks: the planner's pick when it fits

@@ -8,12 +8,19 @@ calls of that generation, which fill in as they return.
     Starting -> Configuring -> Running -----------------------------> Finished
                      ^            | failure, drain notice, grow
                      |            v
-                     +------- Settling -> (no replica survived) AwaitingActors
+                     +------- Settling: wait until every surviving rank has left the
+                     |        generation (aborted step, or paused at a step boundary), then
+                     |        let the policy decide: shrink / refill / grow, restore, or fail
+                     |            | restore: no complete replica group survived
+                     |            v
+                     +------- AwaitingActors: gather warm actors for the checkpoint's restore
+
+Any state ends in ``Finished`` when the run fails, is interrupted (Ctrl-C) or preempted (SIGTERM).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from elastic.spec import MeshSpec
@@ -99,6 +106,12 @@ class Settling:
     deadline: float = 0.0
     # When the last rank's run call returned (monotonic), once every one has.
     all_returned_at: float | None = None
+
+    def noting_returns(self, now: float) -> Settling:
+        """This state, with ``all_returned_at`` set to ``now`` the first time every call has returned."""
+        if self.all_returned_at is None and self.calls.done:
+            return replace(self, all_returned_at=now)
+        return self
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,12 @@ class TransitionTimer:
         self.router = router
         self.pending: Transition | None = None
 
-    def begin(self, transition: Transition) -> None:
-        self.pending = transition
+    def begin(self, kind: TransitionKind, *, began_at: float, old_mesh: MeshSpec, new_mesh: MeshSpec,
+              resume_step: int, lost_steps: int, cause: str, added_ranks: tuple[int, ...] = ()) -> None:
+        """A change of mesh that began at monotonic time ``began_at`` resumes after ``resume_step``."""
+        self.pending = Transition(kind=kind, began_at=began_at, began_wall=wall_time_of(began_at), old_mesh=old_mesh,
+                                  new_mesh=new_mesh, resume_step=resume_step, lost_steps=lost_steps,
+                                  added_ranks=added_ranks, cause=cause)
 
     def report(self) -> None:
         """Emit the pending transition's event once a step after its resume step completed."""
