@@ -12,15 +12,25 @@ from elastic.spec import MeshSpec
 from orchestrator.config import load_config
 from orchestrator.driver.calls import CallFailed, CallFailedKind
 from orchestrator.driver.controller import Controller
-from orchestrator.driver.detector import group_errors
+from orchestrator.driver.detector import Detector, LossKind, Lost, group_errors
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
-from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, Starting
+from orchestrator.driver.replicas import Replicas
+from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, SettlePurpose, Settling, Starting
 from orchestrator.driver.worker_group import SlotState
 from orchestrator.observe.events import EventLog, read_events
 from tests.jobs import DEMO_CONFIG, REPO
-from workers.faults import FaultSpec
+from workers.faults import DriverFaults, FaultKind, FaultSpec, InjectedFault
 from workers.spec import TrainSpec
-from workers.spec.messages import FailureKind, Heartbeat, Phase, RunOutcome, RunStatus, StartFrom, StartMode
+from workers.spec.messages import (
+    FailureKind,
+    Heartbeat,
+    Phase,
+    RunOutcome,
+    RunStatus,
+    StartFrom,
+    StartMode,
+    failure_kind_of,
+)
 
 
 class FakeCalls:
@@ -142,6 +152,11 @@ FAKE_GROUP_CLASS: type[WorkerGroupProtocol[Any]] = FakeGroup
 FAKE_SLOT: type[Slot] = FakeSlot
 
 
+def fake_group(controller: Controller) -> FakeGroup:
+    assert isinstance(controller.group, FakeGroup)
+    return controller.group
+
+
 @pytest.fixture
 def controller(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
@@ -161,7 +176,7 @@ def test_happy_path_state_by_state(controller, tmp_path):
     controller.step()
     assert controller.state == Finished(RunEnd.FINISHED, 0)
     final = controller.run()
-    assert final.exit_code == 0 and controller.group.shut_down
+    assert final.exit_code == 0 and fake_group(controller).shut_down
     events = read_events(tmp_path / "events.jsonl")
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3, 4]
@@ -213,11 +228,11 @@ def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch
     controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
     final = controller.run()
     assert final.status == "finished"
-    second = controller.group.configured[1]
+    second = fake_group(controller).configured[1]
     assert second["mesh"].dp_replicate == 1 and second["mesh"].world_size == 2
     assert second["slots"] == [0, 1]  # the surviving replica's processes, not restarted
     assert [start.mode for start in second["starts"]] == ["kept", "kept"] and not second["sync"]
-    assert controller.group.aborted == [(1, 3)]
+    assert fake_group(controller).aborted == [(1, 3)]
     events = read_events(tmp_path / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["kind"] == "rank_died" and failure["ranks"] == [2]
@@ -266,7 +281,7 @@ def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(co
     FakeGroup.script = {"corrupt": {3}}
     final = controller.run()
     assert final.status == "finished"
-    restores = [[start.step for start in configured["starts"]] for configured in controller.group.configured]
+    restores = [[start.step for start in configured["starts"]] for configured in fake_group(controller).configured]
     assert restores == [[3, 3], [2, 2]]
     events = read_events(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "restored"] == [2]
@@ -284,5 +299,92 @@ def test_only_the_failure_kind_marks_a_checkpoint_corrupt_not_the_message(contro
     monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([2, 3], controller.config.mesh))
     FakeGroup.script = {"corrupt": {3}, "corrupt_kind": FailureKind.OWN_ERROR}
     final = controller.run()
-    assert final.status == "failed" and len(controller.group.configured) == 1
+    assert final.status == "failed" and len(fake_group(controller).configured) == 1
     assert final.reason == "[Rank 0]: CorruptCheckpointError: step 3: checksum mismatch"
+
+
+# ------------------------------------------------------------------ the controller's helpers, without Ray
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def detector(clock: Clock, *, nodes: dict[int, str] | None = None, dead: set[str] | None = None) -> Detector:
+    return Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, node_of=(nodes or {}).get,
+                    dead_nodes=lambda: set(dead or ()), clock=clock)
+
+
+def test_a_dead_actor_on_a_dead_node_is_a_lost_node_and_peer_echoes_are_no_loss() -> None:
+    found = detector(Clock(), nodes={0: "n0", 1: "n1", 2: "n1"}, dead={"n0"}).losses({
+        0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        1: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        2: RunOutcome(RunStatus.FAILED, 3, error="RuntimeError: Connection closed by peer",
+                      failure_kind=FailureKind.PEER_FAILURE),
+    }, hangs=False)
+    assert found == {0: Lost(LossKind.NODE_LOST, "node n0 left the cluster", "n0"),
+                     1: Lost(LossKind.RANK_DIED, "The actor died unexpectedly", "n1")}
+
+
+def test_a_returned_loss_outranks_silence_and_silence_needs_a_timeout() -> None:
+    clock = Clock()
+    watch = detector(clock)
+    watch.reset(world_size=3)
+    clock.now += 11.0
+    watch.heard(2, waiting=None, where=None)
+    found = watch.losses({0: RunOutcome(RunStatus.FAILED, 1, error="ValueError: boom")}, hangs=False)
+    assert {rank: loss.kind for rank, loss in found.items()} == {0: LossKind.RANK_ERROR, 1: LossKind.UNRESPONSIVE}
+
+
+def test_ranks_silent_while_their_generation_fails_are_lost_after_the_grace() -> None:
+    clock = Clock()
+    watch = detector(clock, nodes={0: "n0", 1: "n1"}, dead={"n1"})
+    watch.reset(world_size=2)
+    since = clock.now
+    assert watch.silent_while_failing([0, 1], since=since) == {}
+    clock.now += 4.0
+    found = watch.silent_while_failing([0, 1], since=since)
+    assert {rank: loss.kind for rank, loss in found.items()} == {0: LossKind.UNRESPONSIVE, 1: LossKind.NODE_LOST}
+
+
+def test_settling_notes_the_first_time_every_call_has_returned() -> None:
+    mesh = MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1)
+    calls = FakeCalls({0: RunOutcome(RunStatus.ABORTED, 1)})
+    state = Settling(generation=1, mesh=mesh, calls=calls, purpose=SettlePurpose.FAILURE)
+    assert state.noting_returns(5.0).all_returned_at is None
+    calls.collect(0.0)
+    noted = state.noting_returns(5.0)
+    assert noted.all_returned_at == 5.0 and noted.noting_returns(9.0).all_returned_at == 5.0
+
+
+def test_a_lost_replica_leaves_whole_and_its_healthy_ranks_go_to_the_pool(controller):
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    group, replicas = fake_group(controller), controller.replicas
+    group.start(mesh)
+    assert replicas.healthy_in_hit_replicas(mesh, lost={2}, draining=()) == 1
+    kept, pool = replicas.split(mesh, lost={2}, draining=(), drop=(1,))
+    assert [slot.batch_id for slot in kept] == [0, 1] and [slot.batch_id for slot in pool] == [3]
+    assert [slot.index for slot in group.active] == [0, 1, 3]  # the lost rank's actor is removed
+    assert Replicas.pick_warm(pool, 2) == [] and Replicas.pick_warm(pool, 1) == pool
+
+
+def test_driver_faults_fire_once_when_their_step_completed_and_a_failure_consumes_its_step() -> None:
+    killed: list[bool] = []
+    removed: list[str] = []
+    faults = DriverFaults([FaultSpec.parse("driver@3"), FaultSpec.parse("node@2:1"), FaultSpec.parse("kill@5:1")],
+                          node_of={1: "n1"}.get, remove_node=removed.append)
+    assert faults.for_generation(after_step=2) == (FaultSpec(FaultKind.DRIVER, 3), FaultSpec(FaultKind.KILL, 5, 1))
+    faults.fire(2, kill_driver=lambda: killed.append(True))
+    faults.fire(2, kill_driver=lambda: killed.append(True))
+    assert removed == ["n1"] and not killed
+    faults.fire(3, kill_driver=lambda: killed.append(True))
+    assert killed == [True]
+    faults.consume_after_failure(last_completed_step=4)
+    assert faults.pending == []
+
+
+def test_an_injected_raise_declares_its_failure_kind() -> None:
+    assert failure_kind_of(InjectedFault("injected fault raise@2:0")) == FailureKind.INJECTED
+    assert FaultSpec.parse("s3_outage@4:1").kind is FaultKind.S3_OUTAGE
