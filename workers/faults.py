@@ -1,9 +1,10 @@
 """Deterministic fault injection, keyed by (rank, step): a feature, not a test hack.
 
 ``--inject KIND@STEP[:RANK]`` (repeatable) on ``meshpilot train``, or ``FaultSpec`` values in
-tests. The driver hands each generation the faults it has not consumed yet; a rank fires a
-fault at the start of step STEP when its rank in the current mesh is RANK (default 0), so
-the same fault hits the same place in every run. Kinds fired on the rank side:
+tests. The driver keeps the faults not consumed yet (``DriverFaults``) and hands each
+generation those still ahead of it; a rank fires a fault at the start of step STEP when its
+rank in the current mesh is RANK (default 0), so the same fault hits the same place in every
+run. Kinds fired on the rank side (``FaultInjector``, in the rank actor):
 
     kill        SIGKILL this rank's process (a crashed process, an OOM kill)
     raise       raise an exception in the step (a software error)
@@ -12,7 +13,7 @@ the same fault hits the same place in every run. Kinds fired on the rank side:
     sigterm     send SIGTERM to this rank's process, as a pod's termination does
     s3_outage   make every storage request of this rank fail for STORAGE_OUTAGE_S seconds
 
-and on the driver side:
+and on the driver side (``DriverFaults``, in the controller):
 
     driver      SIGKILL the driver itself once STEP has completed (resume from storage)
     node        remove the Ray node of RANK (only under a multi-node test cluster)
@@ -20,17 +21,37 @@ and on the driver side:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Callable, Iterable
 
 from workers.spec.messages import FailureKind
 
-RANK_KINDS = ("kill", "raise", "hang", "drain", "sigterm", "s3_outage")
+log = logging.getLogger("meshpilot")
+
+
+class FaultKind(StrEnum):
+    """What an injected fault does; see the module docstring."""
+
+    KILL = "kill"
+    RAISE = "raise"
+    HANG = "hang"
+    DRAIN = "drain"
+    SIGTERM = "sigterm"
+    S3_OUTAGE = "s3_outage"
+    DRIVER = "driver"
+    NODE = "node"
+
+
+RANK_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.DRAIN, FaultKind.SIGTERM,
+              FaultKind.S3_OUTAGE)
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
-DRIVER_KINDS = ("driver", "node")
+DRIVER_KINDS = (FaultKind.DRIVER, FaultKind.NODE)
 KINDS = RANK_KINDS + DRIVER_KINDS
 
 
@@ -42,7 +63,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class FaultSpec:
-    kind: str
+    kind: FaultKind
     step: int
     rank: int = 0
 
@@ -60,10 +81,54 @@ class FaultSpec:
             raise ValueError(f"--inject {text!r}: STEP and RANK must be integers, e.g. kill@5:1") from None
         if step < 1 or rank < 0:
             raise ValueError(f"--inject {text!r}: STEP must be >= 1 and RANK >= 0")
-        return cls(kind, step, rank)
+        return cls(FaultKind(kind), step, rank)
 
     def describe(self) -> str:
         return f"{self.kind}@{self.step}:{self.rank}"
+
+
+def kill_this_process() -> None:
+    """SIGKILL: no handler, no cleanup, exactly as a crash or the OOM killer ends a process."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DriverFaults:
+    """Driver side: the faults not consumed yet, and the firing of the driver's own kinds.
+
+    Runs in the controller. Rank kinds are handed to each generation's ranks
+    (``for_generation``); ``driver`` and ``node`` faults fire here the moment their step is
+    known to have completed (``fire``). A failure consumes the faults of the step it
+    interrupted, so a redo of that step does not fire them again. ``node_of`` gives the node of
+    a rank of the current mesh; ``remove_node`` (only under a multi-node test cluster) removes
+    one, and without it node faults are consumed without effect.
+    """
+
+    def __init__(self, faults: Iterable[FaultSpec] = (), *, node_of: Callable[[int], str | None] = lambda rank: None,
+                 remove_node: Callable[[str], None] | None = None) -> None:
+        self.pending = list(faults)
+        self.node_of = node_of
+        self.remove_node = remove_node
+
+    def for_generation(self, after_step: int) -> tuple[FaultSpec, ...]:
+        """The faults a generation that resumes after ``after_step`` may still meet."""
+        return tuple(fault for fault in self.pending if fault.step > after_step)
+
+    def fire(self, last_step: int, kill_driver: Callable[[], None] = kill_this_process) -> None:
+        """Fire every driver-side fault whose step (``<= last_step``) has completed, once."""
+        for fault in [f for f in self.pending if f.kind in DRIVER_KINDS]:
+            if last_step < fault.step:
+                continue
+            self.pending.remove(fault)
+            if fault.kind == FaultKind.DRIVER:
+                log.warning("firing injected fault %s: killing the driver", fault.describe())
+                kill_driver()
+            elif self.remove_node is not None and (node := self.node_of(fault.rank)) is not None:
+                log.warning("firing injected fault %s", fault.describe())
+                self.remove_node(node)
+
+    def consume_after_failure(self, last_completed_step: int) -> None:
+        """A generation failed after ``last_completed_step``: the faults it fired are spent."""
+        self.pending = [fault for fault in self.pending if fault.step > last_completed_step + 1]
 
 
 class FaultInjector:
@@ -85,18 +150,18 @@ class FaultInjector:
     def _fire(self, fault: FaultSpec) -> None:
         if self.on_fire is not None:
             self.on_fire(fault)
-        if fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "raise":
+        if fault.kind == FaultKind.KILL:
+            kill_this_process()
+        elif fault.kind == FaultKind.RAISE:
             raise InjectedFault(f"injected fault {fault.describe()}")
-        elif fault.kind == "hang":
+        elif fault.kind == FaultKind.HANG:
             while True:  # never returns; the driver's hang detection must find and stop this rank
                 time.sleep(3600)
-        elif fault.kind == "drain":
+        elif fault.kind == FaultKind.DRAIN:
             _drain_this_node(f"injected fault {fault.describe()}")
-        elif fault.kind == "sigterm":
+        elif fault.kind == FaultKind.SIGTERM:
             os.kill(os.getpid(), signal.SIGTERM)
-        elif fault.kind == "s3_outage":
+        elif fault.kind == FaultKind.S3_OUTAGE:
             self.storage_outage_until = time.monotonic() + STORAGE_OUTAGE_S
 
 

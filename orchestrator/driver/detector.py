@@ -1,6 +1,9 @@
 """Turning what the driver sees into findings: which ranks are lost, which must leave, and why.
 
-Runs on the driver, fed once per controller iteration. Sources:
+Runs on the driver, fed once per controller iteration; the controller asks it for findings and
+acts on them. It never calls Ray itself: where a finding depends on the cluster, the
+controller hands it small callables (the node of a rank, the dead nodes among the active
+ones), so it is tested with plain values. Sources, each a ``LossKind``:
 
 * a rank's run call ended: the actor died (``rank_died``, or ``node_lost`` when its node is
   gone from Ray), or it raised an error of its own (``rank_error``; errors that merely echo
@@ -10,39 +13,72 @@ Runs on the driver, fed once per controller iteration. Sources:
   step times (``hang``): the ranks busy in the step while the others wait on them in
   collectives are the culprits. The second bound keeps a slow machine (or a large step) from
   looking hung;
-* drain notices: Ray marks a node draining (autoscaler, spot reclaim, ``ray drain-node``, a
-  pod's preStop hook), or a rank reports one (cloud instance-action endpoint, SIGTERM).
+* while a generation fails, a rank that answers no poll for ``SILENT_GRACE_S`` (``node_lost``
+  when its node is gone, else ``unresponsive``), or that does not leave the generation before
+  the settling deadline (``stuck``).
+
+Drain notices are not losses: Ray marks a node draining (autoscaler, spot reclaim,
+``ray drain-node``, a pod's preStop hook), or a rank reports a cloud notice or SIGTERM;
+``DrainWatch`` keeps both, and the controller pauses the generation at a step boundary. ``group_errors`` and
+``failure_fields`` say what was found, for the ``failure`` event and the run's reason.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, Callable, Container, Mapping
 
-from workers.spec.messages import RunOutcome
+from orchestrator.driver.calls import CallFailed, CallFailedKind
+from workers.spec.messages import RunOutcome, RunStatus
+
+log = logging.getLogger("meshpilot")
+
+# The node id of a rank's actor (None when not known yet).
+NodeOf = Callable[[int], str | None]
+# Which nodes of the active ranks Ray reports dead (one GCS call: asked only when needed).
+DeadNodes = Callable[[], set[str]]
+
+
+class LossKind(StrEnum):
+    """Why a rank is out; written as the ``failure`` event's ``kind``."""
+
+    RANK_DIED = "rank_died"  # its process died
+    NODE_LOST = "node_lost"  # its node left the cluster
+    RANK_ERROR = "rank_error"  # it raised an error of its own
+    UNRESPONSIVE = "unresponsive"  # it answered no poll in time
+    HANG = "hang"  # it was busy in a step that stopped making progress
+    STUCK = "stuck"  # it did not leave a failing or pausing generation in time
 
 
 @dataclass(frozen=True)
 class Lost:
-    """Why one rank is out: kind (rank_died, node_lost, rank_error, unresponsive, hang, stuck)."""
+    """Why one rank is out, in a line (or a traceback), and on which node when known."""
 
-    kind: str
+    kind: LossKind
     message: str
     node: str | None = None
 
 
 # A step is hung only once it has taken this many times the recent median step time.
 HANG_STEP_FACTOR = 5.0
+# While a generation fails, a rank that answers no poll for this long is counted lost.
+SILENT_GRACE_S = 3.0
 
 
 class Detector:
-    def __init__(self, *, heartbeat_timeout_s: float, hang_timeout_s: float,
-                 clock=time.monotonic) -> None:
+    """Heartbeats and step progress of the current generation, and the losses they reveal."""
+
+    def __init__(self, *, heartbeat_timeout_s: float, hang_timeout_s: float, node_of: NodeOf = lambda rank: None,
+                 dead_nodes: DeadNodes = set, clock: Callable[[], float] = time.monotonic) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.hang_timeout_s = hang_timeout_s
+        self.node_of = node_of
+        self.dead_nodes = dead_nodes
         self.clock = clock
         # Kept across generations: the first step of a new mesh is judged by the old ones.
         self.step_times: deque[float] = deque(maxlen=20)
@@ -73,18 +109,6 @@ class Detector:
         return max(self.hang_timeout_s, HANG_STEP_FACTOR * typical)
 
     # -------------------------------------------------------------- findings
-    @staticmethod
-    def from_outcome(outcome: RunOutcome | Any, node_alive: bool, node: str | None) -> Lost | None:
-        """The loss a finished run call reveals, or None (finished, paused, a survivor's echo)."""
-        status = getattr(outcome, "status", None)
-        if status == "died":
-            if not node_alive:
-                return Lost("node_lost", f"node {node} left the cluster", node)
-            return Lost("rank_died", outcome.error or "the rank's process died", node)
-        if status == "failed" and not outcome.caused_by_peer:
-            return Lost("rank_error", outcome.error or "the rank raised", node)
-        return None
-
     def unresponsive(self) -> list[int]:
         now = self.clock()
         return sorted(rank for rank, heard in self.last_heard.items() if now - heard > self.heartbeat_timeout_s)
@@ -109,3 +133,144 @@ class Detector:
 
     def stalled_for(self) -> float:
         return self.clock() - self.progress[1]
+
+    # ---------------------------------------------------------------- losses
+    def losses(self, results: Mapping[int, Any], *, hangs: bool) -> dict[int, Lost]:
+        """Every loss found now: in the returned run calls (``results`` by rank) first, then
+        silence, then (with ``hangs``: while the generation runs) a hang."""
+        findings = [self.returned_losses(results), self.unresponsive_losses(results)]
+        if hangs:
+            findings.append(self.hang_losses())
+        return first_found(*findings)
+
+    @staticmethod
+    def loss_of(result: RunOutcome | CallFailed, node: str | None, node_alive: bool) -> Lost | None:
+        """The loss a returned run call reveals, or None (finished, paused, a survivor's echo)."""
+        if isinstance(result, CallFailed):
+            if result.kind != CallFailedKind.DIED:
+                return Lost(LossKind.RANK_ERROR, result.message or "the rank raised", node)
+            if not node_alive:
+                return Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
+            return Lost(LossKind.RANK_DIED, result.message or "the rank's process died", node)
+        if result.status == RunStatus.FAILED and not result.caused_by_peer:
+            return Lost(LossKind.RANK_ERROR, result.error or "the rank raised", node)
+        return None
+
+    def returned_losses(self, results: Mapping[int, Any]) -> dict[int, Lost]:
+        """Losses among the run calls that returned (``results`` by rank)."""
+        died = any(isinstance(r, CallFailed) and r.kind == CallFailedKind.DIED for r in results.values())
+        dead = self.dead_nodes() if died else set()
+        found = {}
+        for rank, result in results.items():
+            node = self.node_of(rank)
+            loss = self.loss_of(result, node, node not in dead)
+            if loss is not None:
+                found[rank] = loss
+        return found
+
+    def unresponsive_losses(self, returned: Container[int]) -> dict[int, Lost]:
+        """Ranks whose run call has not returned and that answered no poll in time."""
+        return {rank: Lost(LossKind.UNRESPONSIVE, "no heartbeat for more than "
+                           f"elastic.heartbeat_timeout_s={self.heartbeat_timeout_s:g}")
+                for rank in self.unresponsive() if rank not in returned}
+
+    def hang_losses(self) -> dict[int, Lost]:
+        """The ranks to blame once the running generation stopped making progress (see ``hung``)."""
+        culprits = self.hung()
+        if culprits is None:
+            return {}
+        stalled = self.stalled_for()
+        return {rank: Lost(LossKind.HANG, f"no step completed for {stalled:.0f} s "
+                           f"(elastic.hang_timeout_s={self.hang_timeout_s:g}, and {HANG_STEP_FACTOR:g} typical "
+                           f"steps); busy at {self.where.get(rank) or 'unknown'}")
+                for rank in culprits}
+
+    def silent_while_failing(self, waiting_for: list[int], *, since: float) -> dict[int, Lost]:
+        """Ranks still out while their generation fails (since ``since``), and answering no poll.
+
+        A live rank answers polls even while its loop is blocked; one that does not is dead or
+        cut off, which Ray itself may take seconds more to conclude (a lost node).
+        """
+        now = self.clock()
+        silent = [rank for rank in waiting_for
+                  if now - self.last_heard.get(rank, since) > SILENT_GRACE_S and now - since > SILENT_GRACE_S]
+        if not silent:
+            return {}
+        dead = self.dead_nodes()
+        found = {}
+        for rank in silent:
+            node = self.node_of(rank)
+            if node in dead:
+                found[rank] = Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
+            else:
+                found[rank] = Lost(LossKind.UNRESPONSIVE, f"answered no poll for {SILENT_GRACE_S:g} s while its "
+                                   "generation failed", node)
+        return found
+
+    def stuck(self, ranks: list[int], *, generation: int, within_s: float) -> dict[int, Lost]:
+        """Ranks that did not leave ``generation`` within ``within_s`` of its end being asked."""
+        return {rank: Lost(LossKind.STUCK, f"did not leave generation {generation} within {within_s:g} s "
+                           f"(blocked at {self.where.get(rank) or 'unknown'})")
+                for rank in ranks}
+
+
+class DrainWatch:
+    """Nodes going away: announced by a rank (a cloud notice, SIGTERM) or marked draining by Ray."""
+
+    def __init__(self, ray_draining: Callable[[], set[str]]) -> None:
+        self.ray_draining = ray_draining  # one GCS call
+        self.noticed: set[str] = set()
+
+    def notice(self, node: str) -> bool:
+        """A rank reports that ``node`` goes away; True the first time it is heard of."""
+        if node in self.noticed:
+            return False
+        self.noticed.add(node)
+        return True
+
+    def nodes(self) -> set[str]:
+        nodes = set(self.noticed)
+        try:
+            nodes |= self.ray_draining()
+        except Exception as error:  # noqa: BLE001 - a GCS hiccup must not end the run
+            log.debug("could not read draining nodes: %s", error)
+        return nodes
+
+    def clear(self) -> None:
+        """The mesh changed without the noticed nodes' ranks: their notices are handled."""
+        self.noticed.clear()
+
+
+def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:
+    """Merge findings; for a rank found twice, the earlier finding stands."""
+    merged: dict[int, Lost] = {}
+    for found in findings:
+        for rank, loss in found.items():
+            merged.setdefault(rank, loss)
+    return merged
+
+
+def failure_fields(lost: dict[int, Lost]) -> dict[str, Any]:
+    """The ``failure`` event's fields for these losses: kind(s), ranks, node(s), message."""
+    kinds = sorted({loss.kind for loss in lost.values()})
+    nodes = sorted({loss.node for loss in lost.values() if loss.node})
+    return {
+        "kind": kinds[0] if len(kinds) == 1 else ",".join(kinds), "ranks": sorted(lost),
+        "node": nodes[0] if len(nodes) == 1 else (nodes or None),
+        "message": group_errors({rank: loss.message for rank, loss in lost.items()}),
+        # The tracebacks behind the one-line message, for whoever debugs it.
+        "details": {str(rank): loss.message for rank, loss in lost.items() if "\n" in loss.message},
+    }
+
+
+def group_errors(messages: dict[int, str]) -> str:
+    """Identical failures print once: ``[Rank 0, 1]: message``."""
+    by_message: dict[str, list[int]] = {}
+    for rank, text in sorted(messages.items()):
+        by_message.setdefault(_last_line(text), []).append(rank)
+    return "; ".join(f"[Rank {', '.join(map(str, ranks))}]: {message}" for message, ranks in by_message.items())
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text

@@ -9,7 +9,9 @@ Every actor is a slot in the pool: ``active`` slots hold the ranks of the curren
 rank order; ``warm`` slots are started, healthy and idle (spares, or survivors of a replica
 group that broke) and can take a rank at the next reconfiguration; ``starting`` slots are
 still coming up in the background. The controller decides who is active; this module only
-starts, calls and stops actors. Calls to many ranks return ``PendingCalls``.
+starts, calls and stops actors. Calls to many ranks return ``PendingCalls``
+(``orchestrator.driver.calls``). ``WorkerGroup`` implements ``WorkerGroupProtocol``
+(``orchestrator.driver.group``), the part of it the controller uses.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from itertools import count
 from typing import Any
 
@@ -27,11 +30,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from elastic.placement import RankResources, shortfall, spread_replicas, tp_bundles
 from elastic.spec import MeshSpec
 from orchestrator.driver import cluster
+from orchestrator.driver.calls import CallFailed, PendingCalls, result_of
 from orchestrator.errors import ConfigError
 from workers.actor import RankActor  # the class handle only: ray.remote needs it
-from workers.spec.messages import StartFrom
+from workers.faults import FaultSpec
 from workers.rendezvous import StoreHost
 from workers.spec import TrainSpec
+from workers.spec.messages import Heartbeat, StartFrom
 
 log = logging.getLogger("meshpilot")
 
@@ -39,64 +44,15 @@ log = logging.getLogger("meshpilot")
 ACTOR_CONCURRENCY = 4
 
 
-@dataclass(frozen=True)
-class CallFailed:
-    """A remote call that did not return: the actor died (``died``) or raised (``error``)."""
-
-    kind: str
-    message: str
-
-
-class PendingCalls:
-    """One method called on many ranks (driver side); results are collected as they arrive.
-
-    Results are the method's return values, or ``CallFailed`` for an actor that died or
-    raised: the controller never handles a Ray exception itself.
-    """
-
-    def __init__(self, refs: list[Any]) -> None:
-        self.refs = list(refs)
-        self.results: dict[int, Any] = {}
-
-    @property
-    def done(self) -> bool:
-        return len(self.results) == len(self.refs)
-
-    def collect(self, timeout: float, *, first: bool = False) -> dict[int, Any]:
-        """Wait up to ``timeout`` seconds for all results (with ``first``: until any one arrives);
-        returns the results that arrived in this call."""
-        waiting = [ref for index, ref in enumerate(self.refs) if index not in self.results]
-        if not waiting:
-            return {}
-        ready, _ = ray.wait(waiting, num_returns=1 if first else len(waiting), timeout=timeout)
-        if first and ready:  # and whatever else is ready by now
-            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
-        arrived = {}
-        for ref in ready:
-            index = self.refs.index(ref)
-            arrived[index] = self.results[index] = _result_of(ref)
-        return arrived
-
-
-def _result_of(ref: Any) -> Any:
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayActorError as error:
-        return CallFailed("died", _first_line(error))
-    except ray.exceptions.RayError as error:
-        return CallFailed("error", _first_line(error))
-
-
-def _first_line(error: BaseException) -> str:
-    """The line that says what went wrong: for a task that raised, its exception, not Ray's header."""
-    cause = getattr(error, "cause", None)
-    if isinstance(error, ray.exceptions.RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {cause}".strip().splitlines()[-1]
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 _replica_ids = count()
+
+
+class SlotState(StrEnum):
+    """Where a rank actor is in its life: see the module docstring."""
+
+    STARTING = "starting"
+    WARM = "warm"
+    ACTIVE = "active"
 
 
 @dataclass(eq=False)
@@ -108,7 +64,7 @@ class RankSlot:
     # Actors started together (one placement group) share this id: a replica group's worth.
     batch_id: int
     node_id: str | None = None
-    state: str = "starting"  # starting | warm | active
+    state: SlotState = SlotState.STARTING
     ready_ref: Any = None
 
 
@@ -123,7 +79,7 @@ class WorkerGroup:
         self.data_ref = ray.put(data)
         self.slots: list[RankSlot] = []
         self.active: list[RankSlot] = []
-        self.store_host = None
+        self.store_host: Any = None  # the StoreHost actor's handle, once started
         self.store_address: tuple[str, int] | None = None
         # Nodes announced as going away (a cloud notice Ray does not know of): never used again.
         self.avoid_nodes: set[str] = set()
@@ -168,14 +124,14 @@ class WorkerGroup:
 
     def refresh(self) -> list[RankSlot]:
         """Move actors that finished starting to ``warm``; returns them. Never blocks."""
-        starting = [slot for slot in self.slots if slot.state == "starting"]
+        starting = [slot for slot in self.slots if slot.state == SlotState.STARTING]
         if not starting:
             return []
         ready, _ = ray.wait([s.ready_ref for s in starting], num_returns=len(starting), timeout=0)
         warmed = []
         for slot in starting:
             if slot.ready_ref in ready:
-                result = _result_of(slot.ready_ref)
+                result = result_of(slot.ready_ref)
                 if isinstance(result, CallFailed):
                     self.remove([slot])
                     continue
@@ -185,7 +141,7 @@ class WorkerGroup:
 
     def _mark_ready(self, slot: RankSlot, info: dict[str, Any]) -> None:
         slot.node_id = info["node_id"]
-        slot.state = "warm"
+        slot.state = SlotState.WARM
 
     def _start_store_host(self) -> Any:
         """Start the rendezvous store's actor (once); returns a ref to its (host, port)."""
@@ -207,7 +163,7 @@ class WorkerGroup:
         slots = []
         for local_rank in range(mesh.replica_size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local_rank // mesh.tp)
-            actor = ray.remote(RankActor).options(
+            actor: Any = ray.remote(RankActor).options(
                 num_cpus=self.per_rank.cpus, num_gpus=self.per_rank.gpus, resources=dict(self.per_rank.custom) or None,
                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=strategy,
             ).remote(spec=self.spec, data=self.data_ref)
@@ -220,17 +176,17 @@ class WorkerGroup:
     def set_active(self, slots: list[RankSlot]) -> None:
         """These slots, in this order, are the ranks of the next generation; others go warm."""
         for slot in self.slots:
-            if slot.state == "active":
-                slot.state = "warm"
+            if slot.state == SlotState.ACTIVE:
+                slot.state = SlotState.WARM
         for slot in slots:
-            slot.state = "active"
+            slot.state = SlotState.ACTIVE
         self.active = list(slots)
 
     def warm(self) -> list[RankSlot]:
-        return [slot for slot in self.slots if slot.state == "warm"]
+        return [slot for slot in self.slots if slot.state == SlotState.WARM]
 
     def starting(self) -> list[RankSlot]:
-        return [slot for slot in self.slots if slot.state == "starting"]
+        return [slot for slot in self.slots if slot.state == SlotState.STARTING]
 
     def kill(self, slots: list[RankSlot]) -> None:
         """Kill these actors now; their slots stay (ranks keep their numbers) until removed."""
@@ -251,7 +207,7 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------- fan-out
     def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
-                  faults: tuple = ()) -> PendingCalls:
+                  faults: tuple[FaultSpec, ...] = ()) -> PendingCalls:
         return PendingCalls([
             slot.actor.configure.remote(generation=generation, rank=rank, mesh=mesh, store_address=self.store_address,
                                         start=start, sync_replicas=sync_replicas, faults=faults)
@@ -261,7 +217,7 @@ class WorkerGroup:
     def run(self, *, last_step: int) -> PendingCalls:
         return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.active])
 
-    def poll(self, timeout: float) -> dict[int, Any]:
+    def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]:
         """Heartbeats (with queued reports) of every active rank that answers within ``timeout``."""
         calls = PendingCalls([slot.actor.poll.remote() for slot in self.active])
         calls.collect(timeout)
@@ -285,7 +241,7 @@ class WorkerGroup:
 
     def shutdown(self, *, grace_s: float = 5.0) -> None:
         """Stop every actor and free every placement group; safe to call twice."""
-        refs = [slot.actor.shutdown.remote() for slot in self.slots if slot.state != "starting"]
+        refs = [slot.actor.shutdown.remote() for slot in self.slots if slot.state != SlotState.STARTING]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         self.remove(list(self.slots))

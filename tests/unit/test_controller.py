@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import AbstractSet, Any
 
 import pytest
 
+from elastic.placement import RankResources
+from elastic.spec import MeshSpec
 from orchestrator.config import load_config
-from orchestrator.driver.controller import Configuring, Controller, Finished, Running, Starting, group_errors
+from orchestrator.driver.calls import CallFailed, CallFailedKind
+from orchestrator.driver.controller import Controller
+from orchestrator.driver.detector import Detector, LossKind, Lost, group_errors
+from orchestrator.driver.group import Slot, WorkerGroupProtocol
+from orchestrator.driver.replicas import Replicas
+from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, SettlePurpose, Settling, Starting
+from orchestrator.driver.worker_group import SlotState
 from orchestrator.observe.events import EventLog, read_events
-from orchestrator.driver.worker_group import CallFailed
 from tests.jobs import DEMO_CONFIG, REPO
-from workers.spec.messages import FailureKind, Heartbeat, RunOutcome
+from workers.faults import DriverFaults, FaultKind, FaultSpec, InjectedFault
+from workers.spec import TrainSpec
+from workers.spec.messages import (
+    FailureKind,
+    Heartbeat,
+    Phase,
+    RunOutcome,
+    RunStatus,
+    StartFrom,
+    StartMode,
+    failure_kind_of,
+)
 
 
 class FakeCalls:
@@ -36,9 +55,9 @@ class FakeCalls:
 class FakeSlot:
     def __init__(self, index: int) -> None:
         self.index = index
-        self.node_id = None
+        self.node_id: str | None = None
         self.batch_id = index
-        self.state = "active"
+        self.state = SlotState.ACTIVE
 
 
 class FakeGroup:
@@ -46,7 +65,8 @@ class FakeGroup:
 
     script: dict[str, Any] = {}
 
-    def __init__(self, *, spec, data, per_rank, start_timeout_s) -> None:
+    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources,
+                 start_timeout_s: float) -> None:
         self.spec = spec
         self.active: list[FakeSlot] = []
         self.queued: dict[int, list[dict[str, Any]]] = {}
@@ -55,45 +75,52 @@ class FakeGroup:
         self.killed: list[int] = []
         self.shut_down = False
         self.generation_runs = 0
-        self.avoid_nodes = set()
+        self.avoid_nodes: set[str] = set()
 
-    def start(self, mesh, spare_replicas=0) -> None:
+    def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
         self.active = [FakeSlot(i) for i in range(mesh.world_size)]
 
-    def start_replica_in_background(self, mesh) -> bool:
+    def start_replica_in_background(self, mesh: MeshSpec) -> bool:
         return False
 
-    def refresh(self):
+    def refresh(self) -> list[FakeSlot]:
         return []
 
-    def warm(self):
+    def warm(self) -> list[FakeSlot]:
         return []
 
-    def starting(self):
+    def starting(self) -> list[FakeSlot]:
         return []
 
-    def kill(self, slots) -> None:
+    def kill(self, slots: list[FakeSlot]) -> None:
         self.killed += [slot.index for slot in slots]
 
-    def remove(self, slots) -> None:
+    def remove(self, slots: list[FakeSlot]) -> None:
         self.active = [slot for slot in self.active if slot not in slots]
 
-    def set_active(self, slots) -> None:
+    def set_active(self, slots: list[FakeSlot]) -> None:
         self.active = list(slots)
 
-    def abort_step(self, generation, step, survivors) -> None:
+    def abort_step(self, generation: int, step: int, survivors: list[int]) -> None:
         self.aborted.append((generation, step))
 
-    def request_pause(self, generation, *, checkpoint=False) -> None:
+    def request_pause(self, generation: int, *, checkpoint: bool = False) -> None:
         pass
 
-    def configure(self, *, generation, mesh, starts, sync_replicas, faults=()):
+    def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
+                  faults: tuple[FaultSpec, ...] = ()) -> FakeCalls:
         self.configured.append({"mesh": mesh, "starts": starts, "sync": sync_replicas,
                                 "slots": [slot.index for slot in self.active]})
         step = self.script.get("resume_step", 0) if generation > 1 else 0
-        return FakeCalls({rank: step for rank in range(len(self.active))}, after=self.script.get("configure_delay", 0))
+        results: dict[int, Any] = {rank: start.step if start.mode == StartMode.CHECKPOINT else step
+                                   for rank, start in enumerate(starts)}
+        if starts and starts[0].mode == StartMode.CHECKPOINT and starts[0].step in self.script.get("corrupt", ()):
+            results[0] = CallFailed(CallFailedKind.ERROR, f"CorruptCheckpointError: step {starts[0].step}: checksum "
+                                    "mismatch", failure_kind=self.script.get("corrupt_kind",
+                                                                             FailureKind.CORRUPT_CHECKPOINT))
+        return FakeCalls(results, after=self.script.get("configure_delay", 0))
 
-    def run(self, *, last_step):
+    def run(self, *, last_step: int) -> FakeCalls:
         self.generation_runs += 1
         plan = self.script.get("runs", {}).get(self.generation_runs, {})
         first = (self.script.get("resume_step", 0) if self.generation_runs > 1 else 0) + 1
@@ -104,25 +131,36 @@ class FakeGroup:
                  "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0, "time": 1000.0 + s}
                 for s in range(first, steps + 1)
             ]
-        outcomes = {rank: RunOutcome("finished", steps) for rank in range(len(self.active))}
+        outcomes: dict[int, Any] = {rank: RunOutcome(RunStatus.FINISHED, steps) for rank in range(len(self.active))}
         outcomes.update(plan.get("outcomes", {}))
         return FakeCalls(outcomes)
 
-    def poll(self, timeout):
-        return {rank: Heartbeat(rank=rank, phase="step", step=0, phase_age_s=0.0, reports=self.queued.pop(rank, []))
+    def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]:
+        return {rank: Heartbeat(rank=rank, phase=Phase.STEP, step=0, phase_age_s=0.0,
+                                reports=tuple(self.queued.pop(rank, [])))
                 for rank in range(len(self.active))}
 
     def request_stop(self) -> None:
         pass
 
-    def shutdown(self, **_) -> None:
+    def shutdown(self, *, grace_s: float = 5.0) -> None:
         self.shut_down = True
+
+
+# The type checker holds the fake to the protocol the controller is written against.
+FAKE_GROUP_CLASS: type[WorkerGroupProtocol[Any]] = FakeGroup
+FAKE_SLOT: type[Slot] = FakeSlot
+
+
+def fake_group(controller: Controller) -> FakeGroup:
+    assert isinstance(controller.group, FakeGroup)
+    return controller.group
 
 
 @pytest.fixture
 def controller(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(Controller, "worker_group_class", FakeGroup)
+    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
     FakeGroup.script = {}
     config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1"])
     events = EventLog(tmp_path / "events.jsonl")
@@ -136,9 +174,9 @@ def test_happy_path_state_by_state(controller, tmp_path):
     controller.step()
     assert isinstance(controller.state, Running)
     controller.step()
-    assert controller.state == Finished("finished", 0)
+    assert controller.state == Finished(RunEnd.FINISHED, 0)
     final = controller.run()
-    assert final.exit_code == 0 and controller.group.shut_down
+    assert final.exit_code == 0 and fake_group(controller).shut_down
     events = read_events(tmp_path / "events.jsonl")
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3, 4]
@@ -159,7 +197,7 @@ def test_configuration_waits_until_every_rank_answers(controller):
 
 def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_path):
     FakeGroup.script = {"runs": {1: {"steps_done": 2, "outcomes": {
-        0: RunOutcome("aborted", 2), 1: RunOutcome("failed", 2, error="Traceback...\nValueError: boom")}}}}
+        0: RunOutcome(RunStatus.ABORTED, 2), 1: RunOutcome(RunStatus.FAILED, 2, error="Traceback...\nValueError: boom")}}}}
     final = controller.run()
     assert final.status == "failed" and final.exit_code == 1
     events = read_events(tmp_path / "events.jsonl")
@@ -170,8 +208,9 @@ def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_p
 
 
 def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
-    FakeGroup.script = {"runs": {1: {"outcomes": {0: CallFailed("died", "The actor died unexpectedly"),
-                                                  1: RunOutcome("failed", 0, failure_kind=FailureKind.PEER_FAILURE)}}}}
+    FakeGroup.script = {"runs": {1: {"outcomes": {
+        0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        1: RunOutcome(RunStatus.FAILED, 0, failure_kind=FailureKind.PEER_FAILURE)}}}}
     assert controller.run().status == "failed"
     failure = next(e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure")
     assert failure["kind"] == "rank_died"
@@ -179,20 +218,21 @@ def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
 
 def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(Controller, "worker_group_class", FakeGroup)
+    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
     FakeGroup.script = {"resume_step": 2, "runs": {1: {"steps_done": 2, "outcomes": {
-        0: RunOutcome("aborted", 2), 1: RunOutcome("aborted", 2),
-        2: CallFailed("died", "The actor died unexpectedly"), 3: RunOutcome("failed", 2, failure_kind=FailureKind.PEER_FAILURE)}}}}
+        0: RunOutcome(RunStatus.ABORTED, 2), 1: RunOutcome(RunStatus.ABORTED, 2),
+        2: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        3: RunOutcome(RunStatus.FAILED, 2, failure_kind=FailureKind.PEER_FAILURE)}}}}
     config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1",
                                        "parallelism.dp_replicate=2", "parallelism.dp_shard=2"])
     controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
     final = controller.run()
     assert final.status == "finished"
-    second = controller.group.configured[1]
+    second = fake_group(controller).configured[1]
     assert second["mesh"].dp_replicate == 1 and second["mesh"].world_size == 2
     assert second["slots"] == [0, 1]  # the surviving replica's processes, not restarted
     assert [start.mode for start in second["starts"]] == ["kept", "kept"] and not second["sync"]
-    assert controller.group.aborted == [(1, 3)]
+    assert fake_group(controller).aborted == [(1, 3)]
     events = read_events(tmp_path / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["kind"] == "rank_died" and failure["ranks"] == [2]
@@ -205,3 +245,146 @@ def test_identical_errors_print_once():
     text = group_errors({0: "x\nRuntimeError: Connection closed by peer", 1: "RuntimeError: Connection closed by peer",
                          3: "ValueError: other"})
     assert text == "[Rank 0, 1]: RuntimeError: Connection closed by peer; [Rank 3]: ValueError: other"
+
+
+@dataclass(frozen=True)
+class FakeManifest:
+    step: int
+    mesh: dict[str, Any]
+
+
+class FakeCheckpoints:
+    """Committed checkpoints at ``steps``: what the controller asks of checkpoint commits."""
+
+    enabled = True
+    uri = "file:///fake"
+
+    def __init__(self, steps: list[int], mesh: MeshSpec) -> None:
+        self.manifests = [FakeManifest(step, mesh.as_dict()) for step in sorted(steps)]
+
+    def check_access(self) -> None:
+        pass
+
+    def reset(self, mesh: MeshSpec) -> None:
+        pass
+
+    def latest_step(self) -> int | None:
+        return self.manifests[-1].step if self.manifests else None
+
+    def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> FakeManifest | None:
+        intact = [manifest for manifest in self.manifests if manifest.step not in skip_steps]
+        return intact[-1] if intact else None
+
+
+def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(controller, monkeypatch, tmp_path):
+    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([2, 3], controller.config.mesh))
+    FakeGroup.script = {"corrupt": {3}}
+    final = controller.run()
+    assert final.status == "finished"
+    restores = [[start.step for start in configured["starts"]] for configured in fake_group(controller).configured]
+    assert restores == [[3, 3], [2, 2]]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "restored"] == [2]
+    assert [e["step"] for e in events if e["event"] == "step"] == [3, 4]
+
+
+def test_a_corrupt_checkpoint_with_nothing_older_ends_the_run(controller, monkeypatch):
+    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([3], controller.config.mesh))
+    FakeGroup.script = {"corrupt": {3}}
+    final = controller.run()
+    assert final.status == "failed" and "no intact checkpoint left to restore" in final.reason
+
+
+def test_only_the_failure_kind_marks_a_checkpoint_corrupt_not_the_message(controller, monkeypatch):
+    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([2, 3], controller.config.mesh))
+    FakeGroup.script = {"corrupt": {3}, "corrupt_kind": FailureKind.OWN_ERROR}
+    final = controller.run()
+    assert final.status == "failed" and len(fake_group(controller).configured) == 1
+    assert final.reason == "[Rank 0]: CorruptCheckpointError: step 3: checksum mismatch"
+
+
+# ------------------------------------------------------------------ the controller's helpers, without Ray
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def detector(clock: Clock, *, nodes: dict[int, str] | None = None, dead: set[str] | None = None) -> Detector:
+    return Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, node_of=(nodes or {}).get,
+                    dead_nodes=lambda: set(dead or ()), clock=clock)
+
+
+def test_a_dead_actor_on_a_dead_node_is_a_lost_node_and_peer_echoes_are_no_loss() -> None:
+    found = detector(Clock(), nodes={0: "n0", 1: "n1", 2: "n1"}, dead={"n0"}).losses({
+        0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        1: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+        2: RunOutcome(RunStatus.FAILED, 3, error="RuntimeError: Connection closed by peer",
+                      failure_kind=FailureKind.PEER_FAILURE),
+    }, hangs=False)
+    assert found == {0: Lost(LossKind.NODE_LOST, "node n0 left the cluster", "n0"),
+                     1: Lost(LossKind.RANK_DIED, "The actor died unexpectedly", "n1")}
+
+
+def test_a_returned_loss_outranks_silence_and_silence_needs_a_timeout() -> None:
+    clock = Clock()
+    watch = detector(clock)
+    watch.reset(world_size=3)
+    clock.now += 11.0
+    watch.heard(2, waiting=None, where=None)
+    found = watch.losses({0: RunOutcome(RunStatus.FAILED, 1, error="ValueError: boom")}, hangs=False)
+    assert {rank: loss.kind for rank, loss in found.items()} == {0: LossKind.RANK_ERROR, 1: LossKind.UNRESPONSIVE}
+
+
+def test_ranks_silent_while_their_generation_fails_are_lost_after_the_grace() -> None:
+    clock = Clock()
+    watch = detector(clock, nodes={0: "n0", 1: "n1"}, dead={"n1"})
+    watch.reset(world_size=2)
+    since = clock.now
+    assert watch.silent_while_failing([0, 1], since=since) == {}
+    clock.now += 4.0
+    found = watch.silent_while_failing([0, 1], since=since)
+    assert {rank: loss.kind for rank, loss in found.items()} == {0: LossKind.UNRESPONSIVE, 1: LossKind.NODE_LOST}
+
+
+def test_settling_notes_the_first_time_every_call_has_returned() -> None:
+    mesh = MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1)
+    calls = FakeCalls({0: RunOutcome(RunStatus.ABORTED, 1)})
+    state = Settling(generation=1, mesh=mesh, calls=calls, purpose=SettlePurpose.FAILURE)
+    assert state.noting_returns(5.0).all_returned_at is None
+    calls.collect(0.0)
+    noted = state.noting_returns(5.0)
+    assert noted.all_returned_at == 5.0 and noted.noting_returns(9.0).all_returned_at == 5.0
+
+
+def test_a_lost_replica_leaves_whole_and_its_healthy_ranks_go_to_the_pool(controller):
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    group, replicas = fake_group(controller), controller.replicas
+    group.start(mesh)
+    assert replicas.healthy_in_hit_replicas(mesh, lost={2}, draining=()) == 1
+    kept, pool = replicas.split(mesh, lost={2}, draining=(), drop=(1,))
+    assert [slot.batch_id for slot in kept] == [0, 1] and [slot.batch_id for slot in pool] == [3]
+    assert [slot.index for slot in group.active] == [0, 1, 3]  # the lost rank's actor is removed
+    assert Replicas.pick_warm(pool, 2) == [] and Replicas.pick_warm(pool, 1) == pool
+
+
+def test_driver_faults_fire_once_when_their_step_completed_and_a_failure_consumes_its_step() -> None:
+    killed: list[bool] = []
+    removed: list[str] = []
+    faults = DriverFaults([FaultSpec.parse("driver@3"), FaultSpec.parse("node@2:1"), FaultSpec.parse("kill@5:1")],
+                          node_of={1: "n1"}.get, remove_node=removed.append)
+    assert faults.for_generation(after_step=2) == (FaultSpec(FaultKind.DRIVER, 3), FaultSpec(FaultKind.KILL, 5, 1))
+    faults.fire(2, kill_driver=lambda: killed.append(True))
+    faults.fire(2, kill_driver=lambda: killed.append(True))
+    assert removed == ["n1"] and not killed
+    faults.fire(3, kill_driver=lambda: killed.append(True))
+    assert killed == [True]
+    faults.consume_after_failure(last_completed_step=4)
+    assert faults.pending == []
+
+
+def test_an_injected_raise_declares_its_failure_kind() -> None:
+    assert failure_kind_of(InjectedFault("injected fault raise@2:0")) == FailureKind.INJECTED
+    assert FaultSpec.parse("s3_outage@4:1").kind is FaultKind.S3_OUTAGE

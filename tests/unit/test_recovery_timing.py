@@ -1,10 +1,17 @@
-"""The recovery benchmark's arithmetic: which step ends a recovery, what counts as lost."""
+"""Recovery timing: the benchmark's arithmetic (which step ends a recovery, what counts as lost)
+and the driver's own ``recovered`` event."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from bench.recovery_timing import completions_by_attempt, mesh_change, ratio, restart_from_records
+from elastic.spec import MeshSpec
+from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.transitions import TransitionKind, TransitionTimer
+from orchestrator.observe.events import EventLog, read_events
 
 TWO = {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}
 ONE = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
@@ -90,3 +97,25 @@ def test_a_step_only_some_ranks_completed_is_not_a_completed_step():
 def test_ratio_is_how_many_times_longer_the_reference_took():
     assert ratio(30.0, 2.0) == 15.0
     assert ratio(None, 2.0) is None and ratio(30.0, None) is None
+
+
+def test_the_driver_reports_a_recovery_once_at_the_first_step_after_its_resume_step(tmp_path: Path) -> None:
+    two, one = MeshSpec.from_dict(TWO), MeshSpec.from_dict(ONE)
+    events = EventLog(tmp_path / "events.jsonl")
+    router = ReportRouter(events, mesh=one, tokens_per_step=1)
+    timer = TransitionTimer(events, router)
+    timer.begin(TransitionKind.RECOVERED, began_at=0.0, old_mesh=two, new_mesh=one, resume_step=7, lost_steps=1,
+                cause="failure", added_ranks=(1,))
+    assert timer.pending is not None
+    began_wall = timer.pending.began_wall
+    router.last_emitted_step = 7
+    timer.report()
+    assert timer.pending is not None  # step 7 is the resume step, not a step on the new mesh
+    router.last_emitted_step, router.completed_at[8] = 8, began_wall + 2.5
+    timer.report()
+    timer.report()
+    recovered = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "recovered"]
+    assert len(recovered) == 1 and timer.pending is None
+    assert recovered[0]["mttr_s"] == pytest.approx(2.5, abs=0.01) and recovered[0]["lost_steps"] == 1
+    assert recovered[0]["cause"] == "failure" and recovered[0]["refilled_ranks"] == [1]
+    assert recovered[0]["new_mesh"] == ONE and recovered[0]["old_mesh"] == TWO
