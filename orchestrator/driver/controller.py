@@ -42,7 +42,7 @@ from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults, FaultSpec
-from workers.spec.messages import FailureKind, RunOutcome, RunStatus, StartFrom, StartMode
+from workers.spec.messages import DrainNoticeReport, FailureKind, ReportKind, RunOutcome, RunStatus, StartFrom, StartMode
 
 log = logging.getLogger("meshpilot")
 
@@ -73,9 +73,9 @@ class Controller:
         self.spec = train_spec(config)
         self.router = ReportRouter(events, mesh=config.mesh,
                                    tokens_per_step=config.training.global_batch * config.training.seq_len)
-        self.router.on("drain_notice", self._on_drain_notice)
+        self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
         self.checkpoints = driver_checkpoints(config, events)
-        self.router.on("checkpoint", self.checkpoints.on_report)
+        self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
             spec=self.spec, data=data_bytes(config),
             per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank,
@@ -269,11 +269,11 @@ class Controller:
         self.replicas.top_up(state.mesh, wanted_ranks=wanted + self.config.elastic.spare_actors)
         return None
 
-    def _on_drain_notice(self, report: dict[str, Any]) -> None:
-        rank = report.get("rank")
+    def _on_drain_notice(self, report: DrainNoticeReport) -> None:
+        rank = report.rank
         node = self.replicas.node_of(rank) if rank is not None and rank >= 0 else None
         if node and self.drains.notice(node):
-            log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.get("reason"))
+            log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.reason)
             self.group.avoid_nodes.add(node)
 
     # ---------------------------------------------------------------- settling

@@ -102,8 +102,7 @@ class Replicas:
 
     def fits(self, mesh: MeshSpec) -> bool:
         """Whether the trainer can run ``mesh``: the global batch splits into its rounds."""
-        per_round = mesh.dp * self.spec.microbatches * self.spec.microbatch_size
-        return self.spec.global_batch % per_round == 0
+        return self.spec.batch.fits(mesh.dp)
 
     def gather(self, mesh: MeshSpec) -> tuple[list[Slot], MeshSpec | None]:
         """Warm actors for a restore onto ``mesh``, and the mesh they can hold now; while too few

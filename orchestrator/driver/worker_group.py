@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from elastic.placement import RankResources, shortfall, spread_replicas, tp_bundles
 from elastic.spec import MeshSpec
-from orchestrator.driver import cluster
+from orchestrator.driver import cluster, ray_compat
 from orchestrator.driver.calls import CallFailed, PendingCalls, result_of
 from orchestrator.errors import ConfigError
 from workers.actor import RankActor  # the class handle only: ray.remote needs it
@@ -157,7 +157,7 @@ class WorkerGroup:
         name = f"meshpilot-replica-{batch_id}-{time.time_ns()}"
         if target is not None:
             # The whole replica fits one node: keep it there, preferably on the chosen node.
-            group = placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=target)
+            group = ray_compat.placement_group_on(target, bundles, strategy="STRICT_PACK", name=name)
         else:
             group = placement_group(bundles, strategy="PACK", name=name)
         slots = []

@@ -29,6 +29,7 @@ from workers.spec.messages import (
     RunStatus,
     StartFrom,
     StartMode,
+    StepReport,
     failure_kind_of,
 )
 
@@ -127,8 +128,8 @@ class FakeGroup:
         steps = plan.get("steps_done", last_step)
         for rank in range(len(self.active)):
             self.queued[rank] = [
-                {"kind": "step", "rank": rank, "step": s, "loss": 5.0 - s * 0.1 if rank == 0 else None,
-                 "step_time_s": 0.1, "lr": 0.001, "grad_norm": 1.0, "time": 1000.0 + s}
+                StepReport(rank=rank, time=1000.0 + s, step=s, loss=5.0 - s * 0.1 if rank == 0 else None, dp_rank=0,
+                           step_time_s=0.1, lr=0.001, grad_norm=1.0)
                 for s in range(first, steps + 1)
             ]
         outcomes: dict[int, Any] = {rank: RunOutcome(RunStatus.FINISHED, steps) for rank in range(len(self.active))}
