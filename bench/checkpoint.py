@@ -55,8 +55,7 @@ def build_state(spec, mesh_spec, rank: int) -> dict[str, torch.Tensor]:
     module = par.build_stage_module(spec, plan)
     if mesh_spec.tp > 1:
         par.apply_tensor_parallel(module, world_mesh["tp"])
-    par.apply_fsdp(module, par.data_parallel_mesh(world_mesh, mesh_spec), param_dtype=torch.float32,
-                   pipelined=False)
+    par.apply_fsdp(module, par.data_parallel_mesh(world_mesh, mesh_spec), param_dtype=torch.float32, pipelined=False)
     par.materialize(module, torch.device("cpu"))
     par.init_weights(module, spec, seed=0)
     state: dict[str, torch.Tensor] = {}
@@ -77,7 +76,7 @@ def local_bytes(state) -> int:
 def rank_main(rank: int, args: dict, results) -> None:
     try:
         results.put(("result", rank, _rank_main(rank, args, results)))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent process, whatever it was
         import traceback
 
         results.put(("error", rank, traceback.format_exc()))
@@ -101,15 +100,31 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{args['init_file']}", rank=rank, world_size=2)
     spec = model_spec(args["quick"])
     state = build_state(spec, MeshSpec(dp_shard=2), rank)
-    storage = open_storage(args["uri"], endpoint_url=args["endpoint_url"], part_size=PART_SIZE,
-                           concurrency=CONCURRENCY)
-    figures: dict[str, list[float]] = {k: [] for k in ("clone", "ours", "dcp", "ours_upload_s", "boto3_upload_s",
-                                                       "restore_same", "restore_tp2", "restore_pp2")}
+    storage = open_storage(args["uri"], endpoint_url=args["endpoint_url"], part_size=PART_SIZE, concurrency=CONCURRENCY)
+    figures: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "clone",
+            "ours",
+            "dcp",
+            "ours_upload_s",
+            "boto3_upload_s",
+            "restore_same",
+            "restore_tp2",
+            "restore_pp2",
+        )
+    }
     # The reports' upload_s comes back through the driver's queue; keep our own copy too.
-    writer = CheckpointWriter(storage, rank=rank, report=lambda r: (results.put(("report", rank, r)),
-                                                                    figures["ours_upload_s"].append(r.get("upload_s", 0))))
-    client = boto3.client("s3", endpoint_url=args["endpoint_url"],
-                          config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 5}))
+    writer = CheckpointWriter(
+        storage,
+        rank=rank,
+        report=lambda r: (results.put(("report", rank, r)), figures["ours_upload_s"].append(r.get("upload_s", 0))),
+    )
+    client = boto3.client(
+        "s3",
+        endpoint_url=args["endpoint_url"],
+        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 5}),
+    )
     transfer = TransferConfig(multipart_threshold=PART_SIZE, multipart_chunksize=PART_SIZE, max_concurrency=CONCURRENCY)
     bucket = args["uri"].split("/")[2]
     owns_plain = rank == 0
@@ -124,8 +139,9 @@ def _rank_main(rank: int, args: dict, results) -> dict:
         figures["clone"].append(time.perf_counter() - started)
         del clones
         dist.barrier()
-        figures["ours"].append(writer.save(round_number, state, extra={"round": round_number},
-                                           owns_plain_tensors=owns_plain))
+        figures["ours"].append(
+            writer.save(round_number, state, extra={"round": round_number}, owns_plain_tensors=owns_plain)
+        )
         writer.wait()
         dist.barrier()
         started = time.perf_counter()
@@ -142,8 +158,11 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     figures["ours_upload_s"] = figures["ours_upload_s"][1:]  # drop the warm-up save
     dist.barrier()
     manifest = load_manifest(storage, rounds)
-    targets = {"restore_same": state, "restore_tp2": build_state(spec, MeshSpec(tp=2), rank),
-               "restore_pp2": build_state(spec, MeshSpec(pp=2), rank)}
+    targets = {
+        "restore_same": state,
+        "restore_tp2": build_state(spec, MeshSpec(tp=2), rank),
+        "restore_pp2": build_state(spec, MeshSpec(pp=2), rank),
+    }
     for target in targets.values():  # warm-up: DCP's planner imports and caches on first use
         restore(storage, manifest, target)
     for _ in range(min(rounds, 3)):  # interleaved, so that noise from other processes hits all alike
@@ -155,8 +174,12 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     dist.barrier()
     storage.close()
     dist.destroy_process_group()
-    return {"figures": figures, "first_stall": first_stall, "local_bytes": local_bytes(state),
-            "shard_bytes": len(bytes(writer._free[0].memoryview()))}
+    return {
+        "figures": figures,
+        "first_stall": first_stall,
+        "local_bytes": local_bytes(state),
+        "shard_bytes": len(bytes(writer._free[0].memoryview())),
+    }
 
 
 def run(quick: bool) -> dict:
@@ -167,11 +190,17 @@ def run(quick: bool) -> dict:
     with LocalS3Server() as server, tempfile.TemporaryDirectory() as work:
         server.create_bucket("bench")
         os.environ.update(server.env())
-        args = {"quick": quick, "uri": "s3://bench/run", "endpoint_url": server.endpoint_url, "env": server.env(),
-                "init_file": os.path.join(work, "init")}
+        args = {
+            "quick": quick,
+            "uri": "s3://bench/run",
+            "endpoint_url": server.endpoint_url,
+            "env": server.env(),
+            "init_file": os.path.join(work, "init"),
+        }
         storage = open_storage(args["uri"], endpoint_url=server.endpoint_url)
-        coordinator = CommitCoordinator(storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None,
-                                        model={}, keep_last=2)
+        coordinator = CommitCoordinator(
+            storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model={}, keep_last=2
+        )
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         ranks = [context.Process(target=rank_main, args=(rank, args, results), daemon=True) for rank in range(2)]
@@ -211,21 +240,40 @@ def summarize(outcomes: dict, coordinator, quick: bool) -> dict:
         "ranks": 2,
         "state_mb": round(sum(o["local_bytes"] for o in outcomes.values()) / 1e6, 1),
         "committed_steps": coordinator.committed_steps,
-        "stall_s": {"ours": round(stall, 4), "clone": round(clone, 4), "dcp_async_save": round(dcp_stall, 4),
-                    "ours_first_save": round(max(o["first_stall"] for o in outcomes.values()), 4)},
+        "stall_s": {
+            "ours": round(stall, 4),
+            "clone": round(clone, 4),
+            "dcp_async_save": round(dcp_stall, 4),
+            "ours_first_save": round(max(o["first_stall"] for o in outcomes.values()), 4),
+        },
         "stall_ratio_vs_clone": round(stall / clone, 2),
         "stall_ratio_vs_dcp_async_save": round(stall / dcp_stall, 3),
-        "upload_mb_s": {"ours": round(shard_bytes / ours_upload / 1e6, 1),
-                        "boto3_upload_fileobj": round(shard_bytes / boto3_upload / 1e6, 1)},
+        "upload_mb_s": {
+            "ours": round(shard_bytes / ours_upload / 1e6, 1),
+            "boto3_upload_fileobj": round(shard_bytes / boto3_upload / 1e6, 1),
+        },
         "upload_ratio_vs_boto3": round(boto3_upload / ours_upload, 2),
-        "restore_s": {"same_mesh_dp_shard2": round(same, 3), "other_mesh_tp2": round(tp2, 3),
-                      "other_mesh_pp2": round(pp2, 3)},
+        "restore_s": {
+            "same_mesh_dp_shard2": round(same, 3),
+            "other_mesh_tp2": round(tp2, 3),
+            "other_mesh_pp2": round(pp2, 3),
+        },
         "restore_ratio_tp2_vs_same": round(tp2 / same, 2),
         "restore_ratio_pp2_vs_same": round(pp2 / same, 2),
         # Every round (slowest rank) of the noisiest figures, to show the spread on a shared machine.
-        "rounds": {name: [round(max(v), 4) for v in zip(*(outcomes[r]["figures"][name] for r in outcomes))]
-                   for name in ("ours", "clone", "dcp", "ours_upload_s", "boto3_upload_s", "restore_same", "restore_tp2",
-                                "restore_pp2")},
+        "rounds": {
+            name: [round(max(v), 4) for v in zip(*(outcomes[r]["figures"][name] for r in outcomes))]
+            for name in (
+                "ours",
+                "clone",
+                "dcp",
+                "ours_upload_s",
+                "boto3_upload_s",
+                "restore_same",
+                "restore_tp2",
+                "restore_pp2",
+            )
+        },
     }
     figures["goals_met"] = {
         "stall_vs_clone<=2x": figures["stall_ratio_vs_clone"] <= 2.0,

@@ -34,7 +34,7 @@ def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None =
 
 def steady_step_time(completions: list[float], warmup: int) -> float:
     """Median wall-clock gap between consecutive step completions after ``warmup`` steps."""
-    gaps = [b - a for a, b in zip(completions[warmup:], completions[warmup + 1:])]
+    gaps = [b - a for a, b in zip(completions[warmup:], completions[warmup + 1 :])]
     return statistics.median(gaps)
 
 

@@ -43,7 +43,8 @@ from orchestrator.observe.metrics import MetricsExporter  # noqa: E402
 DEFAULT_STEPS = 160
 QUICK_STEPS = 24
 DEFAULT_JOB = {
-    "name": "metrics-overhead", "data": {"source": "synthetic"},
+    "name": "metrics-overhead",
+    "data": {"source": "synthetic"},
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1},
     "training": {"warmup_steps": 2},
     "metrics": {"enabled": False},  # the bench switches its own exporter on and off
@@ -89,8 +90,8 @@ class SwitchedExporter:
 
 
 def run_ab(config, *, block: int, scrape_interval_s: float) -> dict[str, Any]:
-    from orchestrator.observe.events import read_events
     from orchestrator.driver.run import run_training
+    from orchestrator.observe.events import read_events
 
     # The run's own exporter stays off (metrics.enabled=false): only the switched one below
     # sees events, so "off" blocks really run without metrics.
@@ -111,8 +112,14 @@ def run_ab(config, *, block: int, scrape_interval_s: float) -> dict[str, Any]:
     warm = [e for e in steps if e["step"] > block]  # the first block pays for start-up
     on = [e["step_time_s"] for e in warm if switch.is_on(e["step"])]
     off = [e["step_time_s"] for e in warm if not switch.is_on(e["step"])]
-    return {"on": on, "off": off, "scrapes": switch.scrapes, "world_size": config.mesh.world_size,
-            "steps": len(steps), "paired_ratio": paired_ratio(warm, block=block, is_on=switch.is_on)}
+    return {
+        "on": on,
+        "off": off,
+        "scrapes": switch.scrapes,
+        "world_size": config.mesh.world_size,
+        "steps": len(steps),
+        "paired_ratio": paired_ratio(warm, block=block, is_on=switch.is_on),
+    }
 
 
 def paired_ratio(steps: list[dict[str, Any]], *, block: int, is_on) -> float:
@@ -124,20 +131,45 @@ def paired_ratio(steps: list[dict[str, Any]], *, block: int, is_on) -> float:
     blocks: dict[int, list[float]] = {}
     for event in steps:
         blocks.setdefault((event["step"] - 1) // block, []).append(event["step_time_s"])
-    ratios = [statistics.fmean(blocks[index]) / statistics.fmean(blocks[index + 1])
-              for index in sorted(blocks) if is_on(index * block + 1) and index + 1 in blocks]
+    ratios = [
+        statistics.fmean(blocks[index]) / statistics.fmean(blocks[index + 1])
+        for index in sorted(blocks)
+        if is_on(index * block + 1) and index + 1 in blocks
+    ]
     return statistics.median(ratios) if ratios else float("nan")
 
 
 def driver_cost(config, world_size: int, repeats: int = 2000) -> dict[str, float]:
     """Microseconds per step event and milliseconds per scrape for ``world_size`` ranks."""
     exporter = MetricsExporter.from_config(config)
-    exporter.on_event({"event": "start", "time": time.time(), "world_size": world_size, "steps": repeats,
-                       "mesh": config.mesh.as_dict(), "name": config.name, "config_hash": "x"})
+    exporter.on_event(
+        {
+            "event": "start",
+            "time": time.time(),
+            "world_size": world_size,
+            "steps": repeats,
+            "mesh": config.mesh.as_dict(),
+            "name": config.name,
+            "config_hash": "x",
+        }
+    )
     rank_times = {str(rank): 0.5 + rank * 1e-5 for rank in range(world_size)}
-    events = [{"event": "step", "time": time.time(), "step": step, "loss": 2.0, "tokens": 2048,
-               "step_time_s": 0.5, "world_size": world_size, "mesh": config.mesh.as_dict(), "lr": 1e-4,
-               "grad_norm": 1.0, "rank_step_time_s": rank_times} for step in range(1, repeats + 1)]
+    events = [
+        {
+            "event": "step",
+            "time": time.time(),
+            "step": step,
+            "loss": 2.0,
+            "tokens": 2048,
+            "step_time_s": 0.5,
+            "world_size": world_size,
+            "mesh": config.mesh.as_dict(),
+            "lr": 1e-4,
+            "grad_norm": 1.0,
+            "rank_step_time_s": rank_times,
+        }
+        for step in range(1, repeats + 1)
+    ]
     begin = time.perf_counter()
     for event in events:
         exporter.on_event(event)
@@ -153,9 +185,13 @@ def driver_cost(config, world_size: int, repeats: int = 2000) -> dict[str, float
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=None, help="job YAML (default: 2 ranks, synthetic data)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"steps in the run (default {DEFAULT_STEPS}, --quick {QUICK_STEPS}; with 40 the "
-                             "medians of a shared 2-core machine move by ~5%%)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"steps in the run (default {DEFAULT_STEPS}, --quick {QUICK_STEPS}; with 40 the "
+        "medians of a shared 2-core machine move by ~5%%)",
+    )
     parser.add_argument("--quick", action="store_true", help=f"a short run of {QUICK_STEPS} steps (noisy)")
     parser.add_argument("--block", type=int, default=2, help="steps per on/off block")
     parser.add_argument("--scrape-interval", type=float, default=1.0, dest="scrape_interval_s")
@@ -178,29 +214,39 @@ def main(argv: list[str] | None = None) -> None:
     cost_large = driver_cost(config, 1024, repeats=200)
     # Per step: one event, plus a share of a scrape every scrape interval.
     per_step_s = cost_here["event_us"] * 1e-6 + cost_here["scrape_ms"] * 1e-3 * off_s / args.scrape_interval_s
-    print(f"same run, {ab['steps']} steps on {ab['world_size']} ranks, blocks of {args.block}: "
-          f"median step {on_s:.4f} s with metrics, {off_s:.4f} s without ({len(ab['on'])} vs {len(ab['off'])} steps, "
-          f"{ab['scrapes']} scrapes); neighbouring blocks on / off: {ab['paired_ratio']:.4f}")
-    print(f"driver cost: {cost_here['event_us']:.1f} us per step event, {cost_here['scrape_ms']:.2f} ms per scrape "
-          f"({ab['world_size']} ranks); {cost_large['event_us']:.0f} us and {cost_large['scrape_ms']:.1f} ms for 1024 ranks")
-    print(json.dumps({
-        "benchmark": "metrics_overhead",
-        "quick": args.quick,
-        "measured": "one real run, exporter switched on/off in alternating step blocks, scraped over HTTP while on",
-        "world_size": ab["world_size"],
-        "steps": ab["steps"],
-        "step_time_on_s": round(on_s, 5),
-        "step_time_off_s": round(off_s, 5),
-        "ratio": round(on_s / off_s, 4),
-        "paired_ratio": round(ab["paired_ratio"], 4),
-        "goal": 1.02,
-        "scrape_interval_s": args.scrape_interval_s,
-        "event_cost_us": cost_here["event_us"],
-        "scrape_cost_ms": cost_here["scrape_ms"],
-        "event_cost_us_1024_ranks": cost_large["event_us"],
-        "scrape_cost_ms_1024_ranks": cost_large["scrape_ms"],
-        "driver_cost_ratio": round((off_s + per_step_s) / off_s, 6),
-    }))
+    print(
+        f"same run, {ab['steps']} steps on {ab['world_size']} ranks, blocks of {args.block}: "
+        f"median step {on_s:.4f} s with metrics, {off_s:.4f} s without ({len(ab['on'])} vs {len(ab['off'])} steps, "
+        f"{ab['scrapes']} scrapes); neighbouring blocks on / off: {ab['paired_ratio']:.4f}"
+    )
+    print(
+        f"driver cost: {cost_here['event_us']:.1f} us per step event, {cost_here['scrape_ms']:.2f} ms per scrape "
+        f"({ab['world_size']} ranks); {cost_large['event_us']:.0f} us and {cost_large['scrape_ms']:.1f} ms "
+        "for 1024 ranks"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "metrics_overhead",
+                "quick": args.quick,
+                "measured": "one real run, exporter switched on/off in alternating step blocks, "
+                "scraped over HTTP while on",
+                "world_size": ab["world_size"],
+                "steps": ab["steps"],
+                "step_time_on_s": round(on_s, 5),
+                "step_time_off_s": round(off_s, 5),
+                "ratio": round(on_s / off_s, 4),
+                "paired_ratio": round(ab["paired_ratio"], 4),
+                "goal": 1.02,
+                "scrape_interval_s": args.scrape_interval_s,
+                "event_cost_us": cost_here["event_us"],
+                "scrape_cost_ms": cost_here["scrape_ms"],
+                "event_cost_us_1024_ranks": cost_large["event_us"],
+                "scrape_cost_ms_1024_ranks": cost_large["scrape_ms"],
+                "driver_cost_ratio": round((off_s + per_step_s) / off_s, 6),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

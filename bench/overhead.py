@@ -36,9 +36,20 @@ def median_phases(steps: list[dict], warmup: int) -> dict[str, float]:
 def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tuple[float, list[dict]]:
     out = workdir / "torchrun.json"
     launched, _ = run_command(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-         "bench/torchrun_reference.py", str(config), "--steps", str(steps), "--out", str(out)],
-        timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            "bench/torchrun_reference.py",
+            str(config),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ],
+        timeout=1800,
+    )
     records = json.loads(out.read_text())["steps"]
     return records[0]["completed_at"] - launched, records
 
@@ -46,9 +57,22 @@ def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tup
 def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, list[dict]]:
     run_dir = workdir / "meshpilot-run"
     launched, _ = run_command(
-        [sys.executable, "-m", "orchestrator.cli", "train", str(config), "--run-dir", str(run_dir),
-         "--set", f"training.steps={steps}", "--set", "metrics.enabled=false", "--plain"],
-        timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "train",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"training.steps={steps}",
+            "--set",
+            "metrics.enabled=false",
+            "--plain",
+        ],
+        timeout=1800,
+    )
     records = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
     return records[0]["completed_at"] - launched, records
 
@@ -80,26 +104,43 @@ def main() -> None:
                 starts.append(start)
                 step_times.append(steady_step_time([r["completed_at"] for r in records], warmup))
                 phases[which].append(median_phases(records, warmup))
-            print(f"round {round_index + 1}: step {ours_steps[-1]:.3f} s vs {reference_steps[-1]:.3f} s; "
-                  f"first step {ours_starts[-1]:.1f} s vs {reference_starts[-1]:.1f} s", flush=True)
+            print(
+                f"round {round_index + 1}: step {ours_steps[-1]:.3f} s vs {reference_steps[-1]:.3f} s; "
+                f"first step {ours_starts[-1]:.1f} s vs {reference_starts[-1]:.1f} s",
+                flush=True,
+            )
     ours, reference = statistics.median(ours_steps), statistics.median(reference_steps)
     ours_start, torchrun_start = statistics.median(ours_starts), statistics.median(reference_starts)
     result = {
-        "benchmark": "overhead", "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
-        "world_size": world, "steps": steps, "rounds": rounds,
-        "meshpilot_step_s": round(ours, 4), "torchrun_step_s": round(reference, 4),
+        "benchmark": "overhead",
+        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
+        "world_size": world,
+        "steps": steps,
+        "rounds": rounds,
+        "meshpilot_step_s": round(ours, 4),
+        "torchrun_step_s": round(reference, 4),
         "step_time_ratio": round(ours / reference, 3),
-        "meshpilot_first_step_s": round(ours_start, 2), "torchrun_first_step_s": round(torchrun_start, 2),
+        "meshpilot_first_step_s": round(ours_start, 2),
+        "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
         # Where the step's time goes (slowest rank, medians): sync_s is the gradient clip plus,
         # for meshpilot, the commit vote.
-        "phases_s": {which: {phase: round(statistics.median(r[phase] for r in rounds_), 4) for phase in rounds_[0]}
-                     for which, rounds_ in phases.items() if rounds_ and rounds_[0]},
-        "per_round": {"meshpilot_step_s": ours_steps, "torchrun_step_s": reference_steps,
-                      "meshpilot_first_step_s": ours_starts, "torchrun_first_step_s": reference_starts},
+        "phases_s": {
+            which: {phase: round(statistics.median(r[phase] for r in rounds_), 4) for phase in rounds_[0]}
+            for which, rounds_ in phases.items()
+            if rounds_ and rounds_[0]
+        },
+        "per_round": {
+            "meshpilot_step_s": ours_steps,
+            "torchrun_step_s": reference_steps,
+            "meshpilot_first_step_s": ours_starts,
+            "torchrun_first_step_s": reference_starts,
+        },
     }
-    print(f"steady step: meshpilot {ours:.3f} s vs torchrun {reference:.3f} s (x{ours / reference:.3f}); "
-          f"command to first step: {ours_start:.1f} s vs {torchrun_start:.1f} s")
+    print(
+        f"steady step: meshpilot {ours:.3f} s vs torchrun {reference:.3f} s (x{ours / reference:.3f}); "
+        f"command to first step: {ours_start:.1f} s vs {torchrun_start:.1f} s"
+    )
     emit(result)
 
 

@@ -47,8 +47,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -69,9 +70,13 @@ DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"
 MESH = {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}
 WORLD_SIZE = 4
 SEQ_LEN = 64
-LAYOUT = (*(f"parallelism.{name}={degree}" for name, degree in MESH.items()), f"training.seq_len={SEQ_LEN}",
-          f"data.path={REPO / 'data' / 'sample.txt'}", "metrics.enabled=false",
-          f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}")
+LAYOUT = (
+    *(f"parallelism.{name}={degree}" for name, degree in MESH.items()),
+    f"training.seq_len={SEQ_LEN}",
+    f"data.path={REPO / 'data' / 'sample.txt'}",
+    "metrics.enabled=false",
+    f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}",
+)
 FAULT_STEP = 8  # the step whose start a kill or a drain hits; a node goes once it has completed
 CHECKPOINT_EVERY = 5  # the reference's checkpoint interval (steps)
 # How long the node scenario waits for the new node's replica group to join before giving up.
@@ -86,8 +91,9 @@ class DeathWatch:
 
     ``arm()`` takes the rank actors alive now among this process's descendants (the raylets of
     the benchmark's cluster are its children: other jobs on the machine are not watched); the
-    watch then keeps, for each, the last time it was seen alive. The first one to die gives ``died_at``: the last sighting, so the fault
-    time is never later than the real kill (at most ``interval_s`` earlier).
+    watch then keeps, for each, the last time it was seen alive. The first one to die gives
+    ``died_at``: the last sighting, so the fault time is never later than the real kill (at most
+    ``interval_s`` earlier).
     """
 
     def __init__(self, marker: bytes = b"RankActor", interval_s: float = 0.005) -> None:
@@ -188,8 +194,8 @@ def job_config(steps: int):
 def run_meshpilot(run_dir: Path, *, steps: int, faults: tuple[str, ...], on_event=None, node_fault=None):
     """One meshpilot job on the benchmark's cluster; its events. ``on_event`` may raise
     ``StopRun`` to end the job early (as Ctrl-C does: after the step in flight)."""
-    from orchestrator.observe.events import read_events
     from orchestrator.driver.run import run_training
+    from orchestrator.observe.events import read_events
     from workers.faults import FaultSpec
 
     stopped = []
@@ -202,8 +208,13 @@ def run_meshpilot(run_dir: Path, *, steps: int, faults: tuple[str, ...], on_even
             stopped.append(event)
             raise KeyboardInterrupt from None  # the controller's Ctrl-C path: stop after the step in flight
 
-    result = run_training(job_config(steps), run_dir, faults=tuple(FaultSpec.parse(f) for f in faults),
-                          node_fault=node_fault, subscribers=[_Subscriber(watch)])
+    result = run_training(
+        job_config(steps),
+        run_dir,
+        faults=tuple(FaultSpec.parse(f) for f in faults),
+        node_fault=node_fault,
+        subscribers=[_Subscriber(watch)],
+    )
     if result.exit_code != 0 and not (stopped and result.status == "interrupted"):
         raise RuntimeError(f"meshpilot run {run_dir} ended {result.status}: {result.reason}")
     return read_events(run_dir / "events.jsonl")
@@ -230,16 +241,23 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     previous_step_at = step_completed_at(events, FAULT_STEP - 1)
     fault_at = watch.died_at
     if fault_at is None or abs(fault_at - previous_step_at) > 1.0:
-        print(f"  warning: the kill was not seen in /proc; timing it from step {FAULT_STEP - 1}'s completion", flush=True)
+        print(
+            f"  warning: the kill was not seen in /proc; timing it from step {FAULT_STEP - 1}'s completion", flush=True
+        )
         fault_at = previous_step_at
     change = mesh_change(events, after_event="failure", new_mesh_event="recovered", began_at=fault_at)
     [recovered] = of_kind(events, "recovered")
-    return {"fault_to_step_s": change.to_first_step_s, "lost_steps": change.lost_steps,
-            "controller_lost_steps": recovered["lost_steps"], "mttr_s": recovered["mttr_s"],
-            "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
-            "from_previous_step_s": change.first_step_at - previous_step_at,
-            "kill_seen": fault_at == watch.died_at,
-            "kill_window_s": None if watch.died_at is None else watch.seen_dead_at - watch.died_at, "losses": _losses(events, upto=FAULT_STEP - 1)}
+    return {
+        "fault_to_step_s": change.to_first_step_s,
+        "lost_steps": change.lost_steps,
+        "controller_lost_steps": recovered["lost_steps"],
+        "mttr_s": recovered["mttr_s"],
+        "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
+        "from_previous_step_s": change.first_step_at - previous_step_at,
+        "kill_seen": fault_at == watch.died_at,
+        "kill_window_s": None if watch.died_at is None else watch.seen_dead_at - watch.died_at,
+        "losses": _losses(events, upto=FAULT_STEP - 1),
+    }
 
 
 def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -266,27 +284,41 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
             event_step[0] = event["step"]
             grown = added.get("grown_at_step")
             if (grown is not None and event["step"] >= grown + 2) or (
-                    "at" in added and time.time() > added["at"] + GROW_WAIT_S):
+                "at" in added and time.time() > added["at"] + GROW_WAIT_S
+            ):
                 print("  (node run: the figures are in; the benchmark stops the job, hence 'interrupted')", flush=True)
                 raise StopRun  # no need to train to the end
 
     event_step = [0]
     try:
-        events = run_meshpilot(run_dir, steps=steps, faults=(f"node@{FAULT_STEP}:2",), node_fault=remove_node,
-                               on_event=add_a_node_after_recovery)
+        events = run_meshpilot(
+            run_dir,
+            steps=steps,
+            faults=(f"node@{FAULT_STEP}:2",),
+            node_fault=remove_node,
+            on_event=add_a_node_after_recovery,
+        )
     finally:
         nodes.close()
     change = mesh_change(events, after_event="failure", new_mesh_event="recovered", began_at=removed["at"])
     [recovered] = of_kind(events, "recovered")
-    node = {"fault_to_step_s": change.to_first_step_s, "lost_steps": change.lost_steps,
-            "controller_lost_steps": recovered["lost_steps"], "mttr_s": recovered["mttr_s"],
-            "detection_s": change.to_first_step_s - recovered["mttr_s"],
-            "remove_node_s": removed["remove_s"]}
+    node = {
+        "fault_to_step_s": change.to_first_step_s,
+        "lost_steps": change.lost_steps,
+        "controller_lost_steps": recovered["lost_steps"],
+        "mttr_s": recovered["mttr_s"],
+        "detection_s": change.to_first_step_s - recovered["mttr_s"],
+        "remove_node_s": removed["remove_s"],
+    }
     grow: dict[str, Any] = {"node_to_step_s": None, "join_s": None, "add_node_s": None}
     if of_kind(events, "grow") and added:
         growth = mesh_change(events, after_event="recovered", new_mesh_event="grow", began_at=added["at"])
-        grow = {"node_to_step_s": growth.to_first_step_s, "join_s": of_kind(events, "grow")[0]["join_s"],
-                "add_node_s": added["at"] - added["called_at"], "lost_steps": growth.lost_steps}
+        grow = {
+            "node_to_step_s": growth.to_first_step_s,
+            "join_s": of_kind(events, "grow")[0]["join_s"],
+            "add_node_s": added["at"] - added["called_at"],
+            "lost_steps": growth.lost_steps,
+        }
     else:
         print(f"  warning: the run ended before the new node's replica joined (raise the steps): {run_dir}")
     return node, grow
@@ -305,16 +337,22 @@ def meshpilot_drain(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     [recovered] = of_kind(events, "recovered")
     if of_kind(events, "failure"):
         raise RuntimeError(f"the drain run {run_dir} recorded a failure: {of_kind(events, 'failure')}")
-    return {"pause_s": change.pause_s, "idle_s": change.idle_s, "lost_steps": change.lost_steps,
-            "controller_lost_steps": recovered["lost_steps"], "mttr_s": recovered["mttr_s"],
-            "notice_to_step_s": change.to_first_step_s,
-            "steps_after_notice": change.first_step - FAULT_STEP}
+    return {
+        "pause_s": change.pause_s,
+        "idle_s": change.idle_s,
+        "lost_steps": change.lost_steps,
+        "controller_lost_steps": recovered["lost_steps"],
+        "mttr_s": recovered["mttr_s"],
+        "notice_to_step_s": change.to_first_step_s,
+        "steps_after_notice": change.first_step - FAULT_STEP,
+    }
 
 
 def _losses(events, *, upto: int) -> dict[int, float]:
     # A step whose killed rank never reported carries a partial loss: not comparable.
-    return {e["step"]: e["loss"] for e in events
-            if e["event"] == "step" and e["step"] <= upto and not e.get("loss_partial")}
+    return {
+        e["step"]: e["loss"] for e in events if e["event"] == "step" and e["step"] <= upto and not e.get("loss_partial")
+    }
 
 
 # ------------------------------------------------------------------ the reference
@@ -323,9 +361,16 @@ def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = No
     from orchestrator.driver.train_spec import data_bytes, train_spec
 
     config = job_config(steps)
-    return run_reference(spec=train_spec(config, backend="gloo"), mesh=MESH, data=data_bytes(config),
-                         workdir=workdir, checkpoint_every=CHECKPOINT_EVERY, kill=kill, on_step=on_step,
-                         resources_per_worker={"CPU": 0.5, NODE_RESOURCE: 1})
+    return run_reference(
+        spec=train_spec(config, backend="gloo"),
+        mesh=MESH,
+        data=data_bytes(config),
+        workdir=workdir,
+        checkpoint_every=CHECKPOINT_EVERY,
+        kill=kill,
+        on_step=on_step,
+        resources_per_worker={"CPU": 0.5, NODE_RESOURCE: 1},
+    )
 
 
 def reference_kill(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
@@ -363,10 +408,14 @@ def reference_node(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
 
 def _restart_figures(records, *, fault_at: float) -> dict[str, Any]:
     restart = restart_from_records(records, fault_at=fault_at, world_size=WORLD_SIZE)
-    return {"fault_to_step_s": restart.to_first_step_s, "lost_steps": restart.lost_steps,
-            "to_new_progress_s": restart.to_new_progress_s, "resumed_from": restart.resumed_from,
-            "to_workers_ready_s": restart.to_workers_ready_s,
-            "last_step_before": restart.last_step_before}
+    return {
+        "fault_to_step_s": restart.to_first_step_s,
+        "lost_steps": restart.lost_steps,
+        "to_new_progress_s": restart.to_new_progress_s,
+        "resumed_from": restart.resumed_from,
+        "to_workers_ready_s": restart.to_workers_ready_s,
+        "last_step_before": restart.last_step_before,
+    }
 
 
 def _reference_losses(records) -> dict[int, float]:
@@ -422,23 +471,41 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         values = [r[key] for r in results[name] if r.get(key) is not None]
         return max(values) if values else None
 
-    kill = {"ours_s": mid("meshpilot_kill", "fault_to_step_s"), "ours_lost_steps": worst("meshpilot_kill", "lost_steps"),
-            "ours_mttr_s": mid("meshpilot_kill", "mttr_s"), "ours_detection_s": mid("meshpilot_kill", "detection_s"),
-            "ours_from_previous_step_s": mid("meshpilot_kill", "from_previous_step_s"),
-            "reference_s": mid("reference_kill", "fault_to_step_s"),
-            "reference_lost_steps": worst("reference_kill", "lost_steps"),
-            "reference_to_new_progress_s": mid("reference_kill", "to_new_progress_s"), "goal_s": GOALS["kill_s"]}
-    node = {"ours_s": mid("meshpilot_node", "fault_to_step_s"), "ours_lost_steps": worst("meshpilot_node", "lost_steps"),
-            "ours_mttr_s": mid("meshpilot_node", "mttr_s"), "ours_detection_s": mid("meshpilot_node", "detection_s"),
-            "reference_s": mid("reference_node", "fault_to_step_s"),
-            "reference_lost_steps": worst("reference_node", "lost_steps"),
-            "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"), "goal_s": GOALS["node_s"]}
-    drain = {"ours_pause_s": mid("meshpilot_drain", "pause_s"), "ours_idle_s": mid("meshpilot_drain", "idle_s"),
-             "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
-             "ours_mttr_s": mid("meshpilot_drain", "mttr_s"),
-             "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"), "goal_pause_s": GOALS["drain_pause_s"]}
-    grow = {"ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"), "ours_join_s": mid("meshpilot_grow", "join_s"),
-            "ours_add_node_s": mid("meshpilot_grow", "add_node_s"), "goal_s": GOALS["grow_s"]}
+    kill = {
+        "ours_s": mid("meshpilot_kill", "fault_to_step_s"),
+        "ours_lost_steps": worst("meshpilot_kill", "lost_steps"),
+        "ours_mttr_s": mid("meshpilot_kill", "mttr_s"),
+        "ours_detection_s": mid("meshpilot_kill", "detection_s"),
+        "ours_from_previous_step_s": mid("meshpilot_kill", "from_previous_step_s"),
+        "reference_s": mid("reference_kill", "fault_to_step_s"),
+        "reference_lost_steps": worst("reference_kill", "lost_steps"),
+        "reference_to_new_progress_s": mid("reference_kill", "to_new_progress_s"),
+        "goal_s": GOALS["kill_s"],
+    }
+    node = {
+        "ours_s": mid("meshpilot_node", "fault_to_step_s"),
+        "ours_lost_steps": worst("meshpilot_node", "lost_steps"),
+        "ours_mttr_s": mid("meshpilot_node", "mttr_s"),
+        "ours_detection_s": mid("meshpilot_node", "detection_s"),
+        "reference_s": mid("reference_node", "fault_to_step_s"),
+        "reference_lost_steps": worst("reference_node", "lost_steps"),
+        "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"),
+        "goal_s": GOALS["node_s"],
+    }
+    drain = {
+        "ours_pause_s": mid("meshpilot_drain", "pause_s"),
+        "ours_idle_s": mid("meshpilot_drain", "idle_s"),
+        "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
+        "ours_mttr_s": mid("meshpilot_drain", "mttr_s"),
+        "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"),
+        "goal_pause_s": GOALS["drain_pause_s"],
+    }
+    grow = {
+        "ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"),
+        "ours_join_s": mid("meshpilot_grow", "join_s"),
+        "ours_add_node_s": mid("meshpilot_grow", "add_node_s"),
+        "goal_s": GOALS["grow_s"],
+    }
     for entry in (kill, node):
         entry["ratio"] = _round(ratio(entry["reference_s"], entry["ours_s"]))
         entry["met"] = _met(entry["ours_s"], entry["goal_s"]) and entry["ours_lost_steps"] == 0
@@ -466,24 +533,44 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
         return "-" if value is None else f"{value:.1f}x"
 
     kill, node, drain, grow = summary["kill"], summary["node"], summary["drain"], summary["grow"]
-    rows = [("scenario", "figure", "meshpilot", "Ray Train V2", "ratio", "goal"),
-            ("SIGKILL one rank", "fault -> first step", s(kill["ours_s"]), s(kill["reference_s"]), x(kill["ratio"]),
-             f"<= {GOALS['kill_s']:g} s"),
-            ("", "completed steps lost", s(kill["ours_lost_steps"]), s(kill["reference_lost_steps"]), "", "0"),
-            ("", "fault -> new progress", s(kill["ours_s"]), s(kill["reference_to_new_progress_s"]), "", ""),
-            ("", "controller mttr_s", s(kill["ours_mttr_s"]), "", "", ""),
-            ("node removed", "fault -> first step", s(node["ours_s"]), s(node["reference_s"]), x(node["ratio"]),
-             f"<= {GOALS['node_s']:g} s"),
-            ("", "controller mttr_s", s(node["ours_mttr_s"]), "", "", ""),
-            ("", "completed steps lost", s(node["ours_lost_steps"]), s(node["reference_lost_steps"]), "", "0"),
-            ("", "fault -> new progress", s(node["ours_s"]), s(node["reference_to_new_progress_s"]), "", ""),
-            ("drain notice", "pause (step to step)", s(drain["ours_pause_s"]), "", "", f"<= {GOALS['drain_pause_s']:g} s"),
-            ("", "  of it, no step running", s(drain["ours_idle_s"]), "", "", ""),
-            ("", "completed steps lost", s(drain["ours_lost_steps"]), "", "", "0"),
-            ("", "controller mttr_s", s(drain["ours_mttr_s"]), "", "", ""),
-            ("grow (node added)", "node up -> first step", s(grow["ours_node_to_step_s"]), "", "",
-             f"<= {GOALS['grow_s']:g} s"),
-            ("", "join pause (join_s)", s(grow["ours_join_s"]), "", "", "")]
+    rows = [
+        ("scenario", "figure", "meshpilot", "Ray Train V2", "ratio", "goal"),
+        (
+            "SIGKILL one rank",
+            "fault -> first step",
+            s(kill["ours_s"]),
+            s(kill["reference_s"]),
+            x(kill["ratio"]),
+            f"<= {GOALS['kill_s']:g} s",
+        ),
+        ("", "completed steps lost", s(kill["ours_lost_steps"]), s(kill["reference_lost_steps"]), "", "0"),
+        ("", "fault -> new progress", s(kill["ours_s"]), s(kill["reference_to_new_progress_s"]), "", ""),
+        ("", "controller mttr_s", s(kill["ours_mttr_s"]), "", "", ""),
+        (
+            "node removed",
+            "fault -> first step",
+            s(node["ours_s"]),
+            s(node["reference_s"]),
+            x(node["ratio"]),
+            f"<= {GOALS['node_s']:g} s",
+        ),
+        ("", "controller mttr_s", s(node["ours_mttr_s"]), "", "", ""),
+        ("", "completed steps lost", s(node["ours_lost_steps"]), s(node["reference_lost_steps"]), "", "0"),
+        ("", "fault -> new progress", s(node["ours_s"]), s(node["reference_to_new_progress_s"]), "", ""),
+        ("drain notice", "pause (step to step)", s(drain["ours_pause_s"]), "", "", f"<= {GOALS['drain_pause_s']:g} s"),
+        ("", "  of it, no step running", s(drain["ours_idle_s"]), "", "", ""),
+        ("", "completed steps lost", s(drain["ours_lost_steps"]), "", "", "0"),
+        ("", "controller mttr_s", s(drain["ours_mttr_s"]), "", "", ""),
+        (
+            "grow (node added)",
+            "node up -> first step",
+            s(grow["ours_node_to_step_s"]),
+            "",
+            "",
+            f"<= {GOALS['grow_s']:g} s",
+        ),
+        ("", "join pause (join_s)", s(grow["ours_join_s"]), "", "", ""),
+    ]
     print(table(rows))
     if node_reference_note:
         print(f"Ray Train, node removed: {node_reference_note}")
@@ -494,13 +581,23 @@ def record_figures(summary: dict[str, Any]) -> None:
 
     layout = "4 ranks as dp_replicate=2 x dp_shard=2, debug model, CPU gloo, 2-core machine"
     figures = [
-        ("inplace_recovery_s", summary["kill"]["ours_s"], f"SIGKILL of one rank to the first step on the smaller mesh; {layout}"),
-        ("drain_recovery_s", summary["drain"]["ours_pause_s"],
-         f"drain notice: last step on the old mesh to the first on the smaller one; {layout}"),
+        (
+            "inplace_recovery_s",
+            summary["kill"]["ours_s"],
+            f"SIGKILL of one rank to the first step on the smaller mesh; {layout}",
+        ),
+        (
+            "drain_recovery_s",
+            summary["drain"]["ours_pause_s"],
+            f"drain notice: last step on the old mesh to the first on the smaller one; {layout}",
+        ),
         ("grow_s", summary["grow"]["ours_join_s"], f"pause while a new replica group joins (grow join_s); {layout}"),
-        ("restart_recovery_s", summary["kill"]["reference_s"],
-         "Ray Train V2 TorchTrainer restarting every worker after a SIGKILL, to its first step from the last "
-         f"registered checkpoint (steps since then are redone on top); {layout}"),
+        (
+            "restart_recovery_s",
+            summary["kill"]["reference_s"],
+            "Ray Train V2 TorchTrainer restarting every worker after a SIGKILL, to its first step from the last "
+            f"registered checkpoint (steps since then are redone on top); {layout}",
+        ),
     ]
     for name, value, note in figures:
         if value is not None:
@@ -519,14 +616,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each scenario once, Ray Train's lost node left out")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of every scenario (default 3, --quick 1)")
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="keep every run's directory (events, logs, the reference's records) here")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep every run's directory (events, logs, the reference's records) here",
+    )
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     import ray
 
-    print(f"recovery benchmark: {WORLD_SIZE} ranks {MESH}, debug model, seq_len {SEQ_LEN}, fault at step {FAULT_STEP}, "
-          f"{repeats} round(s)", flush=True)
+    print(
+        f"recovery benchmark: {WORLD_SIZE} ranks {MESH}, debug model, seq_len {SEQ_LEN}, fault at step {FAULT_STEP}, "
+        f"{repeats} round(s)",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="meshpilot-recovery-") as tmp:
         workdir = args.keep or Path(tmp)
         cluster = start_cluster()
@@ -536,8 +640,7 @@ def main() -> int:
             ray.shutdown()
             cluster.shutdown()
     summary = summarize(results)
-    node_note = ("not measured with --quick (a lost node takes Ray Train about a minute)" if args.quick
-                 else None)
+    node_note = "not measured with --quick (a lost node takes Ray Train about a minute)" if args.quick else None
     print()
     print_table(summary, node_reference_note=node_note)
     parity = loss_parity(results)
@@ -545,15 +648,29 @@ def main() -> int:
         print(f"same job on both sides: losses before the fault differ by at most {parity:.1e} (relative)")
     record_figures(summary)
     runs = {name: [{k: v for k, v in r.items() if k != "losses"} for r in rows] for name, rows in results.items()}
-    emit({
-        "benchmark": "recovery", "quick": args.quick, "repeats": repeats, "world_size": WORLD_SIZE, "mesh": MESH,
-        "model": "debug", "seq_len": SEQ_LEN, "global_batch": 16, "fault_step": FAULT_STEP,
-        "reference": ("Ray Train V2 TorchTrainer (ray " + ray.__version__ + "): the same Trainer (FSDP2, "
-                      "dp_replicate=2 x dp_shard=2), data and batch, gloo on CPU, ray.train.report every step, "
-                      f"a checkpoint every {CHECKPOINT_EVERY} steps, FailureConfig(max_failures=1)"),
-        **summary, "node_reference_note": node_note, "loss_parity_max_rel_diff": parity, "runs": runs,
-        "errors": errors,
-    })
+    emit(
+        {
+            "benchmark": "recovery",
+            "quick": args.quick,
+            "repeats": repeats,
+            "world_size": WORLD_SIZE,
+            "mesh": MESH,
+            "model": "debug",
+            "seq_len": SEQ_LEN,
+            "global_batch": 16,
+            "fault_step": FAULT_STEP,
+            "reference": (
+                "Ray Train V2 TorchTrainer (ray " + ray.__version__ + "): the same Trainer (FSDP2, "
+                "dp_replicate=2 x dp_shard=2), data and batch, gloo on CPU, ray.train.report every step, "
+                f"a checkpoint every {CHECKPOINT_EVERY} steps, FailureConfig(max_failures=1)"
+            ),
+            **summary,
+            "node_reference_note": node_note,
+            "loss_parity_max_rel_diff": parity,
+            "runs": runs,
+            "errors": errors,
+        }
+    )
     return 1 if errors else 0
 
 

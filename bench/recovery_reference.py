@@ -22,8 +22,9 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 CHECKPOINT_FILE = "rank{rank}.safetensors"
 
@@ -53,8 +54,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             trainer.load_local_shards(load_file(os.path.join(directory, CHECKPOINT_FILE.format(rank=rank))))
             resumed_from = json.loads(Path(directory, "step.json").read_text())["step"]
-    records.write("start", resumed_from=resumed_from, node=ray.get_runtime_context().get_node_id(),
-                  pid=os.getpid())
+    records.write("start", resumed_from=resumed_from, node=ray.get_runtime_context().get_node_id(), pid=os.getpid())
     kill = config.get("kill")  # {"step": S, "rank": R}: SIGKILL this process at the start of step S, once
     for step in range(resumed_from + 1, spec.steps + 1):
         if kill and kill["rank"] == rank and kill["step"] == step and records.attempt == 1:
@@ -103,10 +103,18 @@ def all_records(records_dir: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- driver side
-def run_reference(*, spec, mesh: dict[str, int], data: bytes, workdir: Path, checkpoint_every: int,
-                  kill: dict[str, int] | None = None, resources_per_worker: dict[str, float],
-                  on_step: Callable[[list[dict[str, Any]]], None] | None = None,
-                  poll_s: float = 0.02) -> list[dict[str, Any]]:
+def run_reference(
+    *,
+    spec,
+    mesh: dict[str, int],
+    data: bytes,
+    workdir: Path,
+    checkpoint_every: int,
+    kill: dict[str, int] | None = None,
+    resources_per_worker: dict[str, float],
+    on_step: Callable[[list[dict[str, Any]]], None] | None = None,
+    poll_s: float = 0.02,
+) -> list[dict[str, Any]]:
     """Driver: one ``TorchTrainer.fit()`` on the connected Ray cluster; returns every rank's records.
 
     ``on_step(records)`` is called from a watcher thread whenever new records appear, so the
@@ -122,16 +130,27 @@ def run_reference(*, spec, mesh: dict[str, int], data: bytes, workdir: Path, che
         world_size *= degree
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"spec": spec, "mesh": mesh, "data": data, "records_dir": str(records_dir),
-                           "checkpoint_every": checkpoint_every, "kill": kill},
+        train_loop_config={
+            "spec": spec,
+            "mesh": mesh,
+            "data": data,
+            "records_dir": str(records_dir),
+            "checkpoint_every": checkpoint_every,
+            "kill": kill,
+        },
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=world_size, use_gpu=False, resources_per_worker=resources_per_worker),
-        run_config=RunConfig(name="reference", storage_path=str(workdir / "storage"),
-                             failure_config=FailureConfig(max_failures=1),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        run_config=RunConfig(
+            name="reference",
+            storage_path=str(workdir / "storage"),
+            failure_config=FailureConfig(max_failures=1),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
     )
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(records_dir, on_step, stop, poll_s), daemon=True) if on_step else None
+    watcher = (
+        threading.Thread(target=_watch, args=(records_dir, on_step, stop, poll_s), daemon=True) if on_step else None
+    )
     if watcher:
         watcher.start()
     try:

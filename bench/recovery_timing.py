@@ -15,8 +15,9 @@ new mesh, and "steps lost" counts steps completed before the fault that had to b
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def of_kind(events: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]
     return [e for e in events if e.get("event") == kind]
 
 
-def mesh_change(events: list[dict[str, Any]], *, after_event: str, new_mesh_event: str,
-                began_at: float, skip: int = 0) -> MeshChange:
+def mesh_change(
+    events: list[dict[str, Any]], *, after_event: str, new_mesh_event: str, began_at: float, skip: int = 0
+) -> MeshChange:
     """The first step on the new mesh after the ``skip``-th ``after_event`` of the run.
 
     ``after_event`` marks where the old mesh stopped counting (``failure``, ``drain``, or
@@ -81,10 +83,14 @@ def mesh_change(events: list[dict[str, Any]], *, after_event: str, new_mesh_even
         raise ValueError(f"no step completed on the new mesh {new_mesh} after the {after_event!r} event")
     before = [e for i, e in steps if i < first_index]
     last = before[-1] if before else None
-    return MeshChange(began_at=began_at, first_step=first["step"], first_step_at=first["completed_at"],
-                      last_step_before=last["step"] if last else 0,
-                      last_step_before_at=last["completed_at"] if last else None,
-                      first_step_time_s=first.get("step_time_s"))
+    return MeshChange(
+        began_at=began_at,
+        first_step=first["step"],
+        first_step_at=first["completed_at"],
+        last_step_before=last["step"] if last else 0,
+        last_step_before_at=last["completed_at"] if last else None,
+        first_step_time_s=first.get("step_time_s"),
+    )
 
 
 def step_completed_at(events: list[dict[str, Any]], step: int) -> float:
@@ -148,10 +154,14 @@ def restart_from_records(records: list[dict[str, Any]], *, fault_at: float, worl
     resumed_from = min((r["resumed_from"] for r in starts), default=min(attempts[second]) - 1)
     redone = attempts[second]
     first_step = min(redone)
-    return Restart(fault_at=fault_at, last_step_before=last_before, resumed_from=resumed_from,
-                   first_step_at=redone[first_step],
-                   caught_up_at=next((at for step, at in redone.items() if step > last_before), None),
-                   ready_at=max((r["time"] for r in starts), default=None))
+    return Restart(
+        fault_at=fault_at,
+        last_step_before=last_before,
+        resumed_from=resumed_from,
+        first_step_at=redone[first_step],
+        caught_up_at=next((at for step, at in redone.items() if step > last_before), None),
+        ready_at=max((r["time"] for r in starts), default=None),
+    )
 
 
 def median(values: Iterable[float | None]) -> float | None:

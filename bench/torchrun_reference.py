@@ -55,20 +55,33 @@ def main() -> None:
     records = []
     for step in range(1, spec.steps + 1):
         result = trainer.train_step(step)
-        records.append({"step": step, "loss": result.loss, "step_time_s": result.step_time_s,
-                        "dp_rank": trainer.dp_rank, "completed_at": time.time(), "phases": result.phases})
+        records.append(
+            {
+                "step": step,
+                "loss": result.loss,
+                "step_time_s": result.step_time_s,
+                "dp_rank": trainer.dp_rank,
+                "completed_at": time.time(),
+                "phases": result.phases,
+            }
+        )
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     if rank == 0:
         steps = summarize_steps(gathered)
         if args.out:
-            Path(args.out).write_text(json.dumps({
-                "steps": steps,
-            }))
+            Path(args.out).write_text(json.dumps({"steps": steps}))
         step_times = [step["step_time_s"] for step in steps]
-        emit({"benchmark": "torchrun_reference", "quick": args.quick, "world_size": dist.get_world_size(),
-              "steps": len(steps), "median_step_time_s": round(statistics.median(step_times), 4) if step_times else None,
-              "final_loss": steps[-1]["loss"] if steps else None})
+        emit(
+            {
+                "benchmark": "torchrun_reference",
+                "quick": args.quick,
+                "world_size": dist.get_world_size(),
+                "steps": len(steps),
+                "median_step_time_s": round(statistics.median(step_times), 4) if step_times else None,
+                "final_loss": steps[-1]["loss"] if steps else None,
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -81,11 +94,16 @@ def summarize_steps(gathered: list[list[dict]]) -> list[dict]:
                 losses.setdefault(record["step"], []).append(record["loss"])
     rank_phases = gathered[0][0]["phases"] if gathered and gathered[0] else {}
     return [
-        {"step": step, "loss": sum(values) / len(values),
-         "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
-         "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step),
-         "phases_s": {phase: max(r["phases"][phase] for rr in gathered for r in rr if r["step"] == step)
-                      for phase in rank_phases}}
+        {
+            "step": step,
+            "loss": sum(values) / len(values),
+            "step_time_s": max(r["step_time_s"] for rr in gathered for r in rr if r["step"] == step),
+            "completed_at": max(r["completed_at"] for rr in gathered for r in rr if r["step"] == step),
+            "phases_s": {
+                phase: max(r["phases"][phase] for rr in gathered for r in rr if r["step"] == step)
+                for phase in rank_phases
+            },
+        }
         for step, values in sorted(losses.items())
     ]
 

@@ -56,29 +56,37 @@ def load_manifest(storage: StorageBackend, step: int | None = None) -> Manifest:
     return manifest
 
 
-def check_compatible(manifest: Manifest, *, model: dict[str, Any] | None = None,
-                     config_hash: str | None = None, uri: str = "") -> None:
+def check_compatible(
+    manifest: Manifest, *, model: dict[str, Any] | None = None, config_hash: str | None = None, uri: str = ""
+) -> None:
     """Refuse a checkpoint of another model (shape) or, when given, another config hash."""
     where = f"{uri} step {manifest.step}".strip()
     if model is not None:
-        differences = [f"{name}: checkpoint {manifest.model.get(name)!r} vs job {model.get(name)!r}"
-                       for name in sorted(set(model) | set(manifest.model))
-                       if manifest.model.get(name) != model.get(name)]
+        differences = [
+            f"{name}: checkpoint {manifest.model.get(name)!r} vs job {model.get(name)!r}"
+            for name in sorted(set(model) | set(manifest.model))
+            if manifest.model.get(name) != model.get(name)
+        ]
         if differences:
             raise ForeignCheckpointError(
                 f"checkpoint {where} belongs to another model ({'; '.join(differences)}); point checkpoint.uri at "
-                "this job's checkpoints or change model: to match")
+                "this job's checkpoints or change model: to match"
+            )
     if config_hash is not None and manifest.config_hash is not None and manifest.config_hash != config_hash:
         raise ForeignCheckpointError(
             f"checkpoint {where} was written by another config (hash {manifest.config_hash}, this job "
-            f"{config_hash}): model, training or data settings differ; use a fresh checkpoint.uri or the same config")
+            f"{config_hash}): model, training or data settings differ; use a fresh checkpoint.uri or the same config"
+        )
 
 
 def missing_objects(storage: StorageBackend, manifest: Manifest) -> list[str]:
     """Files the manifest lists that are absent or of the wrong size (one LIST call)."""
     present = {info.key: info.size for info in storage.list(step_prefix(manifest.step))}
-    return [f"{entry.key} ({'missing' if entry.key not in present else f'{present[entry.key]} bytes, expected {entry.bytes}'})"
-            for entry in manifest.files if present.get(entry.key) != entry.bytes]
+    return [
+        f"{entry.key} ({'missing' if entry.key not in present else f'{present[entry.key]} bytes, expected {entry.bytes}'})"  # noqa: E501
+        for entry in manifest.files
+        if present.get(entry.key) != entry.bytes
+    ]
 
 
 def choose_restore(
@@ -108,7 +116,9 @@ def choose_restore(
         check_compatible(manifest, model=model, config_hash=config_hash, uri=storage.uri)
         missing = missing_objects(storage, manifest)
         if missing:
-            warn(f"checkpoint step {step} is unusable (shard {missing[0]}); falling back to the previous committed step")
+            warn(
+                f"checkpoint step {step} is unusable (shard {missing[0]}); falling back to the previous committed step"
+            )
             continue
         return manifest
     return None

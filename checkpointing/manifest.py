@@ -23,8 +23,9 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from checkpointing.errors import CorruptCheckpointError, ManifestVersionError
 from checkpointing.spec import (
@@ -85,13 +86,33 @@ class Manifest:
             "world_size": self.world_size,
             "extra": self.extra,
             "timings": {"upload_s": self.upload_s, "stall_s": self.stall_s},
-            "files": [{"key": f.key, "rank": f.rank, "bytes": f.bytes, "header_bytes": f.header_bytes,
-                       "header_checksum": f.header_checksum} for f in self.files],
+            "files": [
+                {
+                    "key": f.key,
+                    "rank": f.rank,
+                    "bytes": f.bytes,
+                    "header_bytes": f.header_bytes,
+                    "header_checksum": f.header_checksum,
+                }
+                for f in self.files
+            ],
             "tensors": {
-                fqn: {"shape": list(index.shape), "dtype": index.dtype, "chunks": [
-                    {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": file_index[c.key], "start": c.start,
-                     "end": c.end, "block_rows": c.block_rows, "checksums": list(c.checksums)}
-                    for c in index.chunks]}
+                fqn: {
+                    "shape": list(index.shape),
+                    "dtype": index.dtype,
+                    "chunks": [
+                        {
+                            "offsets": list(c.offsets),
+                            "sizes": list(c.sizes),
+                            "file": file_index[c.key],
+                            "start": c.start,
+                            "end": c.end,
+                            "block_rows": c.block_rows,
+                            "checksums": list(c.checksums),
+                        }
+                        for c in index.chunks
+                    ],
+                }
                 for fqn, index in sorted(self.tensors.items())
             },
         }
@@ -118,19 +139,29 @@ def build_manifest(
             if (known.shape, known.dtype) != (tensor.shape, tensor.dtype):
                 raise CorruptCheckpointError(
                     f"ranks disagree on tensor {tensor.fqn!r}: {known.shape} {known.dtype} vs "
-                    f"{tensor.shape} {tensor.dtype} (rank {report.rank})", key=tensor.fqn)
+                    f"{tensor.shape} {tensor.dtype} (rank {report.rank})",
+                    key=tensor.fqn,
+                )
         for chunk in report.chunks:
             chunks.setdefault(chunk.fqn, []).append(chunk)
     chunks = {fqn: _drop_identical_copies(fqn, found) for fqn, found in chunks.items()}
-    tensors = {fqn: TensorIndex(shape=entry.shape, dtype=entry.dtype,
-                                chunks=tuple(sorted(chunks.get(fqn, ()), key=lambda c: c.offsets)))
-               for fqn, entry in shapes.items()}
+    tensors = {
+        fqn: TensorIndex(
+            shape=entry.shape, dtype=entry.dtype, chunks=tuple(sorted(chunks.get(fqn, ()), key=lambda c: c.offsets))
+        )
+        for fqn, entry in shapes.items()
+    }
     by_rank = {report.rank: report for report in reports}
     extra = by_rank[min(by_rank)].extra if by_rank else {}
     manifest = Manifest(
-        step=step, model=model, mesh=mesh, world_size=world_size,
+        step=step,
+        model=model,
+        mesh=mesh,
+        world_size=world_size,
         files=tuple(f for report in sorted(reports, key=lambda r: r.rank) for f in report.files),
-        tensors=tensors, config_hash=config_hash, extra=extra,
+        tensors=tensors,
+        config_hash=config_hash,
+        extra=extra,
         committed_at=time.time() if committed_at is None else committed_at,
         upload_s=max((r.upload_s for r in reports), default=0.0),
         stall_s=max((r.stall_s for r in reports), default=0.0),
@@ -151,7 +182,9 @@ def _drop_identical_copies(fqn: str, chunks: list[ChunkEntry]) -> list[ChunkEntr
         if first is not chunk and first.checksums != chunk.checksums:
             raise CorruptCheckpointError(
                 f"replicas of tensor {fqn!r} at offsets {list(chunk.offsets)} differ ({first.key} vs {chunk.key}): "
-                "the data-parallel copies diverged", key=chunk.key)
+                "the data-parallel copies diverged",
+                key=chunk.key,
+            )
     return list(kept.values())
 
 
@@ -165,7 +198,7 @@ def parse_manifest(data: bytes, *, key: str) -> Manifest:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise _corrupt(key, f"it is not valid JSON ({type(error).__name__})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ManifestVersionError(f"{key} is not a meshpilot checkpoint manifest (no \"format\": \"{FORMAT}\")")
+        raise ManifestVersionError(f'{key} is not a meshpilot checkpoint manifest (no "format": "{FORMAT}")')
     version = body.get("version")
     if not _is_int(version) or version < 1:
         raise _corrupt(key, f"version {version!r} is not a positive integer")
@@ -173,7 +206,8 @@ def parse_manifest(data: bytes, *, key: str) -> Manifest:
     if parser is None:
         raise ManifestVersionError(
             f"{key} has manifest version {version}; this meshpilot reads versions up to {MANIFEST_VERSION}: "
-            "upgrade meshpilot to load it")
+            "upgrade meshpilot to load it"
+        )
     return parser(body, key)
 
 
@@ -194,21 +228,28 @@ def _parse_v1(body: dict[str, Any], key: str) -> Manifest:
     for number, raw in enumerate(check.sequence(body.get("files"), "files")):
         where = f"files[{number}]"
         raw = check.mapping(raw, where)
-        files.append(FileEntry(
-            key=check.text(raw.get("key"), f"{where}.key"),
-            rank=check.count(raw.get("rank"), f"{where}.rank"),
-            bytes=check.count(raw.get("bytes"), f"{where}.bytes"),
-            header_bytes=check.count(raw.get("header_bytes"), f"{where}.header_bytes", minimum=8),
-            header_checksum=check.checksum(raw.get("header_checksum"), f"{where}.header_checksum"),
-        ))
+        files.append(
+            FileEntry(
+                key=check.text(raw.get("key"), f"{where}.key"),
+                rank=check.count(raw.get("rank"), f"{where}.rank"),
+                bytes=check.count(raw.get("bytes"), f"{where}.bytes"),
+                header_bytes=check.count(raw.get("header_bytes"), f"{where}.header_bytes", minimum=8),
+                header_checksum=check.checksum(raw.get("header_checksum"), f"{where}.header_checksum"),
+            )
+        )
     if len({f.key for f in files}) != len(files):
         raise _corrupt(key, "two files have the same key")
     tensors = {}
     for fqn, raw in check.mapping(body.get("tensors"), "tensors").items():
         tensors[fqn] = _tensor_v1(check, fqn, raw, files)
     return Manifest(
-        version=1, step=step, world_size=world_size, files=tuple(files), tensors=tensors,
-        model=check.mapping(body.get("model"), "model"), mesh=check.mapping(body.get("mesh"), "mesh"),
+        version=1,
+        step=step,
+        world_size=world_size,
+        files=tuple(files),
+        tensors=tensors,
+        model=check.mapping(body.get("model"), "model"),
+        mesh=check.mapping(body.get("mesh"), "mesh"),
         config_hash=None if body.get("config_hash") is None else check.text(body.get("config_hash"), "config_hash"),
         extra=check.mapping(body.get("extra"), "extra"),
         committed_at=check.number(body.get("committed_at"), "committed_at"),
@@ -217,7 +258,7 @@ def _parse_v1(body: dict[str, Any], key: str) -> Manifest:
     )
 
 
-def _tensor_v1(check: "_Checker", fqn: str, raw: Any, files: list[FileEntry]) -> TensorIndex:
+def _tensor_v1(check: _Checker, fqn: str, raw: Any, files: list[FileEntry]) -> TensorIndex:
     where = f"tensors[{fqn!r}]"
     raw = check.mapping(raw, where)
     shape = tuple(check.count(d, f"{where}.shape") for d in check.sequence(raw.get("shape"), f"{where}.shape"))
@@ -231,8 +272,9 @@ def _tensor_v1(check: "_Checker", fqn: str, raw: Any, files: list[FileEntry]) ->
         offsets = tuple(check.count(o, f"{at}.offsets") for o in check.sequence(item.get("offsets"), f"{at}.offsets"))
         sizes = tuple(check.count(s, f"{at}.sizes") for s in check.sequence(item.get("sizes"), f"{at}.sizes"))
         if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise _corrupt(check.key, f"{at} has {len(offsets)} offsets and {len(sizes)} sizes for a "
-                                      f"{len(shape)}-dim tensor")
+            raise _corrupt(
+                check.key, f"{at} has {len(offsets)} offsets and {len(sizes)} sizes for a {len(shape)}-dim tensor"
+            )
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise _corrupt(check.key, f"{at} (offsets {offsets}, sizes {sizes}) lies outside shape {shape}")
         file_number = check.count(item.get("file"), f"{at}.file")
@@ -241,14 +283,29 @@ def _tensor_v1(check: "_Checker", fqn: str, raw: Any, files: list[FileEntry]) ->
         owner = files[file_number]
         start, end = check.count(item.get("start"), f"{at}.start"), check.count(item.get("end"), f"{at}.end")
         if not owner.header_bytes <= start <= end <= owner.bytes or end - start != math.prod(sizes) * itemsize(dtype):
-            raise _corrupt(check.key, f"{at} byte range [{start}, {end}) does not fit its sizes {sizes} of {dtype} "
-                                      f"inside {owner.key} ({owner.bytes} bytes)")
+            raise _corrupt(
+                check.key,
+                f"{at} byte range [{start}, {end}) does not fit its sizes {sizes} of {dtype} "
+                f"inside {owner.key} ({owner.bytes} bytes)",
+            )
         rows = check.count(item.get("block_rows"), f"{at}.block_rows", minimum=1)
-        sums = tuple(check.checksum(c, f"{at}.checksums") for c in check.sequence(item.get("checksums"), f"{at}.checksums"))
+        sums = tuple(
+            check.checksum(c, f"{at}.checksums") for c in check.sequence(item.get("checksums"), f"{at}.checksums")
+        )
         if len(sums) != block_count(sizes, rows):
             raise _corrupt(check.key, f"{at} has {len(sums)} checksums for {block_count(sizes, rows)} blocks")
-        chunks.append(ChunkEntry(fqn=fqn, offsets=offsets, sizes=sizes, key=owner.key, start=start, end=end,
-                                 block_rows=rows, checksums=sums))
+        chunks.append(
+            ChunkEntry(
+                fqn=fqn,
+                offsets=offsets,
+                sizes=sizes,
+                key=owner.key,
+                start=start,
+                end=end,
+                block_rows=rows,
+                checksums=sums,
+            )
+        )
     _check_tiling(check.key, fqn, shape, chunks)
     return TensorIndex(shape=shape, dtype=dtype, chunks=tuple(chunks))
 
@@ -257,14 +314,19 @@ def _check_tiling(key: str, fqn: str, shape: tuple[int, ...], chunks: list[Chunk
     """The chunks cover the tensor exactly once: no gap (a torn save), no overlap (a double writer)."""
     ordered = sorted(chunks, key=lambda c: c.offsets)
     for number, chunk in enumerate(ordered):
-        for other in ordered[number + 1:]:
+        for other in ordered[number + 1 :]:
             if shape and other.offsets[0] >= chunk.offsets[0] + chunk.sizes[0]:
                 break  # sorted by dim 0: no later chunk can overlap this one
-            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in
-                   zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes)):
-                raise _corrupt(key, f"tensor {fqn!r} is stored twice: chunks at offsets {list(chunk.offsets)} "
-                                    f"({chunk.key}) and {list(other.offsets)} ({other.key}) overlap; exactly one rank "
-                                    "must own each slice")
+            if all(
+                o1 < o2 + s2 and o2 < o1 + s1
+                for o1, s1, o2, s2 in zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes)
+            ):
+                raise _corrupt(
+                    key,
+                    f"tensor {fqn!r} is stored twice: chunks at offsets {list(chunk.offsets)} "
+                    f"({chunk.key}) and {list(other.offsets)} ({other.key}) overlap; exactly one rank "
+                    "must own each slice",
+                )
     covered = sum(math.prod(c.sizes) for c in chunks)
     if covered != math.prod(shape):
         raise _corrupt(key, f"tensor {fqn!r} is incomplete: its chunks hold {covered} of {math.prod(shape)} elements")
@@ -306,8 +368,12 @@ class _Checker:
 
     def checksum(self, value: Any, where: str) -> str:
         prefix = CHECKSUM_ALGORITHM + ":"
-        if not (isinstance(value, str) and value.startswith(prefix) and len(value) == len(prefix) + 64
-                and all(c in "0123456789abcdef" for c in value[len(prefix):])):
+        if not (
+            isinstance(value, str)
+            and value.startswith(prefix)
+            and len(value) == len(prefix) + 64
+            and all(c in "0123456789abcdef" for c in value[len(prefix) :])
+        ):
             raise _corrupt(self.key, f"{where} must be '{prefix}<64 hex digits>', not {value!r}"[:300])
         return value
 

@@ -69,8 +69,9 @@ def restore(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(dict(tensors), storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=False),
-                     no_dist=True)
+            dcp.load(
+                dict(tensors), storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=True
+            )
     except CheckpointException:
         if reader.failure is not None:  # DCP wraps errors raised inside read_data: give back ours
             raise reader.failure from None
@@ -82,13 +83,17 @@ def _check_destinations(manifest: Manifest, tensors: dict[str, torch.Tensor], ur
     missing = sorted(set(tensors) - set(manifest.tensors))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ForeignCheckpointError(f"checkpoint {uri} step {manifest.step} has no tensor {shown}: it was written "
-                                     "by another model or state layout")
+        raise ForeignCheckpointError(
+            f"checkpoint {uri} step {manifest.step} has no tensor {shown}: it was written "
+            "by another model or state layout"
+        )
     for fqn, tensor in tensors.items():
         stored = manifest.tensors[fqn].shape
         if tuple(tensor.shape) != stored:
-            raise ForeignCheckpointError(f"checkpoint {uri} step {manifest.step}: tensor {fqn!r} has shape "
-                                         f"{list(stored)}, this job's has {list(tensor.shape)}")
+            raise ForeignCheckpointError(
+                f"checkpoint {uri} step {manifest.step}: tensor {fqn!r} has shape "
+                f"{list(stored)}, this job's has {list(tensor.shape)}"
+            )
 
 
 def manifest_metadata(manifest: Manifest, fqns: set[str] | None = None) -> Metadata:
@@ -101,8 +106,9 @@ def manifest_metadata(manifest: Manifest, fqns: set[str] | None = None) -> Metad
         state_dict_metadata[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=getattr(torch, index.dtype)),
             size=torch.Size(index.shape),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                    for c in index.chunks],
+            chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in index.chunks
+            ],
         )
         for chunk in index.chunks:
             storage_data[MetadataIndex(fqn, torch.Size(chunk.offsets))] = chunk
@@ -120,20 +126,28 @@ class _Need:
 
     @property
     def row_bytes(self) -> int:
-        return (self.chunk.end - self.chunk.start) // self.chunk.sizes[0] if self.chunk.sizes and self.chunk.sizes[0] else 0
+        return (
+            (self.chunk.end - self.chunk.start) // self.chunk.sizes[0]
+            if self.chunk.sizes and self.chunk.sizes[0]
+            else 0
+        )
 
     @property
     def byte_range(self) -> tuple[int, int]:
         if not self.chunk.sizes:
             return self.chunk.start, self.chunk.end
         step = self.chunk.block_rows * self.row_bytes
-        return self.chunk.start + self.first_block * step, min(self.chunk.end, self.chunk.start + self.last_block * step)
+        return self.chunk.start + self.first_block * step, min(
+            self.chunk.end, self.chunk.start + self.last_block * step
+        )
 
 
 class ManifestStorageReader(StorageReader):
     """A DCP storage reader over a meshpilot manifest: ranged GETs, block checksums, no pickle."""
 
-    def __init__(self, storage: StorageBackend, manifest: Manifest, *, verify: bool = True, concurrency: int = 8) -> None:
+    def __init__(
+        self, storage: StorageBackend, manifest: Manifest, *, verify: bool = True, concurrency: int = 8
+    ) -> None:
         super().__init__()
         self.storage = storage
         self.manifest = manifest
@@ -169,10 +183,13 @@ class ManifestStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         groups = _merge_ranges(self._needs(plan))
         try:
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(groups))),
-                                    thread_name_prefix="meshpilot-restore") as pool:
-                for done in [pool.submit(self._fetch_group, key, start, end, members, planner)
-                             for key, start, end, members in groups]:
+            with ThreadPoolExecutor(
+                max_workers=min(self.concurrency, max(1, len(groups))), thread_name_prefix="meshpilot-restore"
+            ) as pool:
+                for done in [
+                    pool.submit(self._fetch_group, key, start, end, members, planner)
+                    for key, start, end, members in groups
+                ]:
                     self.bytes_read += done.result()
         except CheckpointError as error:
             self.failure = error
@@ -185,8 +202,9 @@ class ManifestStorageReader(StorageReader):
         by_chunk: dict[tuple[str, tuple[int, ...]], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             if item.type != LoadItemType.TENSOR:
-                raise CheckpointError(f"checkpoint entry {item.dest_index.fqn!r} is not a tensor; "
-                                      "meshpilot checkpoints hold tensors only")
+                raise CheckpointError(
+                    f"checkpoint entry {item.dest_index.fqn!r} is not a tensor; meshpilot checkpoints hold tensors only"
+                )
             by_chunk[(item.storage_index.fqn, tuple(item.storage_index.offset))].append(item)
         needs = []
         for (fqn, offsets), items in by_chunk.items():
@@ -200,14 +218,16 @@ class ManifestStorageReader(StorageReader):
             block_bytes = chunk.block_rows * ((chunk.end - chunk.start) // chunk.sizes[0])
             per_fetch = max(1, MAX_FETCH_BYTES // max(1, block_bytes))
             for start in range(first, last, per_fetch):
-                needs.append(_Need(chunk=chunk, first_block=start, last_block=min(last, start + per_fetch), items=items))
+                needs.append(
+                    _Need(chunk=chunk, first_block=start, last_block=min(last, start + per_fetch), items=items)
+                )
         return needs
 
     def _fetch_group(self, key: str, start: int, end: int, members: list[_Need], planner: LoadPlanner) -> int:
         data = bytearray(self.storage.get_range(key, start, end))  # writable, so frombuffer shares it
         for need in members:
             begin, finish = need.byte_range
-            view = memoryview(data)[begin - start:finish - start]
+            view = memoryview(data)[begin - start : finish - start]
             if self.verify:
                 self._verify(need, view)
             self._copy(need, view, planner)
@@ -217,13 +237,15 @@ class ManifestStorageReader(StorageReader):
         chunk = need.chunk
         step = chunk.block_rows * need.row_bytes if chunk.sizes else len(view)
         for number, block in enumerate(range(need.first_block, need.last_block)):
-            piece = view[number * step:(number + 1) * step] if chunk.sizes else view
+            piece = view[number * step : (number + 1) * step] if chunk.sizes else view
             digest = f"{CHECKSUM_ALGORITHM}:{hashlib.new(CHECKSUM_ALGORITHM, piece).hexdigest()}"
             if digest != chunk.checksums[block]:
                 raise CorruptCheckpointError(
                     f"checkpoint data is corrupt: shard {self.storage.uri}/{chunk.key}, tensor {chunk.fqn!r} "
                     f"(block {block} at bytes {chunk.start + number * step}+) fails its {CHECKSUM_ALGORITHM} check; "
-                    "restore an older step", key=chunk.key)
+                    "restore an older step",
+                    key=chunk.key,
+                )
 
     def _copy(self, need: _Need, view: memoryview, planner: LoadPlanner) -> None:
         chunk = need.chunk
@@ -271,4 +293,3 @@ def _merge_ranges(needs: list[_Need]) -> list[tuple[str, int, int, list[_Need]]]
         if current:
             groups.append((key, start, end, current))
     return groups
-

@@ -54,9 +54,11 @@ def apply_retention(storage: StorageBackend, *, keep_last: int, keep_every: int 
         storage.delete([info.key for info in objects if step_of_key(info.key) == step])
         result.deleted_steps.append(step)
     live = set(committed) - set(doomed)
-    orphans = [info.key for info in objects
-               if (step := step_of_key(info.key)) is not None and step < newest and step not in live
-               and step not in doomed]
+    orphans = [
+        info.key
+        for info in objects
+        if (step := step_of_key(info.key)) is not None and step < newest and step not in live and step not in doomed
+    ]
     if orphans:
         storage.delete(orphans)
         result.orphan_objects.extend(orphans)
@@ -66,6 +68,11 @@ def apply_retention(storage: StorageBackend, *, keep_last: int, keep_every: int 
             storage.abort_pending_upload(upload)
             result.aborted_uploads.append(upload.key)
     if doomed or orphans or result.aborted_uploads:
-        log.info("retention under %s: deleted steps %s, %d orphan objects, %d stale uploads aborted",
-                 storage.uri, doomed, len(orphans), len(result.aborted_uploads))
+        log.info(
+            "retention under %s: deleted steps %s, %d orphan objects, %d stale uploads aborted",
+            storage.uri,
+            doomed,
+            len(orphans),
+            len(result.aborted_uploads),
+        )
     return result

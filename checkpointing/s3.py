@@ -23,14 +23,7 @@ from checkpointing.errors import (
     StorageNotFoundError,
     StorageUnreachableError,
 )
-from checkpointing.storage import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_SIZE,
-    Buffer,
-    ObjectInfo,
-    PendingUpload,
-    split_parts,
-)
+from checkpointing.storage import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Buffer, ObjectInfo, PendingUpload, split_parts
 
 _MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 _MAX_PARTS = 10000
@@ -42,8 +35,7 @@ _CREDENTIAL_CODES = {
     "AccessDenied": "access to {where} was denied: the key lacks permission for {action}",
     "403": "access to {where} was denied ({action}): wrong credentials or missing permission",
 }
-_CREDENTIAL_FIX = ("; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key pair "
-                   "the server accepts")
+_CREDENTIAL_FIX = "; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key pair the server accepts"
 
 
 class S3Storage:
@@ -96,7 +88,7 @@ class S3Storage:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _relative(self, full_key: str) -> str:
-        return full_key[len(self.prefix) + 1:] if self.prefix else full_key
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
     def _where(self, key: str | None = None) -> str:
         return f"s3://{self.bucket}/{self._full(key)}" if key else self.uri
@@ -133,8 +125,14 @@ class S3Storage:
             for future in in_flight:
                 future.result()
             in_flight = set()
-            self._call("CompleteMultipartUpload", key, Bucket=self.bucket, Key=full_key, UploadId=upload_id,
-                       MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]})
+            self._call(
+                "CompleteMultipartUpload",
+                key,
+                Bucket=self.bucket,
+                Key=full_key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]},
+            )
         except BaseException:
             for future in in_flight:
                 future.cancel()
@@ -143,16 +141,18 @@ class S3Storage:
             raise
         return total
 
-    def _upload_part(self, key: str, full_key: str, upload_id: str, number: int, body: bytes,
-                     etags: dict[int, str]) -> None:
-        answer = self._call("UploadPart", key, Bucket=self.bucket, Key=full_key, UploadId=upload_id,
-                            PartNumber=number, Body=body)
+    def _upload_part(
+        self, key: str, full_key: str, upload_id: str, number: int, body: bytes, etags: dict[int, str]
+    ) -> None:
+        answer = self._call(
+            "UploadPart", key, Bucket=self.bucket, Key=full_key, UploadId=upload_id, PartNumber=number, Body=body
+        )
         etags[number] = answer["ETag"]
 
     def _abort(self, full_key: str, upload_id: str) -> None:
         try:
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
-        except Exception:  # best effort; retention aborts what is left
+        except Exception:  # noqa: BLE001 - best effort; retention aborts what is left
             pass
 
     def put_bytes(self, key: str, data: Buffer) -> None:
@@ -167,7 +167,7 @@ class S3Storage:
             if _code(error) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
                 return False
             raise self._translate(error, "PutObject", key) from None
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - translated to the storage's one clear error
             raise self._translate(error, "PutObject", key) from None
         return True
 
@@ -180,8 +180,11 @@ class S3Storage:
         if len(data) != end - start:
             from checkpointing.errors import CorruptCheckpointError
 
-            raise CorruptCheckpointError(f"object {self._where(key)} is shorter than expected: asked for bytes "
-                                         f"[{start}, {end}), got {len(data)}", key=key)
+            raise CorruptCheckpointError(
+                f"object {self._where(key)} is shorter than expected: asked for bytes "
+                f"[{start}, {end}), got {len(data)}",
+                key=key,
+            )
         return data
 
     def get(self, key: str) -> bytes:
@@ -197,7 +200,7 @@ class S3Storage:
                 self.check_access()  # a missing bucket also answers 404: say which it is
                 return False
             raise self._translate(error, "HeadObject", key) from None
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - translated to the storage's one clear error
             raise self._translate(error, "HeadObject", key) from None
         return True
 
@@ -209,7 +212,7 @@ class S3Storage:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
                 for entry in page.get("Contents", []):
                     found.append(ObjectInfo(key=self._relative(entry["Key"]), size=int(entry["Size"])))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - translated to the storage's one clear error
             raise self._translate(error, "ListObjectsV2", prefix or None) from None
         return sorted(found, key=lambda info: info.key)
 
@@ -217,12 +220,14 @@ class S3Storage:
     def delete(self, keys: Iterable[str]) -> None:
         full_keys = [self._full(key) for key in keys]
         for start in range(0, len(full_keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": key} for key in full_keys[start:start + 1000]]
+            batch = [{"Key": key} for key in full_keys[start : start + 1000]]
             answer = self._call("DeleteObjects", None, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
             if answer.get("Errors"):
                 first = answer["Errors"][0]
-                raise StorageAccessError(f"could not delete s3://{self.bucket}/{first.get('Key')}: "
-                                         f"{first.get('Code')} {first.get('Message')}")
+                raise StorageAccessError(
+                    f"could not delete s3://{self.bucket}/{first.get('Key')}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         full_prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
@@ -231,15 +236,25 @@ class S3Storage:
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
                 for upload in page.get("Uploads", []):
-                    pending.append(PendingUpload(key=self._relative(upload["Key"]), upload_id=upload["UploadId"],
-                                                 initiated=upload["Initiated"].timestamp()))
-        except Exception as error:
+                    pending.append(
+                        PendingUpload(
+                            key=self._relative(upload["Key"]),
+                            upload_id=upload["UploadId"],
+                            initiated=upload["Initiated"].timestamp(),
+                        )
+                    )
+        except Exception as error:  # noqa: BLE001 - translated to the storage's one clear error
             raise self._translate(error, "ListMultipartUploads", prefix or None) from None
         return sorted(pending, key=lambda upload: (upload.key, upload.initiated))
 
     def abort_pending_upload(self, upload: PendingUpload) -> None:
-        self._call("AbortMultipartUpload", upload.key, Bucket=self.bucket, Key=self._full(upload.key),
-                   UploadId=upload.upload_id)
+        self._call(
+            "AbortMultipartUpload",
+            upload.key,
+            Bucket=self.bucket,
+            Key=self._full(upload.key),
+            UploadId=upload.upload_id,
+        )
 
     # ------------------------------------------------------------------ misc
     def check_access(self) -> None:
@@ -257,7 +272,7 @@ class S3Storage:
         method = getattr(self._client, _snake(operation))
         try:
             return method(**kwargs)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - translated to the storage's one clear error
             raise self._translate(error, operation, key) from None
 
     def _translate(self, error: Exception, operation: str, key: str | None) -> CheckpointError:
@@ -281,15 +296,20 @@ class S3Storage:
         if isinstance(error, (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError)):
             return StorageUnreachableError(
                 f"cannot reach the S3 endpoint {endpoint} for {self.uri}: check checkpoint.endpoint_url "
-                "(or --endpoint-url) and that the server is running")
+                "(or --endpoint-url) and that the server is running"
+            )
         if isinstance(error, ReadTimeoutError):
-            return StorageUnreachableError(f"the S3 endpoint {endpoint} stopped answering during {operation} "
-                                           f"of {where}; retry, or check the server")
+            return StorageUnreachableError(
+                f"the S3 endpoint {endpoint} stopped answering during {operation} "
+                f"of {where}; retry, or check the server"
+            )
         if isinstance(error, ClientError):
             code = _code(error)
             if code in ("NoSuchBucket",) or (operation == "HeadBucket" and code in ("404", "NotFound")):
-                return StorageNotFoundError(f"bucket {self.bucket!r} does not exist at {endpoint}: create it, "
-                                            "or fix the bucket in checkpoint.uri")
+                return StorageNotFoundError(
+                    f"bucket {self.bucket!r} does not exist at {endpoint}: create it, "
+                    "or fix the bucket in checkpoint.uri"
+                )
             if code in _CREDENTIAL_CODES:
                 text = _CREDENTIAL_CODES[code].format(endpoint=endpoint, where=where, action=operation)
                 return StorageCredentialsError(f"S3 refused {operation} on {where}: {text}" + _CREDENTIAL_FIX)

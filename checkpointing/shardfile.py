@@ -32,7 +32,9 @@ class HeaderEntry:
     end: int
 
 
-def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[HeaderEntry]]:
+def build_header(
+    tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+) -> tuple[bytes, list[HeaderEntry]]:
     """Header bytes (length prefix included, padded to 8 bytes) and the absolute place of each tensor.
 
     ``tensors`` is ``[(name, torch dtype name, shape)]`` in file order; callers order them by
@@ -50,24 +52,32 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict
     text += b" " * (-(8 + len(text)) % _ALIGN)  # data starts 8-byte aligned, as safetensors pads
     header = struct.pack("<Q", len(text)) + text
     start = len(header)
-    entries = [HeaderEntry(name, dtype, shape, start + begin, start + end) for name, dtype, shape, begin, end in relative]
+    entries = [
+        HeaderEntry(name, dtype, shape, start + begin, start + end) for name, dtype, shape, begin, end in relative
+    ]
     return header, entries
 
 
 def header_size(first8: bytes, *, key: str, object_bytes: int | None = None) -> int:
     """Total header size (prefix included) read from the first 8 bytes of an object."""
     if len(first8) < 8:
-        raise CorruptCheckpointError(f"shard {key!r} is {len(first8)} bytes long: too short for a safetensors header",
-                                     key=key)
+        raise CorruptCheckpointError(
+            f"shard {key!r} is {len(first8)} bytes long: too short for a safetensors header", key=key
+        )
     (length,) = struct.unpack("<Q", first8[:8])
     limit = MAX_HEADER_BYTES if object_bytes is None else min(MAX_HEADER_BYTES, object_bytes - 8)
     if length > limit:
-        raise CorruptCheckpointError(f"shard {key!r} has a corrupt safetensors header: it claims {length} header "
-                                     f"bytes, more than the {limit} possible", key=key)
+        raise CorruptCheckpointError(
+            f"shard {key!r} has a corrupt safetensors header: it claims {length} header "
+            f"bytes, more than the {limit} possible",
+            key=key,
+        )
     return 8 + length
 
 
-def parse_header(header: bytes, *, key: str, object_bytes: int | None = None) -> tuple[list[HeaderEntry], dict[str, str]]:
+def parse_header(
+    header: bytes, *, key: str, object_bytes: int | None = None
+) -> tuple[list[HeaderEntry], dict[str, str]]:
     """Validate a whole header (prefix included) and return its entries (absolute offsets) and metadata."""
     total = header_size(header[:8], key=key, object_bytes=object_bytes)
     if len(header) < total:
@@ -79,7 +89,9 @@ def parse_header(header: bytes, *, key: str, object_bytes: int | None = None) ->
     if not isinstance(body, dict):
         raise _corrupt(key, "the header is not a JSON object")
     metadata = body.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise _corrupt(key, "__metadata__ must map strings to strings")
     entries = []
     for name, spec in body.items():
@@ -88,8 +100,11 @@ def parse_header(header: bytes, *, key: str, object_bytes: int | None = None) ->
     position = total
     for entry in entries:
         if entry.begin != position:
-            raise _corrupt(key, f"tensor {entry.name!r} starts at byte {entry.begin}, expected {position} "
-                                "(gaps and overlaps are not allowed)")
+            raise _corrupt(
+                key,
+                f"tensor {entry.name!r} starts at byte {entry.begin}, expected {position} "
+                "(gaps and overlaps are not allowed)",
+            )
         position = entry.end
     if object_bytes is not None and position != object_bytes:
         raise _corrupt(key, f"the header describes {position} bytes but the object has {object_bytes}")
@@ -105,8 +120,12 @@ def _entry(name: str, spec: object, data_start: int, key: str) -> HeaderEntry:
     shape, offsets = spec["shape"], spec["data_offsets"]
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise _corrupt(key, f"tensor {name!r} has an invalid shape {shape!r}")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
-            or offsets[0] > offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
         raise _corrupt(key, f"tensor {name!r} has invalid data_offsets {offsets!r}")
     if offsets[1] - offsets[0] != math.prod(shape) * DTYPES[dtype][1]:
         raise _corrupt(key, f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} of {dtype}")

@@ -28,9 +28,18 @@ BLOCK_BYTES = 4 << 20
 
 # torch dtype name -> (safetensors dtype, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
-    "float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2),
-    "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1),
-    "uint8": ("U8", 1), "bool": ("BOOL", 1), "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
 }
 SAFETENSORS_DTYPES: dict[str, str] = {safe: name for name, (safe, _) in DTYPES.items()}
 
@@ -146,18 +155,32 @@ def report_from_dict(data: dict[str, Any]) -> ShardReport | FailureReport:
     if not isinstance(data, dict) or data.get("kind") not in ("shard", "failure"):
         raise ValueError(f"not a checkpoint report: {str(data)[:200]}")
     if data["kind"] == "failure":
-        return FailureReport(step=int(data["step"]), rank=int(data["rank"]), error=str(data["error"]),
-                             attempts=int(data.get("attempts", 1)))
+        return FailureReport(
+            step=int(data["step"]),
+            rank=int(data["rank"]),
+            error=str(data["error"]),
+            attempts=int(data.get("attempts", 1)),
+        )
     return ShardReport(
         step=int(data["step"]),
         rank=int(data["rank"]),
         files=tuple(FileEntry(**entry) for entry in data.get("files", ())),
-        tensors=tuple(TensorEntry(fqn=t["fqn"], shape=tuple(t["shape"]), dtype=t["dtype"])
-                      for t in data.get("tensors", ())),
-        chunks=tuple(ChunkEntry(fqn=c["fqn"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"]), key=c["key"],
-                                start=int(c["start"]), end=int(c["end"]), block_rows=int(c["block_rows"]),
-                                checksums=tuple(c["checksums"]))
-                     for c in data.get("chunks", ())),
+        tensors=tuple(
+            TensorEntry(fqn=t["fqn"], shape=tuple(t["shape"]), dtype=t["dtype"]) for t in data.get("tensors", ())
+        ),
+        chunks=tuple(
+            ChunkEntry(
+                fqn=c["fqn"],
+                offsets=tuple(c["offsets"]),
+                sizes=tuple(c["sizes"]),
+                key=c["key"],
+                start=int(c["start"]),
+                end=int(c["end"]),
+                block_rows=int(c["block_rows"]),
+                checksums=tuple(c["checksums"]),
+            )
+            for c in data.get("chunks", ())
+        ),
         upload_s=float(data.get("upload_s", 0.0)),
         stall_s=float(data.get("stall_s", 0.0)),
         extra=dict(data.get("extra") or {}),

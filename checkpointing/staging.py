@@ -52,8 +52,10 @@ class Slot:
             return [(self.begin, self.end)]
         row_bytes = (self.end - self.begin) // self.sizes[0]
         step = self.block_rows * row_bytes
-        return [(start, min(start + step, self.end))
-                for start in range(self.begin, self.begin + block_count(self.sizes, self.block_rows) * step, step)]
+        return [
+            (start, min(start + step, self.end))
+            for start in range(self.begin, self.begin + block_count(self.sizes, self.block_rows) * step, step)
+        ]
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,13 @@ class Placement:
     stage_dims: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, mesh, *, stage_dims: tuple[str, ...] = ("pp",)) -> "Placement":
+    def of(cls, mesh, *, stage_dims: tuple[str, ...] = ("pp",)) -> Placement:
         names = mesh.mesh_dim_names or ()
-        return cls(coordinate=tuple(mesh.get_coordinate()), layout=mesh.mesh.clone(),
-                   stage_dims=tuple(names.index(name) for name in stage_dims if name in names))
+        return cls(
+            coordinate=tuple(mesh.get_coordinate()),
+            layout=mesh.mesh.clone(),
+            stage_dims=tuple(names.index(name) for name in stage_dims if name in names),
+        )
 
     def writes_copy_of(self, tensor_mesh_ranks: frozenset[int]) -> bool:
         """True when this rank writes a tensor living on a sub-mesh with these ranks.
@@ -113,8 +118,9 @@ class Placement:
         return True
 
 
-def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
-                 placement: Placement | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def owned_chunks(
+    tensor: torch.Tensor, *, owns_plain_tensors: bool, placement: Placement | None = None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) of the local slices this rank writes for ``tensor`` (maybe none)."""
     from torch.distributed.tensor import DTensor
 
@@ -124,8 +130,9 @@ def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
             return []
         for dim, placement_of_dim in enumerate(tensor.placements):
             if placement_of_dim.is_partial():
-                raise CheckpointError(f"a DTensor with a Partial placement cannot be saved (mesh dim {dim}); "
-                                      "reduce it first")
+                raise CheckpointError(
+                    f"a DTensor with a Partial placement cannot be saved (mesh dim {dim}); reduce it first"
+                )
             if placement_of_dim.is_replicate() and coordinate[dim] != 0:
                 return []
         if placement is not None and not placement.writes_copy_of(_mesh_ranks(tensor.device_mesh)):
@@ -142,7 +149,7 @@ def owned_chunks(tensor: torch.Tensor, *, owns_plain_tensors: bool,
 
 # Weak keys: a cache must not keep a DeviceMesh (and so its process groups) alive after the
 # trainer drops it during recovery.
-_MESH_RANKS: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+_MESH_RANKS: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 def _mesh_ranks(mesh) -> frozenset[int]:
@@ -163,8 +170,16 @@ def layout_key(tensors: dict[str, torch.Tensor], owns_plain_tensors: bool) -> tu
     for fqn in sorted(tensors):
         tensor = tensors[fqn]
         if isinstance(tensor, DTensor):
-            parts.append((fqn, tensor.dtype, tuple(tensor.shape), id(tensor.device_mesh), tuple(tensor.placements),
-                          tuple(tensor._local_tensor.shape)))
+            parts.append(
+                (
+                    fqn,
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    id(tensor.device_mesh),
+                    tuple(tensor.placements),
+                    tuple(tensor._local_tensor.shape),
+                )
+            )
         else:
             parts.append((fqn, getattr(tensor, "dtype", None), tuple(getattr(tensor, "shape", ()))))
     return tuple(parts)
@@ -178,8 +193,9 @@ class LayoutCache:
         self._meshes: list[weakref.ref] = []
         self._layout: Layout | None = None
 
-    def get(self, tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool,
-            placement: "Placement | None") -> Layout:
+    def get(
+        self, tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool, placement: Placement | None
+    ) -> Layout:
         from torch.distributed.tensor import DTensor
 
         key = layout_key(tensors, owns_plain_tensors)
@@ -198,33 +214,43 @@ def local_data(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def plan_layout(tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool,
-                placement: Placement | None = None) -> Layout:
+def plan_layout(
+    tensors: dict[str, torch.Tensor], *, rank: int, owns_plain_tensors: bool, placement: Placement | None = None
+) -> Layout:
     """The shard-file layout for this rank's slices of ``tensors`` (FQN -> plain tensor or DTensor)."""
     entries = []
     pieces = []
     for fqn in sorted(tensors):
         tensor = tensors[fqn]
         if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"checkpoint entry {fqn!r} is a {type(tensor).__name__}, not a tensor; "
-                                  "put non-tensor state in extra=")
+            raise CheckpointError(
+                f"checkpoint entry {fqn!r} is a {type(tensor).__name__}, not a tensor; put non-tensor state in extra="
+            )
         dtype = dtype_name(tensor.dtype)
         entries.append(TensorEntry(fqn=fqn, shape=tuple(int(d) for d in tensor.shape), dtype=dtype))
         for offsets, sizes in owned_chunks(tensor, owns_plain_tensors=owns_plain_tensors, placement=placement):
             local_shape = tuple(local_data(tensor).shape)
             if local_shape != sizes:
-                raise CheckpointError(f"{fqn!r}: local shard of shape {local_shape} does not match its "
-                                      f"chunk {sizes}")
+                raise CheckpointError(f"{fqn!r}: local shard of shape {local_shape} does not match its chunk {sizes}")
             whole = offsets == (0,) * len(offsets) and sizes == tuple(tensor.shape)
             name = fqn if whole else f"{fqn}@{','.join(map(str, offsets))}"
             pieces.append((fqn, name, dtype, offsets, sizes))
     # Largest elements first: every slice then starts aligned to its element size.
     pieces.sort(key=lambda piece: (-DTYPES[piece[2]][1], piece[1]))
-    header, placed = build_header([(name, dtype, sizes) for _, name, dtype, _, sizes in pieces],
-                                  {"format": "meshpilot-shard", "rank": str(rank)})
+    header, placed = build_header(
+        [(name, dtype, sizes) for _, name, dtype, _, sizes in pieces], {"format": "meshpilot-shard", "rank": str(rank)}
+    )
     slots = tuple(
-        Slot(fqn=fqn, name=name, dtype=dtype, offsets=offsets, sizes=sizes, begin=entry.begin, end=entry.end,
-             block_rows=block_rows(sizes, dtype))
+        Slot(
+            fqn=fqn,
+            name=name,
+            dtype=dtype,
+            offsets=offsets,
+            sizes=sizes,
+            begin=entry.begin,
+            end=entry.end,
+            block_rows=block_rows(sizes, dtype),
+        )
         for (fqn, name, dtype, offsets, sizes), entry in zip(pieces, placed)
     )
     signature = tuple((s.fqn, s.dtype, s.offsets, s.sizes) for s in slots) + tuple(entries)
@@ -242,7 +268,7 @@ class HostBuffer:
         self.views = [self._view(slot) for slot in layout.slots]
 
     def _view(self, slot: Slot) -> torch.Tensor:
-        flat = self.storage[slot.begin:slot.end].view(getattr(torch, slot.dtype))
+        flat = self.storage[slot.begin : slot.end].view(getattr(torch, slot.dtype))
         return flat.view(slot.sizes)
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from checkpointing.errors import CheckpointError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 DEFAULT_PART_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 4
@@ -110,7 +110,7 @@ def split_parts(pieces: Iterable[Buffer], part_size: int) -> Iterator[memoryview
             pending = bytearray()
         whole = len(view) - len(view) % part_size
         for start in range(0, whole, part_size):
-            yield view[start:start + part_size]
+            yield view[start : start + part_size]
         pending += view[whole:]
     if pending:
         yield memoryview(bytes(pending))

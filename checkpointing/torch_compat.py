@@ -61,18 +61,20 @@ def check_torch_internals(symbols: tuple[str, ...] = PRIVATE_SYMBOLS) -> None:
         except (ImportError, AttributeError):
             missing.append(symbol.replace(":", "."))
     if missing:
-        raise TorchVersionError(f"meshpilot supports torch {SUPPORTED_TORCH}.x, found torch {torch.__version__}: "
-                                f"missing {', '.join(missing)}; install torch>={SUPPORTED_TORCH},<2.14")
+        raise TorchVersionError(
+            f"meshpilot supports torch {SUPPORTED_TORCH}.x, found torch {torch.__version__}: "
+            f"missing {', '.join(missing)}; install torch>={SUPPORTED_TORCH},<2.14"
+        )
 
 
 check_torch_internals()
 
 # Imported once the check passed, so a missing one fails with the line above, not here.
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._collective_utils import MeshTopoInfo
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor._collective_utils import MeshTopoInfo  # noqa: E402
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 
 # --------------------------------------------------------------------- process groups
@@ -153,4 +155,3 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
         if _GLOO_TIMED_OUT in text:
             return CollectiveFailure.TIMEOUT
     return None
-

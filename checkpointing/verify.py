@@ -39,16 +39,19 @@ def verify_checkpoint(storage: StorageBackend, step: int | None = None, *, concu
         for chunk in index.chunks:
             by_file[chunk.key].append(chunk)
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="meshpilot-verify") as pool:
-        outcomes = list(pool.map(lambda entry: _verify_file(storage, manifest, entry, by_file[entry.key]),
-                                 manifest.files))
+        outcomes = list(
+            pool.map(lambda entry: _verify_file(storage, manifest, entry, by_file[entry.key]), manifest.files)
+        )
     for entry, problems in zip(manifest.files, outcomes):
         result.files += 1
         result.bytes += entry.bytes
         result.problems.extend((entry.key, problem) for problem in problems)
     if result.problems:
         lines = [f"shard {storage.uri}/{key}: {problem}" for key, problem in result.problems]
-        raise CorruptCheckpointError(f"checkpoint step {manifest.step} under {storage.uri} is corrupt:\n  "
-                                     + "\n  ".join(lines), key=result.problems[0][0])
+        raise CorruptCheckpointError(
+            f"checkpoint step {manifest.step} under {storage.uri} is corrupt:\n  " + "\n  ".join(lines),
+            key=result.problems[0][0],
+        )
     return result
 
 
@@ -94,9 +97,11 @@ def _verify_chunk(storage: StorageBackend, key: str, chunk: ChunkEntry) -> list[
             return [str(error)]
         for number in range(first, min(first + blocks_per_window, len(chunk.checksums))):
             offset = (number - first) * block
-            if _digest(data[offset:offset + block]) != chunk.checksums[number]:
-                problems.append(f"tensor {chunk.fqn!r} block {number} (bytes {begin + offset}+) fails its "
-                                f"{CHECKSUM_ALGORITHM} check")
+            if _digest(data[offset : offset + block]) != chunk.checksums[number]:
+                problems.append(
+                    f"tensor {chunk.fqn!r} block {number} (bytes {begin + offset}+) fails its "
+                    f"{CHECKSUM_ALGORITHM} check"
+                )
     return problems
 
 

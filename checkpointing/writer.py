@@ -92,8 +92,14 @@ class CheckpointWriter:
         self._thread.start()
 
     # ------------------------------------------------------------------ public
-    def save(self, step: int, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any] | None = None,
-             owns_plain_tensors: bool) -> float:
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        extra: dict[str, Any] | None = None,
+        owns_plain_tensors: bool,
+    ) -> float:
         """Stage this rank's slices and queue their upload; return the loop stall in seconds.
 
         Blocks only to copy into host memory, and — back-pressure — while ``max_in_flight``
@@ -103,8 +109,15 @@ class CheckpointWriter:
         """
         return self._enqueue(step, tensors, extra or {}, owns_plain_tensors).stall_s
 
-    def save_sync(self, step: int, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any] | None = None,
-                  owns_plain_tensors: bool, timeout_s: float | None = None) -> float:
+    def save_sync(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        extra: dict[str, Any] | None = None,
+        owns_plain_tensors: bool,
+        timeout_s: float | None = None,
+    ) -> float:
         """An emergency save: like ``save`` but returns only once this rank's shard is durable and reported.
 
         Returns the seconds the caller waited; raises ``CheckpointError`` when the upload failed
@@ -113,8 +126,9 @@ class CheckpointWriter:
         started = time.perf_counter()
         job = self._enqueue(step, tensors, extra or {}, owns_plain_tensors)
         if not job.done.wait(timeout_s):
-            raise CheckpointError(f"step {step}: rank {self.rank}'s checkpoint upload did not finish "
-                                  f"within {timeout_s} s")
+            raise CheckpointError(
+                f"step {step}: rank {self.rank}'s checkpoint upload did not finish within {timeout_s} s"
+            )
         if isinstance(job.outcome, FailureReport):
             raise CheckpointError(f"step {step}: rank {self.rank}'s checkpoint upload failed: {job.outcome.error}")
         return time.perf_counter() - started
@@ -145,17 +159,21 @@ class CheckpointWriter:
             self._thread.join()
 
     # ----------------------------------------------------------------- staging
-    def _enqueue(self, step: int, tensors: dict[str, torch.Tensor], extra: dict[str, Any],
-                 owns_plain_tensors: bool) -> _Job:
+    def _enqueue(
+        self, step: int, tensors: dict[str, torch.Tensor], extra: dict[str, Any], owns_plain_tensors: bool
+    ) -> _Job:
         if self._closed:
             raise CheckpointError("this checkpoint writer is closed")
         try:
             json.dumps(extra, allow_nan=False)
         except (TypeError, ValueError) as error:
-            raise CheckpointError(f"checkpoint extra= must be plain JSON (numbers, strings, lists, dicts): {error}") from None
+            raise CheckpointError(
+                f"checkpoint extra= must be plain JSON (numbers, strings, lists, dicts): {error}"
+            ) from None
         started = time.perf_counter()
-        layout = self._layouts.get(tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors,
-                                   placement=self._placement)
+        layout = self._layouts.get(
+            tensors, rank=self.rank, owns_plain_tensors=owns_plain_tensors, placement=self._placement
+        )
         with self._lock:
             while self._pending >= self._max_in_flight:
                 self._lock.wait()  # back-pressure: earlier saves still hold every buffer
@@ -169,8 +187,14 @@ class CheckpointWriter:
             self._finish(buffer)
             raise
         # The report outlives this call and crosses threads: it holds its own copy of extra.
-        job = _Job(step=step, buffer=buffer, layout=layout, extra=copy.deepcopy(extra),
-                   stall_s=time.perf_counter() - started, done=threading.Event())
+        job = _Job(
+            step=step,
+            buffer=buffer,
+            layout=layout,
+            extra=copy.deepcopy(extra),
+            stall_s=time.perf_counter() - started,
+            done=threading.Event(),
+        )
         self._queue.put(job)
         return job
 
@@ -200,7 +224,7 @@ class CheckpointWriter:
                 return
             try:
                 job.outcome = self._upload_with_retries(job)
-            except BaseException as error:  # never let the thread die silently
+            except BaseException as error:  # noqa: BLE001 - never let the thread die silently
                 job.outcome = FailureReport(step=job.step, rank=self.rank, error=_describe(error))
             self._deliver(job.outcome)
             self._finish(job.buffer)
@@ -208,23 +232,37 @@ class CheckpointWriter:
 
     def _upload_with_retries(self, job: _Job) -> ShardReport | FailureReport:
         if job.buffer is None:
-            return ShardReport(step=job.step, rank=self.rank, tensors=job.layout.tensors, stall_s=job.stall_s,
-                               extra=job.extra)
+            return ShardReport(
+                step=job.step, rank=self.rank, tensors=job.layout.tensors, stall_s=job.stall_s, extra=job.extra
+            )
         error_text = ""
         for attempt in range(1, self._attempts + 1):
             started = time.perf_counter()
             try:
                 files, chunks = self._upload(job)
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - retried, then given up and reported
                 error_text = _describe(error)
-                log.warning("rank %d: checkpoint upload of step %d failed (attempt %d of %d): %s",
-                            self.rank, job.step, attempt, self._attempts, error_text)
+                log.warning(
+                    "rank %d: checkpoint upload of step %d failed (attempt %d of %d): %s",
+                    self.rank,
+                    job.step,
+                    attempt,
+                    self._attempts,
+                    error_text,
+                )
                 if attempt < self._attempts:
                     time.sleep(self._backoff_s * 2 ** (attempt - 1))
                 continue
-            return ShardReport(step=job.step, rank=self.rank, files=files, tensors=job.layout.tensors, chunks=chunks,
-                               upload_s=time.perf_counter() - started, stall_s=job.stall_s,
-                               extra=job.extra)
+            return ShardReport(
+                step=job.step,
+                rank=self.rank,
+                files=files,
+                tensors=job.layout.tensors,
+                chunks=chunks,
+                upload_s=time.perf_counter() - started,
+                stall_s=job.stall_s,
+                extra=job.extra,
+            )
         return FailureReport(step=job.step, rank=self.rank, error=error_text, attempts=self._attempts)
 
     def _upload(self, job: _Job) -> tuple[tuple[FileEntry, ...], tuple[ChunkEntry, ...]]:
@@ -232,18 +270,28 @@ class CheckpointWriter:
         key = f"{step_prefix(job.step)}rank-{self.rank:05d}-{secrets.token_hex(4)}.safetensors"
         digests: list[str] = []
         view = job.buffer.memoryview()
-        size = self.storage.put_stream(key, _hashed_windows(view, layout, digests, self.storage.part_size),
-                                       size=len(view))
+        size = self.storage.put_stream(
+            key, _hashed_windows(view, layout, digests, self.storage.part_size), size=len(view)
+        )
         if size != len(view):
             raise CheckpointError(f"{key}: stored {size} bytes of {len(view)}")
         header_checksum, block_sums = digests[0], iter(digests[1:])
         chunks = tuple(
-            ChunkEntry(fqn=slot.fqn, offsets=slot.offsets, sizes=slot.sizes, key=key, start=slot.begin, end=slot.end,
-                       block_rows=slot.block_rows, checksums=tuple(next(block_sums) for _ in slot.blocks()))
+            ChunkEntry(
+                fqn=slot.fqn,
+                offsets=slot.offsets,
+                sizes=slot.sizes,
+                key=key,
+                start=slot.begin,
+                end=slot.end,
+                block_rows=slot.block_rows,
+                checksums=tuple(next(block_sums) for _ in slot.blocks()),
+            )
             for slot in layout.slots
         )
-        file_entry = FileEntry(key=key, rank=self.rank, bytes=size, header_bytes=len(layout.header),
-                               header_checksum=header_checksum)
+        file_entry = FileEntry(
+            key=key, rank=self.rank, bytes=size, header_bytes=len(layout.header), header_checksum=header_checksum
+        )
         return (file_entry,), chunks
 
     def _deliver(self, outcome: ShardReport | FailureReport) -> None:
@@ -268,7 +316,7 @@ def _hashed_windows(view: memoryview, layout: Layout, digests: list[str], part_s
         stop = min(start + window, len(view))
         while current < len(blocks) and blocks[current][0] < stop:
             begin, end = blocks[current]
-            hashers[current].update(view[max(begin, start):min(end, stop)])
+            hashers[current].update(view[max(begin, start) : min(end, stop)])
             if end > stop:
                 break
             digests.append(f"{CHECKSUM_ALGORITHM}:{hashers[current].hexdigest()}")

@@ -133,8 +133,12 @@ class CommCost:
     exposed_s: float
 
     def as_dict(self) -> dict[str, object]:
-        return {"gb_per_step": round(self.bytes_per_step / 1e9, 3), "link": self.link,
-                "busy_s": round(self.busy_s, 4), "exposed_s": round(self.exposed_s, 4)}
+        return {
+            "gb_per_step": round(self.bytes_per_step / 1e9, 3),
+            "link": self.link,
+            "busy_s": round(self.busy_s, 4),
+            "exposed_s": round(self.exposed_s, 4),
+        }
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,9 @@ def _bottleneck_load(n_layers: int, chunks: int, output_layers: float) -> float:
     if chunks == 1:
         return n_layers + output_layers
     base = math.ceil(n_layers / chunks)
-    candidates = sorted({float(k) for k in range(base, base + 2)} | {k + output_layers for k in range(base - 1, base + 1)})
+    candidates = sorted(
+        {float(k) for k in range(base, base + 2)} | {k + output_layers for k in range(base - 1, base + 1)}
+    )
     for load in candidates:
         capacity = (chunks - 1) * math.floor(load) + max(0, math.floor(load - output_layers + 1e-9))
         if capacity >= n_layers:
@@ -247,7 +253,9 @@ def in_flight_chunk_microbatches(layout: Layout, stage: int) -> int:
 
 
 # ---------------------------------------------------------------------------- estimate
-def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions = Assumptions()) -> Estimate:
+def estimate(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions = Assumptions()
+) -> Estimate:
     """Memory, bubble, communication, step time and MFU of one layout.
 
     The caller has checked that the layout divides the model and batch; this only prices it.
@@ -284,8 +292,12 @@ def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: 
 
     dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
     comm = {
-        "tp": CommCost(tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0, tp_link, tp_layer_s * layers_on_rank * m,
-                       tp_layer_s * layers_on_rank * m),
+        "tp": CommCost(
+            tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0,
+            tp_link,
+            tp_layer_s * layers_on_rank * m,
+            tp_layer_s * layers_on_rank * m,
+        ),
         "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
         **dp_costs,
     }
@@ -306,8 +318,9 @@ def estimate(workload: Workload, cluster: Cluster, layout: Layout, assumptions: 
     )
 
 
-def _layer_seconds(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions,
-                   tokens: int) -> tuple[float, float]:
+def _layer_seconds(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
+) -> tuple[float, float]:
     """Compute time of one layer and of the output head, per microbatch, on one GPU."""
     model, tp = workload.model, layout.mesh.tp
     flops_rate = cluster.gpu.peak_flops * assumptions.compute_efficiency
@@ -317,8 +330,9 @@ def _layer_seconds(workload: Workload, cluster: Cluster, layout: Layout, assumpt
     return layer_flops * recompute * tokens / (tp * flops_rate), output_flops * tokens / (tp * flops_rate)
 
 
-def _tp_per_layer(workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions,
-                  tokens: int) -> tuple[str, float, float]:
+def _tp_per_layer(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
+) -> tuple[str, float, float]:
     """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds)."""
     tp = layout.mesh.tp
     tp_link, tp_bw = _link(layout.mesh, "tp", cluster, assumptions)
@@ -327,8 +341,9 @@ def _tp_per_layer(workload: Workload, cluster: Cluster, layout: Layout, assumpti
     return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
 
 
-def _memory(workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int,
-            tokens: int) -> tuple[MemoryEstimate, float]:
+def _memory(
+    workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int, tokens: int
+) -> tuple[MemoryEstimate, float]:
     """Peak memory over the first and the last pipeline rank (embedding vs output + logits)."""
     model, mesh = workload.model, layout.mesh
     tp, pp, shard = mesh.tp, mesh.pp, mesh.dp_shard
@@ -382,8 +397,15 @@ def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) 
     return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
 
 
-def _data_parallel(mesh: MeshSpec, cluster: Cluster, assumptions: Assumptions, layout: Layout,
-                   params_on_rank: float, rank_microbatch_s: float, layers_on_rank: int) -> dict[str, CommCost]:
+def _data_parallel(
+    mesh: MeshSpec,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    layout: Layout,
+    params_on_rank: float,
+    rank_microbatch_s: float,
+    layers_on_rank: int,
+) -> dict[str, CommCost]:
     """FSDP/HSDP traffic and how much of it compute cannot hide.
 
     Without a pipeline every microbatch all-gathers the parameters twice (forward, and again in
@@ -406,8 +428,9 @@ def _data_parallel(mesh: MeshSpec, cluster: Cluster, assumptions: Assumptions, l
     backward_window = rank_microbatch_s - forward_window
     regather_s = gather_s if mesh.pp == 1 else 0.0  # resharded after forward: gather again for backward
     rounds = m if mesh.pp == 1 else 1
-    exposed = rounds * (max(0.0, gather_s - forward_window)
-                        + max(0.0, regather_s + reduce_s + allreduce_s - backward_window))
+    exposed = rounds * (
+        max(0.0, gather_s - forward_window) + max(0.0, regather_s + reduce_s + allreduce_s - backward_window)
+    )
     exposed += (gather_s + reduce_s + allreduce_s) / max(1, layers_on_rank)
     shard_busy = rounds * (gather_s + regather_s + reduce_s)
     shard_bytes = rounds * (gather_bytes * (2 if mesh.pp == 1 else 1) + reduce_bytes) if shard > 1 else 0.0
@@ -416,6 +439,10 @@ def _data_parallel(mesh: MeshSpec, cluster: Cluster, assumptions: Assumptions, l
     shard_share = shard_busy / busy if busy else 0.0
     return {
         "dp_shard": CommCost(shard_bytes, shard_link, shard_busy, exposed * shard_share),
-        "dp_replicate": CommCost(rounds * allreduce_bytes if replicas > 1 else 0.0, repl_link, repl_busy,
-                                 exposed * (1.0 - shard_share) if busy else 0.0),
+        "dp_replicate": CommCost(
+            rounds * allreduce_bytes if replicas > 1 else 0.0,
+            repl_link,
+            repl_busy,
+            exposed * (1.0 - shard_share) if busy else 0.0,
+        ),
     }

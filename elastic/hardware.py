@@ -60,14 +60,14 @@ class GpuSpec:
             "network_gbit_per_s": "--network-gbit-per-s",
         }
         return [
-            f"{flag}={getattr(self, name)!r} must be > 0"
-            for name, flag in flags.items()
-            if not getattr(self, name) > 0
+            f"{flag}={getattr(self, name)!r} must be > 0" for name, flag in flags.items() if not getattr(self, name) > 0
         ]
 
     def describe(self) -> str:
-        return (f"{self.name} ({self.memory_gb:g} GB, {self.bf16_tflops:g} TFLOP/s bf16, "
-                f"NVLink {self.nvlink_gb_per_s:g} GB/s, network {self.network_gbit_per_s:g} Gb/s)")
+        return (
+            f"{self.name} ({self.memory_gb:g} GB, {self.bf16_tflops:g} TFLOP/s bf16, "
+            f"NVLink {self.nvlink_gb_per_s:g} GB/s, network {self.network_gbit_per_s:g} Gb/s)"
+        )
 
 
 GPU_KINDS: dict[str, GpuSpec] = {

@@ -44,8 +44,9 @@ def tp_bundles(mesh: MeshSpec, per_rank: RankResources) -> list[dict[str, float]
 
 def usable(nodes: list[NodeCapacity], per_rank: RankResources) -> list[NodeCapacity]:
     """Nodes that advertise every custom resource a rank needs."""
-    return [n for n in nodes if all(n.custom.get(name, 0.0) >= amount for name, amount in per_rank.custom.items()
-                                    if amount)]
+    return [
+        n for n in nodes if all(n.custom.get(name, 0.0) >= amount for name, amount in per_rank.custom.items() if amount)
+    ]
 
 
 def shortfall(mesh: MeshSpec, per_rank: RankResources, nodes: list[NodeCapacity]) -> str | None:
@@ -59,19 +60,24 @@ def shortfall(mesh: MeshSpec, per_rank: RankResources, nodes: list[NodeCapacity]
     have_cpus = sum(n.cpus for n in nodes)
     have_gpus = sum(n.gpus for n in nodes)
     if need_cpus > have_cpus + 1e-9 or need_gpus > have_gpus + 1e-9:
-        return (f"{mesh.world_size} ranks need {need_cpus:g} CPUs and {need_gpus:g} GPUs; "
-                f"the cluster has {have_cpus:g} CPUs and {have_gpus:g} GPUs")
+        return (
+            f"{mesh.world_size} ranks need {need_cpus:g} CPUs and {need_gpus:g} GPUs; "
+            f"the cluster has {have_cpus:g} CPUs and {have_gpus:g} GPUs"
+        )
     group_cpus, group_gpus = per_rank.cpus * mesh.tp, per_rank.gpus * mesh.tp
     groups_that_fit = sum(_fits(n, group_cpus, group_gpus) for n in nodes)
     tp_groups = mesh.world_size // mesh.tp
     if groups_that_fit < tp_groups:
-        return (f"a tensor-parallel group of tp={mesh.tp} ranks needs {group_cpus:g} CPUs and {group_gpus:g} GPUs "
-                f"on one node; the nodes can hold only {groups_that_fit} of the {tp_groups} groups")
+        return (
+            f"a tensor-parallel group of tp={mesh.tp} ranks needs {group_cpus:g} CPUs and {group_gpus:g} GPUs "
+            f"on one node; the nodes can hold only {groups_that_fit} of the {tp_groups} groups"
+        )
     return None
 
 
-def spread_replicas(replicas: int, demand: RankResources, replica_size: int,
-                    nodes: list[NodeCapacity]) -> list[str | None]:
+def spread_replicas(
+    replicas: int, demand: RankResources, replica_size: int, nodes: list[NodeCapacity]
+) -> list[str | None]:
     """A preferred node per replica group: each goes to the node with the most room left,
     so that losing one node takes out as few replica groups as possible."""
     nodes = usable(nodes, demand)

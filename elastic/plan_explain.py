@@ -29,49 +29,71 @@ class Rejection:
         return f"{self.layout}: {self.reason}"
 
     def as_dict(self) -> dict[str, object]:
-        return {"layout": self.layout, "reason": self.reason, "kind": self.kind, "layouts": self.layouts,
-                "needs_gb": None if self.needs_gb is None else round(self.needs_gb, 3)}
+        return {
+            "layout": self.layout,
+            "reason": self.reason,
+            "kind": self.kind,
+            "layouts": self.layouts,
+            "needs_gb": None if self.needs_gb is None else round(self.needs_gb, 3),
+        }
 
 
 def memory_rejection(name: str, closest: Estimate, splits: int) -> Rejection:
     memory, layout = closest.memory, closest.layout
     state = memory.params + memory.grads + memory.optimizer
-    detail = (f"params+grads+optimizer {format_gb(state)}, FSDP buffers {format_gb(memory.fsdp_buffers)}, "
-              f"activations {format_gb(memory.activations)}, logits {format_gb(memory.logits)}")
+    detail = (
+        f"params+grads+optimizer {format_gb(state)}, FSDP buffers {format_gb(memory.fsdp_buffers)}, "
+        f"activations {format_gb(memory.activations)}, logits {format_gb(memory.logits)}"
+    )
     ac = " with activation checkpointing" if layout.activation_checkpointing else ""
     across = f" (best of {splits} dp splits: {layout.mesh.describe()})" if splits > 1 else ""
     return Rejection(
         name,
         f"needs {format_gb(memory.total)} GB per GPU{ac} > {format_gb(closest.usable_memory)} GB usable "
         f"({detail}){across}",
-        "memory", splits, needs_gb=memory.total / 1e9,
+        "memory",
+        splits,
+        needs_gb=memory.total / 1e9,
     )
 
 
-def explain_choice(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
-                   chosen: Estimate) -> tuple[str, ...]:
+def explain_choice(
+    workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions, chosen: Estimate
+) -> tuple[str, ...]:
     layout, memory = chosen.layout, chosen.memory
-    reasons = [f"fits {format_gb(memory.total)} of {format_gb(chosen.usable_memory)} GB usable "
-               f"(state {format_gb(memory.params + memory.grads + memory.optimizer)}, "
-               f"FSDP buffers {format_gb(memory.fsdp_buffers)}, activations {format_gb(memory.activations)}, "
-               f"logits {format_gb(memory.logits)})"]
+    reasons = [
+        f"fits {format_gb(memory.total)} of {format_gb(chosen.usable_memory)} GB usable "
+        f"(state {format_gb(memory.params + memory.grads + memory.optimizer)}, "
+        f"FSDP buffers {format_gb(memory.fsdp_buffers)}, activations {format_gb(memory.activations)}, "
+        f"logits {format_gb(memory.logits)})"
+    ]
     if layout.mesh.pp > 1:
         schedule = layout.schedule if layout.virtual_stages == 1 else f"{layout.schedule} v={layout.virtual_stages}"
-        reasons.append(f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
-                       f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})")
+        reasons.append(
+            f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
+            f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})"
+        )
     for dim in ("tp", "pp", "dp_shard", "dp_replicate"):
         cost = chosen.comm[dim]
         if cost.bytes_per_step > 0:
-            reasons.append(f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
-                           f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed")
+            reasons.append(
+                f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
+                f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed"
+            )
     chunks = layout.mesh.pp * layout.virtual_stages
     if workload.model.n_layers % chunks:
         low, high = workload.model.n_layers // chunks, -(-workload.model.n_layers // chunks)
-        reasons.append(f"uneven pipeline split: {workload.model.n_layers} layers in {chunks} chunks of {low}-{high} "
-                       "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)")
+        reasons.append(
+            f"uneven pipeline split: {workload.model.n_layers} layers in {chunks} chunks of {low}-{high} "
+            "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)"
+        )
     if layout.activation_checkpointing and False in constraints.activation_checkpointing:
-        without = estimate(workload, cluster, Layout(layout.mesh, layout.schedule, layout.virtual_stages,
-                                                     layout.microbatches, False), assumptions)
+        without = estimate(
+            workload,
+            cluster,
+            Layout(layout.mesh, layout.schedule, layout.virtual_stages, layout.microbatches, False),
+            assumptions,
+        )
         if not without.fits:
             reasons.append(f"activation checkpointing needed (off: {format_gb(without.memory.total)} GB)")
     return tuple(reasons)
@@ -100,12 +122,19 @@ def merge_tp(rejections: list[Rejection]) -> list[Rejection]:
     merged: list[Rejection] = []
     for rejection in rejections:
         previous = merged[-1] if merged else None
-        if (previous is not None and rejection.kind == "tp" == previous.kind
-                and _reason_shape(rejection.reason) == _reason_shape(previous.reason)):
+        if (
+            previous is not None
+            and rejection.kind == "tp" == previous.kind
+            and _reason_shape(rejection.reason) == _reason_shape(previous.reason)
+        ):
             first = previous.layout.split("..")[0]
             last = rejection.layout.removeprefix("tp=")
-            merged[-1] = Rejection(f"{first}..{last}", previous.reason + _LIKEWISE if not previous.reason.endswith(
-                _LIKEWISE) else previous.reason, "tp", previous.layouts + rejection.layouts)
+            merged[-1] = Rejection(
+                f"{first}..{last}",
+                previous.reason + _LIKEWISE if not previous.reason.endswith(_LIKEWISE) else previous.reason,
+                "tp",
+                previous.layouts + rejection.layouts,
+            )
         else:
             merged.append(rejection)
     return merged

@@ -148,12 +148,14 @@ def plan_layouts(
         rejections.extend(merge_families(tp, families))
     plans.sort(key=lambda plan: (round(plan.estimate.step_s, 9), plan.estimate.memory.total))
     rejections = merge_tp(rejections)
-    return PlanResult(workload, cluster, assumptions, plans, rejections, considered, priced,
-                      time.perf_counter() - started)
+    return PlanResult(
+        workload, cluster, assumptions, plans, rejections, considered, priced, time.perf_counter() - started
+    )
 
 
-def _price_mesh(workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions,
-                mesh: MeshSpec) -> tuple[Estimate | None, Estimate | None, int]:
+def _price_mesh(
+    workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions, mesh: MeshSpec
+) -> tuple[Estimate | None, Estimate | None, int]:
     """The fastest fitting variant of ``mesh`` (or None), the smallest non-fitting one, and how many were priced."""
     best: Estimate | None = None
     smallest: Estimate | None = None
@@ -191,9 +193,15 @@ def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> I
             stage_counts = range(2, MAX_VIRTUAL_STAGES + 1) if schedule == "interleaved_1f1b" else (1,)
             for virtual in stage_counts:
                 problems = mesh.check_divides(
-                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
-                    ffn_dim=model.ffn_dim, global_batch=workload.global_batch, microbatches=microbatches,
-                    seq_len=workload.seq_len, stages_per_rank=virtual, even_stages=constraints.even_stages,
+                    n_heads=model.n_heads,
+                    n_kv_heads=model.n_kv_heads,
+                    n_layers=model.n_layers,
+                    ffn_dim=model.ffn_dim,
+                    global_batch=workload.global_batch,
+                    microbatches=microbatches,
+                    seq_len=workload.seq_len,
+                    stages_per_rank=virtual,
+                    even_stages=constraints.even_stages,
                 )
                 if problems:
                     continue
@@ -238,15 +246,24 @@ def check_layout(
         if layout.microbatches < mesh.pp:
             problems.append(f"microbatches={layout.microbatches} must be >= pp={mesh.pp} so every stage has work")
         if layout.schedule == "interleaved_1f1b" and layout.microbatches % mesh.pp:
-            problems.append(f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} "
-                            "for interleaved_1f1b")
+            problems.append(
+                f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} for interleaved_1f1b"
+            )
     if (layout.schedule == "interleaved_1f1b") != (layout.virtual_stages > 1):
         problems.append(f"virtual_stages={layout.virtual_stages} goes with interleaved_1f1b only (and it needs >= 2)")
-    problems.extend(mesh.check_divides(
-        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
-        global_batch=workload.global_batch, microbatches=layout.microbatches, seq_len=workload.seq_len,
-        stages_per_rank=layout.virtual_stages, even_stages=constraints.even_stages,
-    ))
+    problems.extend(
+        mesh.check_divides(
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            n_layers=model.n_layers,
+            ffn_dim=model.ffn_dim,
+            global_batch=workload.global_batch,
+            microbatches=layout.microbatches,
+            seq_len=workload.seq_len,
+            stages_per_rank=layout.virtual_stages,
+            even_stages=constraints.even_stages,
+        )
+    )
     if problems:
         return None, problems
     result = estimate(workload, cluster, layout, assumptions)
@@ -259,15 +276,22 @@ def check_layout(
 def _tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, tp: int) -> str | None:
     model = workload.model
     problems = MeshSpec(tp=tp).check_divides(
-        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
-        global_batch=1, microbatches=1, seq_len=workload.seq_len,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        n_layers=model.n_layers,
+        ffn_dim=model.ffn_dim,
+        global_batch=1,
+        microbatches=1,
+        seq_len=workload.seq_len,
     )
     if problems:
         return "; ".join(problems)
     if tp > cluster.gpus_per_node and not constraints.tp_across_nodes:
         nodes = -(-tp // cluster.gpus_per_node)
-        return (f"spans {nodes} nodes of {cluster.gpus_per_node} GPUs; tensor parallel stays inside a node "
-                "(NVLink) unless --tp-across-nodes")
+        return (
+            f"spans {nodes} nodes of {cluster.gpus_per_node} GPUs; tensor parallel stays inside a node "
+            "(NVLink) unless --tp-across-nodes"
+        )
     return None
 
 
@@ -275,21 +299,30 @@ def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: i
     model = workload.model
     mesh = MeshSpec(dp_shard=dp, tp=tp, pp=pp)
     stage_problems = mesh.check_divides(
-        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers, ffn_dim=model.ffn_dim,
-        global_batch=dp, microbatches=1, seq_len=workload.seq_len, even_stages=constraints.even_stages,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        n_layers=model.n_layers,
+        ffn_dim=model.ffn_dim,
+        global_batch=dp,
+        microbatches=1,
+        seq_len=workload.seq_len,
+        even_stages=constraints.even_stages,
     )
     if stage_problems:
         if constraints.even_stages:
-            return (f"pp (x virtual stages) must divide model.n_layers={model.n_layers} "
-                    "(--even-stages)"), "pp"
+            return (f"pp (x virtual stages) must divide model.n_layers={model.n_layers} (--even-stages)"), "pp"
         return f"more pipeline stages than model.n_layers={model.n_layers}", "pp"
     if workload.global_batch % dp:
-        return (f"dp must divide the global batch of {workload.global_batch} sequences "
-                "(every data-parallel rank takes an equal share)"), "batch"
+        return (
+            f"dp must divide the global batch of {workload.global_batch} sequences "
+            "(every data-parallel rank takes an equal share)"
+        ), "batch"
     per_rank = samples_per_rank(workload.global_batch, dp)
     if pp > 1 and per_rank < pp:
-        return ("fewer sequences per data-parallel rank than pipeline stages, so some stage idles; "
-                "raise --global-batch or give dp fewer GPUs"), "batch"
+        return (
+            "fewer sequences per data-parallel rank than pipeline stages, so some stage idles; "
+            "raise --global-batch or give dp fewer GPUs"
+        ), "batch"
     return None, ""
 
 
@@ -312,8 +345,11 @@ def _allowed(constraints: Constraints, dim: str, degree: int) -> bool:
 
 def _split_allowed(constraints: Constraints, dp: int, shard: int) -> bool:
     replicas = dp // shard
-    return (_allowed(constraints, "dp_shard", shard) and _allowed(constraints, "dp_replicate", replicas)
-            and replicas >= constraints.min_replicas)
+    return (
+        _allowed(constraints, "dp_shard", shard)
+        and _allowed(constraints, "dp_replicate", replicas)
+        and replicas >= constraints.min_replicas
+    )
 
 
 def _count_meshes(remaining: int, constraints: Constraints) -> int:
@@ -400,7 +436,16 @@ def best_mesh(
     Returns None when no world size up to ``available_ranks`` has a layout that divides the
     model and batch and fits in ``hardware``'s memory; the policy then fails or waits.
     """
-    chosen = best_plan(model, available_ranks=available_ranks, gpus_per_node=gpus_per_node, hardware=hardware,
-                       global_batch=global_batch, seq_len=seq_len, fixed=fixed, min_replicas=min_replicas,
-                       even_stages=even_stages, assumptions=assumptions)
+    chosen = best_plan(
+        model,
+        available_ranks=available_ranks,
+        gpus_per_node=gpus_per_node,
+        hardware=hardware,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        fixed=fixed,
+        min_replicas=min_replicas,
+        even_stages=even_stages,
+        assumptions=assumptions,
+    )
     return chosen.layout.mesh if chosen is not None else None

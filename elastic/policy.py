@@ -18,8 +18,8 @@ Decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from elastic.spec import MeshSpec
 
@@ -101,8 +101,10 @@ class FailurePolicy:
             recent = [t for t in self.failure_times if status.time - t <= self.window_s]
             self.failure_times = recent
             if len(recent) > self.max_failures:
-                return Fail(f"{len(recent)} failures within {self.window_s:g} s exceed the failure budget "
-                            f"(elastic.max_failures={self.max_failures}, elastic.failure_window_s={self.window_s:g})")
+                return Fail(
+                    f"{len(recent)} failures within {self.window_s:g} s exceed the failure budget "
+                    f"(elastic.max_failures={self.max_failures}, elastic.failure_window_s={self.window_s:g})"
+                )
         mesh = status.mesh
         survivors = mesh.dp_replicate - len(hit)
         if survivors >= 1:
@@ -122,12 +124,16 @@ class FailurePolicy:
             if smallest is not None and smallest.dp_replicate >= self.min_replicas:
                 return Shrink(smallest, drop=hit + _extra_drops(mesh, hit, survivors - smallest.dp_replicate), refill=0)
         if status.checkpoint_step is None:
-            return Fail(f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit) and there is "
-                        "no committed checkpoint to restore; set checkpoint.uri, or raise parallelism.dp_replicate")
+            return Fail(
+                f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit) and there is "
+                "no committed checkpoint to restore; set checkpoint.uri, or raise parallelism.dp_replicate"
+            )
         target = restore_mesh()
         if target is None:
-            return Fail("no complete replica group survived and the remaining resources cannot hold any mesh "
-                        "for this model and batch")
+            return Fail(
+                "no complete replica group survived and the remaining resources cannot hold any mesh "
+                "for this model and batch"
+            )
         return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
 
 
@@ -166,7 +172,7 @@ def _fewest_replicas_that_fit(mesh: MeshSpec, survivors: int, fits: MeshFits) ->
 def _extra_drops(mesh: MeshSpec, hit: tuple[int, ...], count: int) -> tuple[int, ...]:
     """Healthy replica groups to leave out as well (highest index first) when the batch needs it."""
     healthy = [index for index in range(mesh.dp_replicate) if index not in hit]
-    return tuple(sorted(healthy[len(healthy) - count:])) if count > 0 else ()
+    return tuple(sorted(healthy[len(healthy) - count :])) if count > 0 else ()
 
 
 def restore_mesh(mesh: MeshSpec, *, available_ranks: int, fits: MeshFits) -> MeshSpec | None:

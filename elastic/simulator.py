@@ -91,22 +91,37 @@ class SimulationInputs:
     def problems(self) -> list[str]:
         """Every value that cannot describe a job, as sentences naming the flag."""
         found = []
-        positive = {"gpus": "--gpus", "mttf_s": "--mttf-hours", "horizon_s": "--days",
-                    "checkpoint_interval_s": "--checkpoint-interval-min", "step_s": "--step-s",
-                    "replicas": "--replica-gpus", "min_replicas": "--min-replicas"}
+        positive = {
+            "gpus": "--gpus",
+            "mttf_s": "--mttf-hours",
+            "horizon_s": "--days",
+            "checkpoint_interval_s": "--checkpoint-interval-min",
+            "step_s": "--step-s",
+            "replicas": "--replica-gpus",
+            "min_replicas": "--min-replicas",
+        }
         for name, flag in positive.items():
             if not getattr(self, name) > 0:
                 found.append(f"{flag}: {name}={getattr(self, name)!r} must be > 0")
-        non_negative = {"checkpoint_stall_s": "--stall-s", "restart_s": "--restart-s",
-                        "inplace_recovery_s": "--inplace-s", "drain_s": "--drain-s", "grow_s": "--grow-s",
-                        "replace_s": "--replace-min", "checkpoint_upload_s": "--upload-s",
-                        "preemptions_per_day": "--preemptions-per-day", "notice_s": "--notice-s"}
+        non_negative = {
+            "checkpoint_stall_s": "--stall-s",
+            "restart_s": "--restart-s",
+            "inplace_recovery_s": "--inplace-s",
+            "drain_s": "--drain-s",
+            "grow_s": "--grow-s",
+            "replace_s": "--replace-min",
+            "checkpoint_upload_s": "--upload-s",
+            "preemptions_per_day": "--preemptions-per-day",
+            "notice_s": "--notice-s",
+        }
         for name, flag in non_negative.items():
             if not getattr(self, name) >= 0:
                 found.append(f"{flag}: {name}={getattr(self, name)!r} must be >= 0")
         if not found and self.checkpoint_upload_s > self.checkpoint_interval_s:
-            found.append(f"--upload-s={self.checkpoint_upload_s:g} exceeds the checkpoint interval "
-                         f"({self.checkpoint_interval_s:g} s): one upload must finish before the next starts")
+            found.append(
+                f"--upload-s={self.checkpoint_upload_s:g} exceeds the checkpoint interval "
+                f"({self.checkpoint_interval_s:g} s): one upload must finish before the next starts"
+            )
         if not found and self.min_replicas > self.replicas:
             found.append(f"--min-replicas={self.min_replicas} exceeds the {self.replicas} replica groups")
         return found
@@ -143,8 +158,10 @@ class _Arrival:
 def _arrivals(inputs: SimulationInputs, seed: int, trial: int) -> list[_Arrival]:
     rng = random.Random(f"meshpilot-simulate:{seed}:{trial}")
     arrivals = []
-    for kind, mean_gap in (("failure", inputs.mttf_s),
-                           ("notice", 86400.0 / inputs.preemptions_per_day if inputs.preemptions_per_day else 0.0)):
+    for kind, mean_gap in (
+        ("failure", inputs.mttf_s),
+        ("notice", 86400.0 / inputs.preemptions_per_day if inputs.preemptions_per_day else 0.0),
+    ):
         if not mean_gap:
             continue
         time_ = rng.expovariate(1.0 / mean_gap)
@@ -172,9 +189,17 @@ class _Run:
     paused_until: float = 0.0
     restart_until: float = -1.0
     generation: int = 0
-    counters: dict[str, float] = field(default_factory=lambda: {
-        "failures": 0, "preemptions": 0, "restores": 0, "lost_work_s": 0.0, "paused_s": 0.0,
-        "checkpoint_stall_s": 0.0, "shrunk_loss_s": 0.0})
+    counters: dict[str, float] = field(
+        default_factory=lambda: {
+            "failures": 0,
+            "preemptions": 0,
+            "restores": 0,
+            "lost_work_s": 0.0,
+            "paused_s": 0.0,
+            "checkpoint_stall_s": 0.0,
+            "shrunk_loss_s": 0.0,
+        }
+    )
 
     # ------------------------------------------------------------ time
     def advance(self, until: float) -> None:
@@ -256,8 +281,9 @@ class _Run:
             self.counters["lost_work_s"] += lost
 
 
-def simulate(inputs: SimulationInputs, policy: str, *, seed: int = 0, trial: int = 0,
-             arrivals: list[_Arrival] | None = None) -> SimulationResult:
+def simulate(
+    inputs: SimulationInputs, policy: str, *, seed: int = 0, trial: int = 0, arrivals: list[_Arrival] | None = None
+) -> SimulationResult:
     """Run one policy over the horizon; the same (seed, trial) gives the same failures."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -383,8 +409,15 @@ def interval_grid(inputs: SimulationInputs, points: int = 24) -> list[float]:
     return sorted(set(grid) | {young_daly_interval_s(max(inputs.checkpoint_stall_s, 1e-3), inputs.mttf_s)})
 
 
-def sweep(inputs: SimulationInputs, *, policies: tuple[str, ...] = POLICIES, trials: int = 5, seed: int = 0,
-          intervals: list[float] | None = None, requested_interval_s: float | None = None) -> Sweep:
+def sweep(
+    inputs: SimulationInputs,
+    *,
+    policies: tuple[str, ...] = POLICIES,
+    trials: int = 5,
+    seed: int = 0,
+    intervals: list[float] | None = None,
+    requested_interval_s: float | None = None,
+) -> Sweep:
     """Goodput of each policy over a grid of checkpoint intervals, averaged over ``trials`` runs."""
     young_daly = young_daly_interval_s(inputs.checkpoint_stall_s, inputs.mttf_s)
     grid = intervals if intervals is not None else interval_grid(inputs)
@@ -396,12 +429,16 @@ def sweep(inputs: SimulationInputs, *, policies: tuple[str, ...] = POLICIES, tri
             # Without spot notices, draining never happens: the two policies are the same run.
             curves.append(_renamed(twin, policy))
             continue
-        curves.append(PolicyCurve(
-            policy=policy,
-            results=tuple(_mean(inputs, policy, interval, streams) for interval in grid),
-            at_young_daly=_mean(inputs, policy, max(young_daly, 1e-3), streams),
-            at_requested=None if requested_interval_s is None else _mean(inputs, policy, requested_interval_s, streams),
-        ))
+        curves.append(
+            PolicyCurve(
+                policy=policy,
+                results=tuple(_mean(inputs, policy, interval, streams) for interval in grid),
+                at_young_daly=_mean(inputs, policy, max(young_daly, 1e-3), streams),
+                at_requested=None
+                if requested_interval_s is None
+                else _mean(inputs, policy, requested_interval_s, streams),
+            )
+        )
     return Sweep(inputs, trials, seed, young_daly, tuple(curves))
 
 

@@ -45,10 +45,11 @@ class BatchPlan:
     microbatches: int = 1
 
     @classmethod
-    def for_mesh(cls, global_batch: int, *, dp: int, microbatches: int) -> "BatchPlan":
+    def for_mesh(cls, global_batch: int, *, dp: int, microbatches: int) -> BatchPlan:
         """The configured mesh's plan: one round per step."""
-        return cls(global_batch=global_batch, microbatch_size=global_batch // (dp * microbatches),
-                   microbatches=microbatches)
+        return cls(
+            global_batch=global_batch, microbatch_size=global_batch // (dp * microbatches), microbatches=microbatches
+        )
 
     @property
     def rank_round_samples(self) -> int:
@@ -161,8 +162,7 @@ class MeshSpec:
     def replica_groups(self) -> tuple[ReplicaGroup, ...]:
         size = self.replica_size
         return tuple(
-            ReplicaGroup(index=i, ranks=tuple(range(i * size, (i + 1) * size)))
-            for i in range(self.dp_replicate)
+            ReplicaGroup(index=i, ranks=tuple(range(i * size, (i + 1) * size))) for i in range(self.dp_replicate)
         )
 
     def replica_of(self, rank: int) -> int:
@@ -183,7 +183,7 @@ class MeshSpec:
             stride *= getattr(self, name)
         raise AssertionError("unreachable")
 
-    def with_replicas(self, dp_replicate: int) -> "MeshSpec":
+    def with_replicas(self, dp_replicate: int) -> MeshSpec:
         """The same layout with another number of replica groups (shrink or grow)."""
         return dataclasses.replace(self, dp_replicate=dp_replicate)
 
@@ -241,7 +241,7 @@ class MeshSpec:
         return {name: getattr(self, name) for name in DIM_ORDER}
 
     @classmethod
-    def from_dict(cls, values: dict[str, int]) -> "MeshSpec":
+    def from_dict(cls, values: dict[str, int]) -> MeshSpec:
         return cls(**{name: int(values.get(name, 1)) for name in DIM_ORDER})
 
     def _check_rank(self, rank: int) -> None:

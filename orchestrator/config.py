@@ -208,8 +208,10 @@ class JobConfig:
         decisive["training"] = {k: v for k, v in decisive["training"].items() if k != "steps"}
         # The text itself, not where it lies: the same file under another path is the same job.
         data_path = resolve_data_path(self) if self.data.source == "text" else None
-        decisive["data"] = {"source": self.data.source,
-                            "text_sha256": hashlib.sha256(data_path.read_bytes()).hexdigest() if data_path else None}
+        decisive["data"] = {
+            "source": self.data.source,
+            "text_sha256": hashlib.sha256(data_path.read_bytes()).hexdigest() if data_path else None,
+        }
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -231,8 +233,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections (model:, parallelism:, ...), "
-                              f"not a {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path} must hold a mapping of sections (model:, parallelism:, ...), not a {type(loaded).__name__}"
+            )
         raw = loaded
         source_dir = str(path.resolve().parent)
     problems: list[str] = []
@@ -350,8 +353,11 @@ def _check_mapping(key: str, value: Any, problems: list[str]) -> dict[str, float
 
 
 def _type_name(allowed: tuple[Any, ...]) -> str:
-    names = [{int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, "a mapping")
-             for t in allowed if t is not type(None)]
+    names = [
+        {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, "a mapping")
+        for t in allowed
+        if t is not type(None)
+    ]
     return " or ".join(names)
 
 
@@ -359,8 +365,11 @@ def _to_dict(value: Any) -> Any:
     if isinstance(value, dict):
         return dict(value)
     if dataclasses.is_dataclass(value):
-        return {_yaml_key(f): _to_dict(getattr(value, f.name))
-                for f in dataclasses.fields(value) if not f.metadata.get("internal")}
+        return {
+            _yaml_key(f): _to_dict(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not f.metadata.get("internal")
+        }
     return value
 
 
@@ -368,17 +377,41 @@ def _to_dict(value: Any) -> Any:
 def validate(config: JobConfig) -> list[str]:
     """Cross-field checks; returns sentences naming key, value and reason."""
     problems: list[str] = []
-    _positive(problems, config, [
-        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp",
-        "parallelism.microbatches", "training.steps", "training.global_batch", "training.seq_len",
-        "checkpoint.interval_steps", "checkpoint.keep_last", "checkpoint.part_size_mb",
-        "checkpoint.upload_concurrency", "checkpoint.max_in_flight", "elastic.min_replicas",
-    ])
-    _non_negative(problems, config, [
-        "training.lr", "training.warmup_steps", "training.weight_decay", "training.grad_clip",
-        "training.seed", "checkpoint.keep_every", "elastic.spare_actors", "runtime.cpus_per_rank",
-        "runtime.gpus_per_rank",
-    ])
+    _positive(
+        problems,
+        config,
+        [
+            "parallelism.dp_replicate",
+            "parallelism.dp_shard",
+            "parallelism.tp",
+            "parallelism.pp",
+            "parallelism.microbatches",
+            "training.steps",
+            "training.global_batch",
+            "training.seq_len",
+            "checkpoint.interval_steps",
+            "checkpoint.keep_last",
+            "checkpoint.part_size_mb",
+            "checkpoint.upload_concurrency",
+            "checkpoint.max_in_flight",
+            "elastic.min_replicas",
+        ],
+    )
+    _non_negative(
+        problems,
+        config,
+        [
+            "training.lr",
+            "training.warmup_steps",
+            "training.weight_decay",
+            "training.grad_clip",
+            "training.seed",
+            "checkpoint.keep_every",
+            "elastic.spare_actors",
+            "runtime.cpus_per_rank",
+            "runtime.gpus_per_rank",
+        ],
+    )
     if problems:
         return problems
     model = config.model_spec
@@ -391,18 +424,27 @@ def validate(config: JobConfig) -> list[str]:
         problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
     if config.data.source == "text":
         if model.vocab_size < 256:
-            problems.append(f"model.vocab_size={model.vocab_size} must be >= 256 for data.source=text "
-                            "(byte-level tokens)")
+            problems.append(
+                f"model.vocab_size={model.vocab_size} must be >= 256 for data.source=text (byte-level tokens)"
+            )
         if resolve_data_path(config) is None:
-            problems.append(f"data.path={config.data.path!r}: no such file (looked in the current directory"
-                            + (f" and {config.source_dir}" if config.source_dir else "") + ")")
+            problems.append(
+                f"data.path={config.data.path!r}: no such file (looked in the current directory"
+                + (f" and {config.source_dir}" if config.source_dir else "")
+                + ")"
+            )
     el = config.elastic
     if el.max_replicas is not None and el.max_replicas < par.dp_replicate:
         problems.append(f"elastic.max_replicas={el.max_replicas} is below parallelism.dp_replicate={par.dp_replicate}")
     if el.min_replicas > par.dp_replicate:
         problems.append(f"elastic.min_replicas={el.min_replicas} exceeds parallelism.dp_replicate={par.dp_replicate}")
-    for key in ("heartbeat_timeout_s", "hang_timeout_s", "collective_timeout_s", "failure_window_s",
-                "instance_action_poll_s"):
+    for key in (
+        "heartbeat_timeout_s",
+        "hang_timeout_s",
+        "collective_timeout_s",
+        "failure_window_s",
+        "instance_action_poll_s",
+    ):
         if getattr(el, key) <= 0:
             problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
     if not 0 <= config.metrics.port <= 65535:
@@ -426,17 +468,26 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
     if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
         problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
     if par.pp > 1 and par.microbatches < par.pp:
-        problems.append(f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} "
-                        "so that every pipeline stage has work")
+        problems.append(
+            f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} so that every pipeline stage has work"
+        )
     if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
-        problems.append(f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
-                        "for pp_schedule=interleaved_1f1b")
+        problems.append(
+            f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
+            "for pp_schedule=interleaved_1f1b"
+        )
     if check_mesh and not problems:
         problems.extend(
-            "parallelism: " + p for p in config.mesh.check_divides(
-                n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
-                ffn_dim=model.ffn_dim, global_batch=train.global_batch, microbatches=par.microbatches,
-                seq_len=train.seq_len, stages_per_rank=par.virtual_stages,
+            "parallelism: " + p
+            for p in config.mesh.check_divides(
+                n_heads=model.n_heads,
+                n_kv_heads=model.n_kv_heads,
+                n_layers=model.n_layers,
+                ffn_dim=model.ffn_dim,
+                global_batch=train.global_batch,
+                microbatches=par.microbatches,
+                seq_len=train.seq_len,
+                stages_per_rank=par.virtual_stages,
             )
         )
     return problems
@@ -454,7 +505,7 @@ def resolve_data_path(config: JobConfig) -> Path | None:
 
 def _check_uri(uri: str) -> list[str]:
     if uri.startswith("s3://"):
-        bucket = uri[len("s3://"):].split("/", 1)[0]
+        bucket = uri[len("s3://") :].split("/", 1)[0]
         if not bucket:
             return [f"checkpoint.uri={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
         return []

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import load_config
-from orchestrator.observe.events import read_events
 from orchestrator.driver.run import RunResult, run_training
+from orchestrator.observe.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"
@@ -26,12 +26,20 @@ def losses(events: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def single_rank(*overrides: str) -> tuple[str, ...]:
-    return ("parallelism.dp_replicate=1", "parallelism.dp_shard=1", "parallelism.tp=1", "parallelism.pp=1",
-            "parallelism.pp_schedule=1f1b", "parallelism.stages_per_rank=null", *overrides)
+    return (
+        "parallelism.dp_replicate=1",
+        "parallelism.dp_shard=1",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.pp_schedule=1f1b",
+        "parallelism.stages_per_rank=null",
+        *overrides,
+    )
 
 
-def signal_after_step(process: subprocess.Popen, run_dir: Path, signum: int, *, step: int = 1,
-                      wait_s: float = 180, exit_s: float = 90) -> str:
+def signal_after_step(
+    process: subprocess.Popen, run_dir: Path, signum: int, *, step: int = 1, wait_s: float = 180, exit_s: float = 90
+) -> str:
     """Send ``signum`` to a ``meshpilot train`` process once ``step`` is in its events, wait for
     it to exit and return its output; the process is killed if it outlives the test."""
     try:

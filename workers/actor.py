@@ -96,8 +96,9 @@ class RankActor:
             import ray
 
             url = spec.instance_action_url.replace("{node_id}", ray.get_runtime_context().get_node_id())
-            self._instance_watcher = InstanceActionWatcher(url, interval_s=spec.instance_action_poll_s,
-                                                           on_notice=self._drain_notice).start()
+            self._instance_watcher = InstanceActionWatcher(
+                url, interval_s=spec.instance_action_poll_s, on_notice=self._drain_notice
+            ).start()
         # Sockets opened by this generation's process groups (see workers/sockets.py).
         self._group_sockets: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
@@ -107,14 +108,25 @@ class RankActor:
         import ray
 
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
 
     def poll(self) -> Heartbeat:
         phase, since = self._phase
         waiting, where = self._loop_position() if phase == Phase.STEP else (None, None)
-        return Heartbeat(rank=self.rank, phase=phase, step=self.last_step, phase_age_s=time.monotonic() - since,
-                         reports=tuple(self.channel.drain()), waiting=waiting, where=where)
+        return Heartbeat(
+            rank=self.rank,
+            phase=phase,
+            step=self.last_step,
+            phase_age_s=time.monotonic() - since,
+            reports=tuple(self.channel.drain()),
+            waiting=waiting,
+            where=where,
+        )
 
     def _drain_notice(self, reason: str) -> None:
         if not self._drain_reported:
@@ -125,8 +137,17 @@ class RankActor:
         """Stop after the step in flight (Ctrl-C, end of job)."""
         self._stop.set()
 
-    def configure(self, *, generation: int, rank: int, mesh: MeshSpec, store_address: tuple[str, int],
-                  start: StartFrom, sync_replicas: bool = False, faults: tuple[FaultSpec, ...] = ()) -> int:
+    def configure(
+        self,
+        *,
+        generation: int,
+        rank: int,
+        mesh: MeshSpec,
+        store_address: tuple[str, int],
+        start: StartFrom,
+        sync_replicas: bool = False,
+        faults: tuple[FaultSpec, ...] = (),
+    ) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
         from workers.checkpoints import NoCheckpoints, RankCheckpoints
         from workers.parallelize import forget_old_meshes
@@ -145,18 +166,36 @@ class RankActor:
         if self.store is None:
             self.store = connect_store(*store_address)
         sockets_before = socket_inodes()
-        init_generation(store=self.store, generation=generation, rank=rank, world_size=mesh.world_size,
-                        backend=self.spec.backend, timeout_s=self.spec.collective_timeout_s)
-        self.committer = StepCommitter(self.store, generation=generation,
-                                       world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s)
-        self.trainer = Trainer(self.spec, mesh, rank, device=pick_device(self.spec.backend),
-                               source=make_source(self.spec, self.data), committer=self.committer)
+        init_generation(
+            store=self.store,
+            generation=generation,
+            rank=rank,
+            world_size=mesh.world_size,
+            backend=self.spec.backend,
+            timeout_s=self.spec.collective_timeout_s,
+        )
+        self.committer = StepCommitter(
+            self.store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
+        )
+        self.trainer = Trainer(
+            self.spec,
+            mesh,
+            rank,
+            device=pick_device(self.spec.backend),
+            source=make_source(self.spec, self.data),
+            committer=self.committer,
+        )
         self._group_sockets = socket_inodes() - sockets_before
-        self.faults = FaultInjector(faults, rank=rank,
-                                    on_fire=lambda f: log.warning("firing injected fault %s", f.describe()))
-        self.checkpoints = (RankCheckpoints(self.spec, self.trainer, rank=rank, channel=self.channel,
-                                            storage_down=self.faults.storage_down)
-                            if self.spec.checkpoint else NoCheckpoints())
+        self.faults = FaultInjector(
+            faults, rank=rank, on_fire=lambda f: log.warning("firing injected fault %s", f.describe())
+        )
+        self.checkpoints = (
+            RankCheckpoints(
+                self.spec, self.trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down
+            )
+            if self.spec.checkpoint
+            else NoCheckpoints()
+        )
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
             self.trainer.load_local_shards(self._kept_shards)
         elif start.mode == StartMode.FRESH:
@@ -193,9 +232,13 @@ class RankActor:
         except StepAborted:
             outcome = RunOutcome(RunStatus.ABORTED, self.last_step)
         except Exception as error:  # noqa: BLE001 - reported to the driver, never swallowed
-            outcome = RunOutcome(RunStatus.FAILED, self.last_step, error=_describe(error),
-                                 error_type=type(error).__name__,
-                                 failure_kind=classify_failure(error, aborted=self._aborted.is_set()))
+            outcome = RunOutcome(
+                RunStatus.FAILED,
+                self.last_step,
+                error=_describe(error),
+                error_type=type(error).__name__,
+                failure_kind=classify_failure(error, aborted=self._aborted.is_set()),
+            )
         # Outside the except block: the exception and its traceback (which pin the blocked
         # collective and its process group) are gone by now.
         self._loop_thread = None
@@ -215,11 +258,19 @@ class RankActor:
             result = trainer.train_step(step)
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
-            stall = self.checkpoints.after_step(step, last=step == self.spec.steps,
-                                                emergency=result.checkpoint_before_pause)
-            self.channel.step(step=step, loss=result.loss, dp_rank=trainer.dp_rank, step_time_s=result.step_time_s,
-                              lr=result.lr, grad_norm=result.grad_norm, phases=result.phases,
-                              checkpoint_stall_s=stall)
+            stall = self.checkpoints.after_step(
+                step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
+            )
+            self.channel.step(
+                step=step,
+                loss=result.loss,
+                dp_rank=trainer.dp_rank,
+                step_time_s=result.step_time_s,
+                lr=result.lr,
+                grad_norm=result.grad_norm,
+                phases=result.phases,
+                checkpoint_stall_s=stall,
+            )
             if result.pause:
                 self.checkpoints.close(wait=True)  # uploads of this generation are reported before it ends
                 return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())

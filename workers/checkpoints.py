@@ -10,7 +10,8 @@ configured interval (the only stall) and lets the writer upload in the backgroun
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from checkpointing.catalog import load_manifest
 from checkpointing.errors import StorageUnreachableError
@@ -33,18 +34,34 @@ class NoCheckpoints:
 
 
 class RankCheckpoints:
-    def __init__(self, spec: TrainSpec, trainer, *, rank: int, channel: ReportChannel,
-                 storage_down: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        trainer,
+        *,
+        rank: int,
+        channel: ReportChannel,
+        storage_down: Callable[[], bool] = lambda: False,
+    ) -> None:
         target: CheckpointTarget = spec.checkpoint
         self.spec = spec
         self.target = target
         self.trainer = trainer
-        storage = open_storage(target.uri, endpoint_url=target.endpoint_url, region=target.region,
-                               part_size=target.part_size_bytes, concurrency=target.upload_concurrency)
+        storage = open_storage(
+            target.uri,
+            endpoint_url=target.endpoint_url,
+            region=target.region,
+            part_size=target.part_size_bytes,
+            concurrency=target.upload_concurrency,
+        )
         self.storage = _Outage(storage, storage_down)
         self.writer = CheckpointWriter(
-            self.storage, rank=rank, report=channel.checkpoint_upload,
-            pin_memory=trainer.device.type == "cuda", max_in_flight=target.max_in_flight, mesh=trainer.world_mesh,
+            self.storage,
+            rank=rank,
+            report=channel.checkpoint_upload,
+            pin_memory=trainer.device.type == "cuda",
+            max_in_flight=target.max_in_flight,
+            mesh=trainer.world_mesh,
         )
         coords = trainer.coords
         # Plain tensors (optimizer step counters) are the same on every rank of a pipeline
@@ -66,8 +83,7 @@ class RankCheckpoints:
         """Fill the trainer with committed step ``step``, resharded to this mesh; returns its extra."""
         manifest = load_manifest(self.storage, step)
         self.trainer.ensure_optimizer_state()
-        restore(self.storage, manifest, self.trainer.checkpoint_state(),
-                model=dataclasses.asdict(self.spec.model))
+        restore(self.storage, manifest, self.trainer.checkpoint_state(), model=dataclasses.asdict(self.spec.model))
         return manifest.extra
 
     def close(self, *, wait: bool) -> None:
@@ -75,8 +91,14 @@ class RankCheckpoints:
 
     def _extra(self, step: int) -> dict[str, Any]:
         """What resuming needs besides tensors: the data cursor is the step (see workers/data.py)."""
-        return {"step": step, "data_cursor": step * self.spec.global_batch, "global_batch": self.spec.global_batch,
-                "lr": self.spec.lr_at(step), "seed": self.spec.seed, "mesh": self.trainer.mesh.as_dict()}
+        return {
+            "step": step,
+            "data_cursor": step * self.spec.global_batch,
+            "global_batch": self.spec.global_batch,
+            "lr": self.spec.lr_at(step),
+            "seed": self.spec.seed,
+            "mesh": self.trainer.mesh.as_dict(),
+        }
 
 
 class _Outage:

@@ -39,7 +39,7 @@ class TextSource:
     def sample(self, index: int) -> torch.Tensor:
         epoch, position = divmod(index, self.windows)
         start = int(self._order_for(epoch)[position]) * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1].long()
+        return self.tokens[start : start + self.seq_len + 1].long()
 
     def _order_for(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:

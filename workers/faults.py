@@ -25,9 +25,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable, Iterable
 
 from workers.spec.messages import FailureKind
 
@@ -47,8 +47,7 @@ class FaultKind(StrEnum):
     NODE = "node"
 
 
-RANK_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.DRAIN, FaultKind.SIGTERM,
-              FaultKind.S3_OUTAGE)
+RANK_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.DRAIN, FaultKind.SIGTERM, FaultKind.S3_OUTAGE)
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
 DRIVER_KINDS = (FaultKind.DRIVER, FaultKind.NODE)
@@ -68,7 +67,7 @@ class FaultSpec:
     rank: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         """``KIND@STEP[:RANK]`` -> FaultSpec; ValueError naming what is wrong."""
         kind, at, where = text.partition("@")
         if not at or kind not in KINDS:
@@ -103,8 +102,13 @@ class DriverFaults:
     one, and without it node faults are consumed without effect.
     """
 
-    def __init__(self, faults: Iterable[FaultSpec] = (), *, node_of: Callable[[int], str | None] = lambda rank: None,
-                 remove_node: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        faults: Iterable[FaultSpec] = (),
+        *,
+        node_of: Callable[[int], str | None] = lambda rank: None,
+        remove_node: Callable[[str], None] | None = None,
+    ) -> None:
         self.pending = list(faults)
         self.node_of = node_of
         self.remove_node = remove_node

@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
@@ -117,7 +118,7 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
 
-    def keep_only(self, layer_ids: range, *, first: bool, last: bool) -> "Transformer":
+    def keep_only(self, layer_ids: range, *, first: bool, last: bool) -> Transformer:
         """Drop what a pipeline stage does not own; names of what stays are unchanged."""
         for layer_id in list(self.layers.keys()):
             if int(layer_id) not in layer_ids:

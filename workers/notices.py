@@ -12,7 +12,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("meshpilot.rank")
 
@@ -35,7 +35,7 @@ class InstanceActionWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="instance-action", daemon=True)
 
-    def start(self) -> "InstanceActionWatcher":
+    def start(self) -> InstanceActionWatcher:
         self._thread.start()
         return self
 

@@ -56,8 +56,10 @@ def require(required: Iterable[str]) -> None:
 
 
 def unsupported_message(missing: list[str]) -> str:
-    return (f"meshpilot supports Ray {SUPPORTED_RAY}.x, but Ray {ray.__version__} is installed and lacks "
-            f"{', '.join(missing)}: install ray=={SUPPORTED_RAY}.* (as pyproject.toml pins it)")
+    return (
+        f"meshpilot supports Ray {SUPPORTED_RAY}.x, but Ray {ray.__version__} is installed and lacks "
+        f"{', '.join(missing)}: install ray=={SUPPORTED_RAY}.* (as pyproject.toml pins it)"
+    )
 
 
 def _exists(name: str) -> bool:

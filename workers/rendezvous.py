@@ -39,8 +39,7 @@ class StoreHost:
         import torch.distributed as dist
 
         self.host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
     def address(self) -> tuple[str, int]:
         return self.host, self.store.port
@@ -95,8 +94,10 @@ class StepCommitter:
             self.store.wait([key], self.timeout)
         except dist.DistStoreError as error:
             waited = self.timeout.total_seconds()
-            raise CommitVoteTimeout(f"step {step}: no commit decision within {waited:g} s ({arrived} of "
-                                    f"{self.world_size} ranks had voted when this one arrived)") from error
+            raise CommitVoteTimeout(
+                f"step {step}: no commit decision within {waited:g} s ({arrived} of "
+                f"{self.world_size} ranks had voted when this one arrived)"
+            ) from error
         return self.store.get(key).decode()
 
     def _commit_decision(self) -> str:

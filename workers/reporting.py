@@ -75,5 +75,5 @@ class RankLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.channel.log(level=record.levelname.lower(), logger=record.name, message=record.getMessage())
-        except Exception:  # a log line must never take the rank down
+        except Exception:  # noqa: BLE001 - a log line must never take the rank down
             self.handleError(record)

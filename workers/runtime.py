@@ -34,8 +34,9 @@ def make_source(spec: TrainSpec, data: bytes | None) -> SampleSource:
     return SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=spec.seed)
 
 
-def init_generation(*, store: dist.Store, generation: int, rank: int, world_size: int, backend: str,
-                    timeout_s: float) -> None:
+def init_generation(
+    *, store: dist.Store, generation: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> None:
     """Collective over the new world: join generation ``generation``'s default process group.
 
     Every generation gets a fresh key prefix on the long-lived store, so keys of an aborted
@@ -48,5 +49,6 @@ def init_generation(*, store: dist.Store, generation: int, rank: int, world_size
     # Numbering each generation's groups from its own base makes a stale name fail loudly
     # instead. Every rank of a generation sets the same base, so the names still agree.
     set_group_name_base(generation * GROUP_NAMES_PER_GENERATION)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )

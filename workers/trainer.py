@@ -30,6 +30,7 @@ from workers import parallelize as par
 from workers.data import SampleSource, local_batch
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 
+
 class StepAborted(RuntimeError):
     """The step was vetoed (a failure elsewhere); nothing of it was applied."""
 
@@ -72,8 +73,16 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 class Trainer:
     """Stages, optimizer and schedule of one rank for one mesh. Collective to construct."""
 
-    def __init__(self, spec: TrainSpec, mesh: MeshSpec, rank: int, *, device: torch.device,
-                 source: SampleSource, committer: Committer | None = None) -> None:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        mesh: MeshSpec,
+        rank: int,
+        *,
+        device: torch.device,
+        source: SampleSource,
+        committer: Committer | None = None,
+    ) -> None:
         self.spec = spec
         self.mesh = mesh
         self.rank = rank
@@ -83,8 +92,9 @@ class Trainer:
         self.coords = mesh.coords(rank)
         self.dp_rank = mesh.dp_rank(rank)
         self.world_mesh = par.build_world_mesh(mesh, device.type)
-        self.plans = par.stage_plans(spec.model, pp=mesh.pp, pp_rank=self.coords.pp,
-                                     stages_per_rank=spec.stages_per_rank)
+        self.plans = par.stage_plans(
+            spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
+        )
         self.modules = [self._build_module(plan) for plan in self.plans]
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
@@ -92,7 +102,9 @@ class Trainer:
         self.reports_loss = self.holds_last_stage and self.coords.tp == 0
         self.optimizer = torch.optim.AdamW(
             [p for module in self.modules for p in module.parameters()],
-            lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay,
+            lr=spec.lr,
+            betas=(spec.beta1, spec.beta2),
+            weight_decay=spec.weight_decay,
         )
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
 
@@ -104,8 +116,12 @@ class Trainer:
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
-        par.apply_fsdp(module, par.data_parallel_mesh(self.world_mesh, self.mesh),
-                       param_dtype=param_dtype, pipelined=self.mesh.pp > 1)
+        par.apply_fsdp(
+            module,
+            par.data_parallel_mesh(self.world_mesh, self.mesh),
+            param_dtype=param_dtype,
+            pipelined=self.mesh.pp > 1,
+        )
         par.materialize(module, self.device)
         return module
 
@@ -117,8 +133,7 @@ class Trainer:
         ]
         schedule_class = SCHEDULES[self.spec.pp_schedule]
         target = stages if self.spec.pp_schedule == "interleaved_1f1b" else stages[0]
-        return schedule_class(target, n_microbatches=self.spec.microbatches, loss_fn=self._loss_fn,
-                              scale_grads=False)
+        return schedule_class(target, n_microbatches=self.spec.microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def init_weights(self) -> None:
         """Fresh start: the same initial model as a single process with the same seed."""
@@ -139,8 +154,9 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """Collective: every rank of the mesh runs the same step."""
         started = time.perf_counter()
-        batch = local_batch(self.source, step=step, global_batch=self.spec.global_batch,
-                            dp_rank=self.dp_rank, dp=self.mesh.dp).to(self.device)
+        batch = local_batch(
+            self.source, step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
+        ).to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
         per_round = self.spec.batch.rank_round_samples
@@ -162,7 +178,11 @@ class Trainer:
         loss = float(loss_sum.item()) if self.reports_loss else None
         finished = time.perf_counter()
         return StepResult(
-            step=step, loss=loss, grad_norm=float(grad_norm), lr=lr, step_time_s=finished - started,
+            step=step,
+            loss=loss,
+            grad_norm=float(grad_norm),
+            lr=lr,
+            step_time_s=finished - started,
             pause=decision in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT),
             checkpoint_before_pause=decision == COMMIT_PAUSE_CHECKPOINT,
             phases={"compute_s": computed - started, "sync_s": voted - computed, "optimizer_s": finished - voted},
@@ -292,7 +312,7 @@ class Trainer:
             dist.broadcast(flat, src=source, group=group)
             offset = 0
             for tensor in tensors:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from orchestrator.errors import UserError
@@ -67,12 +67,18 @@ def load_figures(path: str | Path = DEFAULT_PATH) -> dict[str, Figure]:
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise UserError(f"bench results {path} cannot be read as JSON ({error}); "
-                        "re-run the benchmark or pass --bench-results none") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT or not isinstance(
-            document.get("figures"), dict):
-        raise UserError(f"bench results {path} is not a {FORMAT} file (want {{\"format\": \"{FORMAT}\", "
-                        "\"figures\": {...}}); re-run the benchmark or pass --bench-results none")
+        raise UserError(
+            f"bench results {path} cannot be read as JSON ({error}); re-run the benchmark or pass --bench-results none"
+        ) from None
+    if (
+        not isinstance(document, dict)
+        or document.get("format") != FORMAT
+        or not isinstance(document.get("figures"), dict)
+    ):
+        raise UserError(
+            f'bench results {path} is not a {FORMAT} file (want {{"format": "{FORMAT}", '
+            '"figures": {...}}); re-run the benchmark or pass --bench-results none'
+        )
     figures = {}
     for name, entry in document["figures"].items():
         if name not in FIGURES:
@@ -80,14 +86,20 @@ def load_figures(path: str | Path = DEFAULT_PATH) -> dict[str, Figure]:
         value = entry.get("value") if isinstance(entry, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise UserError(f"bench results {path}: figures.{name}.value={value!r} must be a number >= 0")
-        figures[name] = Figure(name=name, value=float(value), bench=str(entry.get("bench", "unknown bench")),
-                               measured_at=entry.get("measured_at"), world_size=entry.get("world_size"),
-                               note=entry.get("note"))
+        figures[name] = Figure(
+            name=name,
+            value=float(value),
+            bench=str(entry.get("bench", "unknown bench")),
+            measured_at=entry.get("measured_at"),
+            world_size=entry.get("world_size"),
+            note=entry.get("note"),
+        )
     return figures
 
 
-def record_figure(path: str | Path, name: str, value: float, *, bench: str, world_size: int | None = None,
-                  note: str | None = None) -> None:
+def record_figure(
+    path: str | Path, name: str, value: float, *, bench: str, world_size: int | None = None, note: str | None = None
+) -> None:
     """Add or replace one figure in ``path`` (created if absent), atomically."""
     if name not in FIGURES:
         raise ValueError(f"unknown figure {name!r}; known: {', '.join(FIGURES)}")
@@ -101,8 +113,7 @@ def record_figure(path: str | Path, name: str, value: float, *, bench: str, worl
                 document = loaded
         except ValueError:
             pass  # a broken file is replaced by a good one
-    entry = {"value": float(value), "bench": bench,
-             "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    entry = {"value": float(value), "bench": bench, "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if world_size is not None:
         entry["world_size"] = int(world_size)
     if note:

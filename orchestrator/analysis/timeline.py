@@ -8,9 +8,10 @@ Agg canvas: no display, no pyplot global state).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from orchestrator.errors import UserError
 from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery, read_events
@@ -67,16 +68,22 @@ def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
     """The run's events; a UserError naming the directory when there is nothing to read."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} does not exist; pass the directory "
-                        "`meshpilot train` printed at start (under runs/)")
+        raise UserError(
+            f"run directory {str(run_dir)!r} does not exist; pass the directory "
+            "`meshpilot train` printed at start (under runs/)"
+        )
     path = run_dir / "events.jsonl"
     if not path.is_file():
-        raise UserError(f"{str(run_dir)!r} has no events.jsonl, so it is not a meshpilot run directory; "
-                        "pass the directory `meshpilot train` printed at start")
+        raise UserError(
+            f"{str(run_dir)!r} has no events.jsonl, so it is not a meshpilot run directory; "
+            "pass the directory `meshpilot train` printed at start"
+        )
     events = [event for event in read_events(path) if isinstance(event, dict) and "event" in event and "time" in event]
     if not events:
-        raise UserError(f"{str(path)!r} holds no events: the run wrote nothing yet; "
-                        "wait for it to start, or pass another run directory")
+        raise UserError(
+            f"{str(path)!r} holds no events: the run wrote nothing yet; "
+            "wait for it to start, or pass another run directory"
+        )
     return events
 
 
@@ -168,8 +175,10 @@ def format_summary(summary: RunSummary) -> str:
 def _checkpoint_line(summary: RunSummary, failed: str) -> str:
     if not (summary.checkpoints_committed or summary.checkpoint_failures or summary.stall_s):
         return "checkpoints: none"
-    return (f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
-            f"total stall {summary.stall_s:.2f} s")
+    return (
+        f"checkpoints: {summary.checkpoints_committed} committed ({_size(summary.checkpoint_bytes)}), {failed}; "
+        f"total stall {summary.stall_s:.2f} s"
+    )
 
 
 def _pauses(seconds: tuple[float, ...]) -> str:
@@ -216,12 +225,16 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
 
     figure = Figure(figsize=(13, 10), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    loss_ax, speed_ax, world_ax, ckpt_ax = figure.subplots(4, 1, sharex=True,
-                                                          gridspec_kw={"height_ratios": [3, 2, 1.6, 1.6]})
-    figure.suptitle(f"meshpilot run '{summary.name}': {summary.status}, step {summary.last_step}"
-                    f"{'/' + str(summary.target_steps) if summary.target_steps else ''}, "
-                    f"wall {_duration(summary.wall_s)}, effective training {summary.goodput:.0%}",
-                    fontsize=13, fontweight="bold")
+    loss_ax, speed_ax, world_ax, ckpt_ax = figure.subplots(
+        4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.6, 1.6]}
+    )
+    figure.suptitle(
+        f"meshpilot run '{summary.name}': {summary.status}, step {summary.last_step}"
+        f"{'/' + str(summary.target_steps) if summary.target_steps else ''}, "
+        f"wall {_duration(summary.wall_s)}, effective training {summary.goodput:.0%}",
+        fontsize=13,
+        fontweight="bold",
+    )
 
     lost, partial = _draw_training(loss_ax, speed_ax, events, at)
     loss_ax.set_ylabel("loss")
@@ -233,8 +246,12 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
         loss_ax.text(0.5, 0.5, "no completed steps", transform=loss_ax.transAxes, ha="center", va="center")
 
     if summary.startup_s is not None:
-        _draw_startup((loss_ax, speed_ax, world_ax, ckpt_ax), summary.startup_s / scale,
-                      at(events[-1]), _duration(summary.startup_s))
+        _draw_startup(
+            (loss_ax, speed_ax, world_ax, ckpt_ax),
+            summary.startup_s / scale,
+            at(events[-1]),
+            _duration(summary.startup_s),
+        )
     _draw_markers((loss_ax, speed_ax, world_ax, ckpt_ax), events, at)
     for axis in (loss_ax, speed_ax, world_ax, ckpt_ax):
         axis.grid(True, alpha=0.3)
@@ -251,8 +268,9 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     return out
 
 
-def _draw_training(loss_ax: Any, speed_ax: Any, events: list[dict[str, Any]],
-                   at: Callable[[dict[str, Any]], float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _draw_training(
+    loss_ax: Any, speed_ax: Any, events: list[dict[str, Any]], at: Callable[[dict[str, Any]], float]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Loss and tokens/s, one line per stretch of training; returns the lost and the partial-loss steps."""
     steps = [e for e in events if e["event"] == "step"]
     # One line per stretch of uninterrupted training: no line drawn across a failure's downtime.
@@ -264,13 +282,29 @@ def _draw_training(loss_ax: Any, speed_ax: Any, events: list[dict[str, Any]],
     lost = [e for e in steps if id(e) not in kept]
     partial = [e for e in steps if e.get("loss_partial") and e.get("loss") is not None]
     if partial:  # a blip there is the missing ranks' share, not the model
-        loss_ax.scatter([at(e) for e in partial], [e["loss"] for e in partial], marker="o", s=70,
-                        facecolors="none", edgecolors=PARTIAL_LOSS_COLOUR, linewidths=2.0, zorder=4)
+        loss_ax.scatter(
+            [at(e) for e in partial],
+            [e["loss"] for e in partial],
+            marker="o",
+            s=70,
+            facecolors="none",
+            edgecolors=PARTIAL_LOSS_COLOUR,
+            linewidths=2.0,
+            zorder=4,
+        )
     if lost:
-        loss_ax.scatter([at(e) for e in lost], [e.get("loss") for e in lost], marker="x", s=40,
-                        color="#7f7f7f", zorder=3, label="lost step (redone)")
-        speed_ax.scatter([at(e) for e in lost], [_tokens_per_s(e) for e in lost], marker="x", s=40,
-                         color="#7f7f7f", zorder=3)
+        loss_ax.scatter(
+            [at(e) for e in lost],
+            [e.get("loss") for e in lost],
+            marker="x",
+            s=40,
+            color="#7f7f7f",
+            zorder=3,
+            label="lost step (redone)",
+        )
+        speed_ax.scatter(
+            [at(e) for e in lost], [_tokens_per_s(e) for e in lost], marker="x", s=40, color="#7f7f7f", zorder=3
+        )
     return lost, partial
 
 
@@ -280,11 +314,22 @@ def _legend_handles(events: list[dict[str, Any]], summary: RunSummary, *, lost: 
     from matplotlib.patches import Patch
 
     shown = {e["event"] for e in events if e["event"] != "recovered" or is_failure_recovery(e)}
-    handles = [Line2D([], [], color=colour, linestyle=style, linewidth=2, label=label)
-               for kind, (colour, style, label) in MARKERS.items() if kind in shown]
+    handles = [
+        Line2D([], [], color=colour, linestyle=style, linewidth=2, label=label)
+        for kind, (colour, style, label) in MARKERS.items()
+        if kind in shown
+    ]
     if any(e["event"] == "recovered" and e.get("cause") == "drain" for e in events):
-        handles.append(Line2D([], [], color=MARKERS["drain"][0], linestyle=MARKERS["recovered"][1], linewidth=2,
-                              label="training again after a drain"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=MARKERS["drain"][0],
+                linestyle=MARKERS["recovered"][1],
+                linewidth=2,
+                label="training again after a drain",
+            )
+        )
     if summary.startup_s is not None:
         handles.insert(0, Patch(color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, label="start-up"))
     if any(e["event"] == "failure" for e in events):
@@ -292,8 +337,17 @@ def _legend_handles(events: list[dict[str, Any]], summary: RunSummary, *, lost: 
     if lost:
         handles.append(Line2D([], [], color="#7f7f7f", marker="x", linestyle="", label="lost step (redone)"))
     if partial:
-        handles.append(Line2D([], [], color=PARTIAL_LOSS_COLOUR, marker="o", markerfacecolor="none", linestyle="",
-                              label="partial loss (a rank did not report)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=PARTIAL_LOSS_COLOUR,
+                marker="o",
+                markerfacecolor="none",
+                linestyle="",
+                label="partial loss (a rank did not report)",
+            )
+        )
     return handles
 
 
@@ -362,14 +416,24 @@ def _draw_checkpoints(axis, events: list[dict[str, Any]], at) -> None:
     marker_y = top * 1.3
     if committed:
         total = sum(int(e.get("bytes") or 0) for e in committed)
-        axis.scatter([at(e) for e in committed], [marker_y] * len(committed), marker="^", s=60,
-                     color="#006d2c", zorder=3, label=f"committed ({len(committed)}, {_size(total)} in all)")
-    for reason, colour, label in (("storage", "#8b0000", "upload failed"),
-                                  ("interrupted", "#7f7f7f", "dropped: mesh changed mid-save")):
+        axis.scatter(
+            [at(e) for e in committed],
+            [marker_y] * len(committed),
+            marker="^",
+            s=60,
+            color="#006d2c",
+            zorder=3,
+            label=f"committed ({len(committed)}, {_size(total)} in all)",
+        )
+    for reason, colour, label in (
+        ("storage", "#8b0000", "upload failed"),
+        ("interrupted", "#7f7f7f", "dropped: mesh changed mid-save"),
+    ):
         these = [e for e in failed if checkpoint_failure_reason(e) == reason]
         if these:
-            axis.scatter([at(e) for e in these], [marker_y] * len(these), marker="X", s=80,
-                         color=colour, zorder=3, label=label)
+            axis.scatter(
+                [at(e) for e in these], [marker_y] * len(these), marker="X", s=80, color=colour, zorder=3, label=label
+            )
     if staged or committed or failed:
         axis.legend(loc="upper left", fontsize=8, ncol=4, framealpha=0.9)
     else:
@@ -394,8 +458,16 @@ def _draw_startup(axes, end: float, last: float, duration: str) -> None:
     for axis in axes:
         axis.axvspan(0, end, color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, linewidth=0)
     if end > 0.08 * last:  # room for the words
-        axes[0].text(end / 2, 0.5, f"start-up\n{duration}", transform=axes[0].get_xaxis_transform(),
-                     ha="center", va="center", fontsize=10, color="#525252")
+        axes[0].text(
+            end / 2,
+            0.5,
+            f"start-up\n{duration}",
+            transform=axes[0].get_xaxis_transform(),
+            ha="center",
+            va="center",
+            fontsize=10,
+            color="#525252",
+        )
 
 
 def _draw_markers(axes, events: list[dict[str, Any]], at) -> None:
@@ -421,10 +493,19 @@ def _draw_markers(axes, events: list[dict[str, Any]], at) -> None:
             # What begins a pause is labelled left of its line, what ends it right of its own:
             # a failure and its recovery a second apart still read apart.
             left = event["event"] in ("failure", "drain")
-            top_axis.annotate(_marker_text(event), (x, 1.0), xycoords=("data", "axes fraction"),
-                              xytext=(-2 if left else 2, -4), textcoords="offset points", rotation=90, va="top",
-                              ha="right" if left else "left", fontsize=8, color=colour,
-                              bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1})
+            top_axis.annotate(
+                _marker_text(event),
+                (x, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(-2 if left else 2, -4),
+                textcoords="offset points",
+                rotation=90,
+                va="top",
+                ha="right" if left else "left",
+                fontsize=8,
+                color=colour,
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1},
+            )
 
 
 def _marker_text(event: dict[str, Any]) -> str:

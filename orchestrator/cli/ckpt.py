@@ -22,15 +22,20 @@ from checkpointing.storage import open_storage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("ckpt", help="list, inspect, verify or export checkpoints",
-                                   description="Checkpoints under a URI: s3://bucket/prefix, file:///dir or a directory.")
+    parser = subparsers.add_parser(
+        "ckpt",
+        help="list, inspect, verify or export checkpoints",
+        description="Checkpoints under a URI: s3://bucket/prefix, file:///dir or a directory.",
+    )
     commands = parser.add_subparsers(dest="ckpt_command", metavar="ACTION")
     commands.required = True
 
     def add(name: str, help_text: str, handler, *, step: bool = True):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("uri", help="s3://bucket/prefix, file:///dir or a directory")
-        sub.add_argument("--endpoint-url", default=None, help="S3 endpoint of a non-AWS server, e.g. http://127.0.0.1:8333")
+        sub.add_argument(
+            "--endpoint-url", default=None, help="S3 endpoint of a non-AWS server, e.g. http://127.0.0.1:8333"
+        )
         sub.add_argument("--region", default=None, help="S3 region (default: the AWS chain's)")
         if step:
             sub.add_argument("--step", type=int, default=None, help="a committed step (default: the newest)")
@@ -44,9 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--all", action="store_true", help="verify every committed step")
     export = add("export", "write a Hugging Face LlamaForCausalLM directory", _export)
     export.add_argument("--out", required=True, help="output directory")
-    export.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the exported weights (default: as stored)")
-    export.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest output file in MB (default 2048)")
+    export.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the exported weights (default: as stored)",
+    )
+    export.add_argument(
+        "--max-shard-size-mb", type=float, default=2048.0, help="largest output file in MB (default 2048)"
+    )
 
 
 def _storage(args: argparse.Namespace):
@@ -66,8 +77,10 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{step:>10}  CORRUPT: {error}")
             continue
         mesh = " ".join(f"{k}={v}" for k, v in manifest.mesh.items())
-        print(f"{step:>10}  {_when(manifest.committed_at):<20} {_size(manifest.total_bytes):>10}  "
-              f"{len(manifest.files):>5}  {mesh}")
+        print(
+            f"{step:>10}  {_when(manifest.committed_at):<20} {_size(manifest.total_bytes):>10}  "
+            f"{len(manifest.files):>5}  {mesh}"
+        )
     return 0
 
 
@@ -78,8 +91,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(manifest.to_json().decode(), end="")
         return 0
     print(f"checkpoint  {storage.uri} step {manifest.step} (manifest version {manifest.version})")
-    print(f"committed   {_when(manifest.committed_at)} UTC; upload {manifest.upload_s:.2f} s, "
-          f"loop stall {manifest.stall_s * 1000:.1f} ms (slowest rank)")
+    print(
+        f"committed   {_when(manifest.committed_at)} UTC; upload {manifest.upload_s:.2f} s, "
+        f"loop stall {manifest.stall_s * 1000:.1f} ms (slowest rank)"
+    )
     print(f"mesh        {json.dumps(manifest.mesh)}  world size {manifest.world_size}")
     print(f"model       {json.dumps(manifest.model)}")
     print(f"config      {manifest.config_hash}")
@@ -109,11 +124,15 @@ def _verify(args: argparse.Namespace) -> int:
             failures.append(error)
             print(f"CORRUPT  {error}")
             continue
-        print(f"OK       step {result.step}: {result.files} files, {_size(result.bytes)} verified "
-              f"in {time.perf_counter() - started:.1f} s")
+        print(
+            f"OK       step {result.step}: {result.files} files, {_size(result.bytes)} verified "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
     if failures:
-        raise CorruptCheckpointError(f"{len(failures)} corrupt checkpoint(s) under {storage.uri}; the first: "
-                                     f"shard {failures[0].key}", key=failures[0].key)
+        raise CorruptCheckpointError(
+            f"{len(failures)} corrupt checkpoint(s) under {storage.uri}; the first: shard {failures[0].key}",
+            key=failures[0].key,
+        )
     return 0
 
 
@@ -121,8 +140,9 @@ def _export(args: argparse.Namespace) -> int:
     from checkpointing.export import export_hf
 
     storage = _storage(args)
-    out = export_hf(storage, args.out, step=args.step, dtype=args.dtype,
-                    max_shard_bytes=int(args.max_shard_size_mb * (1 << 20)))
+    out = export_hf(
+        storage, args.out, step=args.step, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_mb * (1 << 20))
+    )
     print(f"exported {storage.uri} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
     return 0
 

@@ -18,14 +18,7 @@ from pathlib import Path
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
 from elastic.plan_explain import format_gb
-from elastic.planner import (
-    PIPELINE_SCHEDULES,
-    Constraints,
-    Plan,
-    PlanResult,
-    check_layout,
-    plan_layouts,
-)
+from elastic.planner import PIPELINE_SCHEDULES, Constraints, Plan, PlanResult, check_layout, plan_layouts
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
 
@@ -36,39 +29,81 @@ DEFAULT_GLOBAL_BATCH = 2048
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "plan", help="choose a mesh for N GPUs: memory, bubble, communication, step time, MFU",
+        "plan",
+        help="choose a mesh for N GPUs: memory, bubble, communication, step time, MFU",
         description="Enumerate every (dp_replicate, dp_shard, tp, pp) mesh, schedule and activation "
-                    "checkpointing choice for a model on N GPUs; print the best with reasons and the "
-                    "rejected with why. No cluster needed.")
-    parser.add_argument("--model", required=True, metavar="PRESET|CONFIG.yaml",
-                        help=f"a preset ({', '.join(PRESETS)}) or a job config whose model section is used")
+        "checkpointing choice for a model on N GPUs; print the best with reasons and the "
+        "rejected with why. No cluster needed.",
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|CONFIG.yaml",
+        help=f"a preset ({', '.join(PRESETS)}) or a job config whose model section is used",
+    )
     parser.add_argument("--gpus", required=True, type=int, help="GPUs to plan for")
     add_hardware_flags(parser)
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"tokens per sequence (default: the config's, else {DEFAULT_SEQ_LEN} or the model's max)")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help=f"sequences per optimizer step (default: the config's, else {DEFAULT_GLOBAL_BATCH})")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: the config's, else {DEFAULT_SEQ_LEN} or the model's max)",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help=f"sequences per optimizer step (default: the config's, else {DEFAULT_GLOBAL_BATCH})",
+    )
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     for dim in ("dp_replicate", "dp_shard", "tp", "pp"):
-        parser.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim,
-                            help=f"fix {dim} to this degree")
-    parser.add_argument("--min-replicas", type=int, default=1,
-                        help="fewest dp_replicate groups (each can be dropped in place on a failure)")
+        parser.add_argument(
+            f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim, help=f"fix {dim} to this degree"
+        )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="fewest dp_replicate groups (each can be dropped in place on a failure)",
+    )
     parser.add_argument("--tp-across-nodes", action="store_true", help="let tensor parallel span nodes")
-    parser.add_argument("--even-stages", action="store_true",
-                        help="require equal layers per pipeline stage (n_layers divisible by pp x virtual stages)")
-    parser.add_argument("--schedule", action="append", choices=PIPELINE_SCHEDULES, default=None,
-                        help="pipeline schedules to consider (repeat; default all)")
-    parser.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
-                        help="auto: whichever fits and is faster")
-    parser.add_argument("--compute-efficiency", type=float, default=Assumptions.compute_efficiency,
-                        help="fraction of peak bf16 FLOP/s the kernels reach (default %(default)s)")
-    parser.add_argument("--link-efficiency", type=float, default=Assumptions.link_efficiency,
-                        help="fraction of link bandwidth collectives reach (default %(default)s)")
-    parser.add_argument("--memory-reserve", type=float, default=Assumptions.memory_reserve,
-                        help="fraction of GPU memory kept free for CUDA context, NCCL, fragmentation "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--even-stages",
+        action="store_true",
+        help="require equal layers per pipeline stage (n_layers divisible by pp x virtual stages)",
+    )
+    parser.add_argument(
+        "--schedule",
+        action="append",
+        choices=PIPELINE_SCHEDULES,
+        default=None,
+        help="pipeline schedules to consider (repeat; default all)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: whichever fits and is faster",
+    )
+    parser.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=Assumptions.compute_efficiency,
+        help="fraction of peak bf16 FLOP/s the kernels reach (default %(default)s)",
+    )
+    parser.add_argument(
+        "--link-efficiency",
+        type=float,
+        default=Assumptions.link_efficiency,
+        help="fraction of link bandwidth collectives reach (default %(default)s)",
+    )
+    parser.add_argument(
+        "--memory-reserve",
+        type=float,
+        default=Assumptions.memory_reserve,
+        help="fraction of GPU memory kept free for CUDA context, NCCL, fragmentation (default %(default)s)",
+    )
     parser.set_defaults(handler=run_plan)
 
     from orchestrator.cli import simulate as simulate_cli
@@ -77,20 +112,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_hardware_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu", default="h100-80g", choices=sorted(GPU_KINDS),
-                        help="GPU kind (default h100-80g); the flags below override its figures")
+    parser.add_argument(
+        "--gpu",
+        default="h100-80g",
+        choices=sorted(GPU_KINDS),
+        help="GPU kind (default h100-80g); the flags below override its figures",
+    )
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU, GB")
     parser.add_argument("--gpu-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s per GPU")
-    parser.add_argument("--nvlink-gb-per-s", type=float, default=None,
-                        help="NVLink bandwidth per GPU, one direction, GB/s")
-    parser.add_argument("--network-gbit-per-s", type=float, default=None,
-                        help="network bandwidth per GPU between nodes, Gbit/s")
+    parser.add_argument(
+        "--nvlink-gb-per-s", type=float, default=None, help="NVLink bandwidth per GPU, one direction, GB/s"
+    )
+    parser.add_argument(
+        "--network-gbit-per-s", type=float, default=None, help="network bandwidth per GPU between nodes, Gbit/s"
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink in a node (default 8)")
 
 
 def hardware_from_args(args: argparse.Namespace) -> GpuSpec:
-    spec = gpu_spec(args.gpu, memory_gb=args.gpu_memory_gb, bf16_tflops=args.gpu_tflops,
-                    nvlink_gb_per_s=args.nvlink_gb_per_s, network_gbit_per_s=args.network_gbit_per_s)
+    spec = gpu_spec(
+        args.gpu,
+        memory_gb=args.gpu_memory_gb,
+        bf16_tflops=args.gpu_tflops,
+        nvlink_gb_per_s=args.nvlink_gb_per_s,
+        network_gbit_per_s=args.network_gbit_per_s,
+    )
     problems = spec.problems()
     if problems:
         raise UserError("; ".join(problems))
@@ -119,12 +165,20 @@ def load_model(reference: str) -> ModelSource:
         # Only the model, training and parallelism sections matter here; the data file need not exist.
         config = load_config(path, overrides=["data.source=synthetic"])
         par = config.parallelism
-        layout = Layout(config.mesh, par.pp_schedule if par.pp > 1 else "none", par.virtual_stages,
-                        par.microbatches, par.activation_checkpointing)
-        return ModelSource(f"{config.name} ({path})", config.model_spec, config.training.seq_len,
-                           config.training.global_batch, layout)
-    raise UserError(f"--model {reference!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML job config; "
-                    "pass a preset name or the path of a config file")
+        layout = Layout(
+            config.mesh,
+            par.pp_schedule if par.pp > 1 else "none",
+            par.virtual_stages,
+            par.microbatches,
+            par.activation_checkpointing,
+        )
+        return ModelSource(
+            f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout
+        )
+    raise UserError(
+        f"--model {reference!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML job config; "
+        "pass a preset name or the path of a config file"
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -146,8 +200,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configured(source: ModelSource, result: PlanResult, constraints: Constraints,
-                assumptions: Assumptions) -> dict[str, object] | None:
+def _configured(
+    source: ModelSource, result: PlanResult, constraints: Constraints, assumptions: Assumptions
+) -> dict[str, object] | None:
     """How the config's own parallelism section fares on the planned cluster."""
     if source.layout is None:
         return None
@@ -155,30 +210,46 @@ def _configured(source: ModelSource, result: PlanResult, constraints: Constraint
     if layout.mesh.world_size != result.cluster.gpus:
         verdict = f"not comparable: it uses {layout.mesh.world_size} ranks, the plan {result.cluster.gpus} GPUs"
         return {"layout": layout.describe(), "feasible": False, "verdict": verdict}
-    estimate_, problems = check_layout(result.workload, result.cluster, layout, constraints=constraints,
-                                       assumptions=assumptions)
+    estimate_, problems = check_layout(
+        result.workload, result.cluster, layout, constraints=constraints, assumptions=assumptions
+    )
     if problems or estimate_ is None:
         return {"layout": layout.describe(), "feasible": False, "verdict": "rejected: " + "; ".join(problems)}
     faster = sum(1 for plan in result.plans if plan.estimate.step_s < estimate_.step_s)
-    verdict = (f"fits {format_gb(estimate_.memory.total)} GB, step {_seconds(estimate_.step_s)} s, MFU {estimate_.mfu:.1%}; "
-               f"{faster} feasible layout{'s' if faster != 1 else ''} would be faster")
-    return {"layout": layout.describe(), "feasible": True, "step_s": round(estimate_.step_s, 6),
-            "mfu": round(estimate_.mfu, 4), "faster_layouts": faster, "verdict": verdict}
+    verdict = (
+        f"fits {format_gb(estimate_.memory.total)} GB, step {_seconds(estimate_.step_s)} s, MFU {estimate_.mfu:.1%}; "
+        f"{faster} feasible layout{'s' if faster != 1 else ''} would be faster"
+    )
+    return {
+        "layout": layout.describe(),
+        "feasible": True,
+        "step_s": round(estimate_.step_s, 6),
+        "mfu": round(estimate_.mfu, 4),
+        "faster_layouts": faster,
+        "verdict": verdict,
+    }
 
 
-def _inputs(args: argparse.Namespace, model: ModelSpec, config_seq_len: int | None,
-            config_batch: int | None) -> tuple[Workload, Cluster, Constraints, Assumptions]:
+def _inputs(
+    args: argparse.Namespace, model: ModelSpec, config_seq_len: int | None, config_batch: int | None
+) -> tuple[Workload, Cluster, Constraints, Assumptions]:
     if args.gpus < 1:
         raise UserError(f"--gpus={args.gpus} must be >= 1")
     if args.gpus_per_node < 1:
         raise UserError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise UserError(f"--gpus={args.gpus} is not a multiple of --gpus-per-node={args.gpus_per_node}; "
-                        "plan whole nodes, or set --gpus-per-node")
+        raise UserError(
+            f"--gpus={args.gpus} is not a multiple of --gpus-per-node={args.gpus_per_node}; "
+            "plan whole nodes, or set --gpus-per-node"
+        )
     seq_len = args.seq_len or config_seq_len or min(DEFAULT_SEQ_LEN, model.max_seq_len)
     global_batch = args.global_batch or config_batch or DEFAULT_GLOBAL_BATCH
-    for flag, value in (("--seq-len", seq_len), ("--global-batch", global_batch), ("--top", args.top),
-                        ("--min-replicas", args.min_replicas)):
+    for flag, value in (
+        ("--seq-len", seq_len),
+        ("--global-batch", global_batch),
+        ("--top", args.top),
+        ("--min-replicas", args.min_replicas),
+    ):
         if value < 1:
             raise UserError(f"{flag}={value} must be >= 1")
     if seq_len > model.max_seq_len:
@@ -196,19 +267,25 @@ def _inputs(args: argparse.Namespace, model: ModelSpec, config_seq_len: int | No
     if args.gpus % product:
         named = ", ".join(f"--{dim.replace('_', '-')}={value}" for dim, value in fixed.items())
         raise UserError(f"the fixed degrees ({named}) multiply to {product}, which does not divide --gpus={args.gpus}")
-    for flag, value in (("--compute-efficiency", args.compute_efficiency),
-                        ("--link-efficiency", args.link_efficiency)):
+    for flag, value in (("--compute-efficiency", args.compute_efficiency), ("--link-efficiency", args.link_efficiency)):
         if not 0 < value <= 1:
             raise UserError(f"{flag}={value} must lie in (0, 1]")
     if not 0 <= args.memory_reserve < 1:
         raise UserError(f"--memory-reserve={args.memory_reserve} must lie in [0, 1)")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
-    constraints = Constraints(fixed=fixed, tp_across_nodes=args.tp_across_nodes, even_stages=args.even_stages,
-                              min_replicas=args.min_replicas,
-                              schedules=tuple(args.schedule) if args.schedule else PIPELINE_SCHEDULES,
-                              activation_checkpointing=checkpointing)
-    assumptions = Assumptions(compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency,
-                              memory_reserve=args.memory_reserve)
+    constraints = Constraints(
+        fixed=fixed,
+        tp_across_nodes=args.tp_across_nodes,
+        even_stages=args.even_stages,
+        min_replicas=args.min_replicas,
+        schedules=tuple(args.schedule) if args.schedule else PIPELINE_SCHEDULES,
+        activation_checkpointing=checkpointing,
+    )
+    assumptions = Assumptions(
+        compute_efficiency=args.compute_efficiency,
+        link_efficiency=args.link_efficiency,
+        memory_reserve=args.memory_reserve,
+    )
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), hardware_from_args(args))
     return Workload(model, seq_len, global_batch), cluster, constraints, assumptions
 
@@ -220,13 +297,17 @@ def _no_layout_message(name: str, result: PlanResult) -> str:
     if memory:
         closest = min(memory, key=lambda r: r.needs_gb or 0.0)
         usable = cluster.gpu.memory_gb * (1 - result.assumptions.memory_reserve)
-        return (f"no layout of {name} fits on {where}: the smallest ({closest.layout}) needs "
-                f"{format_gb(closest.needs_gb * 1e9)} GB per GPU > {format_gb(usable * 1e9)} GB usable; "
-                "use more GPUs or GPUs with more memory")
+        return (
+            f"no layout of {name} fits on {where}: the smallest ({closest.layout}) needs "
+            f"{format_gb(closest.needs_gb * 1e9)} GB per GPU > {format_gb(usable * 1e9)} GB usable; "
+            "use more GPUs or GPUs with more memory"
+        )
     if not result.rejections:
         return f"no layout of {name} on {where} satisfies the fixed degrees and --min-replicas; relax them"
-    return (f"no layout of {name} divides onto {where} (see the rejected families above); "
-            "change --gpus, --global-batch or --seq-len")
+    return (
+        f"no layout of {name} divides onto {where} (see the rejected families above); "
+        "change --gpus, --global-batch or --seq-len"
+    )
 
 
 # ---------------------------------------------------------------------------- output
@@ -249,13 +330,21 @@ def plan_json(name: str, result: PlanResult, shown: list[Plan]) -> dict[str, obj
         "model": {"name": name, "num_params": workload.model.num_params},
         "gpus": cluster.gpus,
         "gpus_per_node": cluster.gpus_per_node,
-        "gpu": {"name": cluster.gpu.name, "memory_gb": cluster.gpu.memory_gb, "bf16_tflops": cluster.gpu.bf16_tflops,
-                "nvlink_gb_per_s": cluster.gpu.nvlink_gb_per_s, "network_gbit_per_s": cluster.gpu.network_gbit_per_s},
+        "gpu": {
+            "name": cluster.gpu.name,
+            "memory_gb": cluster.gpu.memory_gb,
+            "bf16_tflops": cluster.gpu.bf16_tflops,
+            "nvlink_gb_per_s": cluster.gpu.nvlink_gb_per_s,
+            "network_gbit_per_s": cluster.gpu.network_gbit_per_s,
+        },
         "seq_len": workload.seq_len,
         "global_batch": workload.global_batch,
         "tokens_per_step": workload.tokens_per_step,
-        "assumptions": {"compute_efficiency": assumptions.compute_efficiency,
-                        "link_efficiency": assumptions.link_efficiency, "memory_reserve": assumptions.memory_reserve},
+        "assumptions": {
+            "compute_efficiency": assumptions.compute_efficiency,
+            "link_efficiency": assumptions.link_efficiency,
+            "memory_reserve": assumptions.memory_reserve,
+        },
         "plans": [_plan_dict(rank, plan) for rank, plan in enumerate(shown, start=1)],
         "feasible": len(result.plans),
         "rejected": [rejection.as_dict() for rejection in result.rejections],
@@ -296,8 +385,10 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
     ]
     if shown:
         lines.append("best layouts (fastest first; one per tp x pp, its best dp split and schedule):")
-        lines.append(f"  {'#':>2} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>4}  {'schedule':<22} "
-                     f"{'micro':>5} {'AC':>3} {'GB/GPU':>7} {'step s':>7} {'MFU':>6} {'tok/s/GPU':>9}")
+        lines.append(
+            f"  {'#':>2} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>4}  {'schedule':<22} "
+            f"{'micro':>5} {'AC':>3} {'GB/GPU':>7} {'step s':>7} {'MFU':>6} {'tok/s/GPU':>9}"
+        )
         for rank, plan in enumerate(shown, start=1):
             lines.extend(_plan_lines(rank, plan))
         lines.append("")
@@ -306,9 +397,11 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
     if not result.rejections:
         lines.append("  none")
     lines.append("")
-    lines.append(f"assumptions: kernels reach {assumptions.compute_efficiency:.0%} of peak, collectives "
-                 f"{assumptions.link_efficiency:.0%} of link bandwidth, {assumptions.memory_reserve:.0%} of memory "
-                 "kept free; bf16 with fp32 Adam state (16 bytes/parameter), FSDP2 full shard within dp_shard")
+    lines.append(
+        f"assumptions: kernels reach {assumptions.compute_efficiency:.0%} of peak, collectives "
+        f"{assumptions.link_efficiency:.0%} of link bandwidth, {assumptions.memory_reserve:.0%} of memory "
+        "kept free; bf16 with fp32 Adam state (16 bytes/parameter), FSDP2 full shard within dp_shard"
+    )
     return "\n".join(lines)
 
 
@@ -335,8 +428,9 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
         f"{estimate.tokens_per_s_per_gpu:>9.0f}"
     ]
     lines.extend(f"       - {reason}" for reason in plan.reasons)
-    snippet = ", ".join(f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
-                        for key, value in config_snippet(plan).items())
+    snippet = ", ".join(
+        f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in config_snippet(plan).items()
+    )
     lines.append(f"       config: parallelism: {{{snippet}}}")
     return lines
-

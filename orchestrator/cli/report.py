@@ -13,13 +13,15 @@ from orchestrator.analysis.timeline import format_summary, load_events, render_t
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "report", help="timeline picture and summary of a run",
+        "report",
+        help="timeline picture and summary of a run",
         description="Read RUN_DIR/events.jsonl, print a summary (effective training time, recovery times, "
-                    "lost steps, checkpoint stall) and draw a PNG timeline.",
+        "lost steps, checkpoint stall) and draw a PNG timeline.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory `meshpilot train` printed")
-    parser.add_argument("--out", metavar="PNG", default=None, help="where to write the picture "
-                        "(default: RUN_DIR/timeline.png)")
+    parser.add_argument(
+        "--out", metavar="PNG", default=None, help="where to write the picture (default: RUN_DIR/timeline.png)"
+    )
     parser.set_defaults(handler=run)
 
 

@@ -16,23 +16,37 @@ import argparse
 import json
 from pathlib import Path
 
-from elastic.simulator import (
-    POLICIES, SimulationInputs, SimulationResult, Sweep, default_mttf_hours, sweep,
-)
+from elastic.simulator import POLICIES, SimulationInputs, SimulationResult, Sweep, default_mttf_hours, sweep
 from orchestrator.analysis.bench_figures import DEFAULT_PATH, Figure, load_figures
 from orchestrator.errors import UserError
 
 # Defaults where no flag and no measured figure is given: assumptions for a large GPU job, each
 # overridable. (figure name in bench/results/latest.json, flag, default, why)
 TIMINGS: dict[str, tuple[str, str, float, str]] = {
-    "checkpoint_stall_s": ("checkpoint_stall_s", "--stall-s", 10.0,
-                           "async sharded checkpoint: only the copy to host blocks"),
-    "checkpoint_upload_s": ("checkpoint_upload_s", "--upload-s", 0.0,
-                            "a checkpoint counts as restorable when its stall ends"),
-    "restart_s": ("restart_recovery_s", "--restart-s", 300.0,
-                  "reschedule, re-initialise NCCL and load the checkpoint on every rank"),
-    "inplace_recovery_s": ("inplace_recovery_s", "--inplace-s", 60.0,
-                           "detect the failure, rebuild communicators without the failed replica"),
+    "checkpoint_stall_s": (
+        "checkpoint_stall_s",
+        "--stall-s",
+        10.0,
+        "async sharded checkpoint: only the copy to host blocks",
+    ),
+    "checkpoint_upload_s": (
+        "checkpoint_upload_s",
+        "--upload-s",
+        0.0,
+        "a checkpoint counts as restorable when its stall ends",
+    ),
+    "restart_s": (
+        "restart_recovery_s",
+        "--restart-s",
+        300.0,
+        "reschedule, re-initialise NCCL and load the checkpoint on every rank",
+    ),
+    "inplace_recovery_s": (
+        "inplace_recovery_s",
+        "--inplace-s",
+        60.0,
+        "detect the failure, rebuild communicators without the failed replica",
+    ),
     "drain_s": ("drain_recovery_s", "--drain-s", 30.0, "rebuild communicators without the draining replica"),
     "grow_s": ("grow_s", "--grow-s", 30.0, "new replica joins at a step boundary, shards copied peer to peer"),
 }
@@ -42,39 +56,74 @@ DEFAULT_DAYS = 30.0
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "simulate", help="goodput per recovery policy and the best checkpoint interval",
+        "simulate",
+        help="goodput per recovery policy and the best checkpoint interval",
         description="Discrete-event simulation (seeded, deterministic) of failures, preemption notices, "
-                    "checkpoints and recoveries; prints the effective-training-time ratio per policy and the "
-                    "best checkpoint interval next to Young/Daly's.")
+        "checkpoints and recoveries; prints the effective-training-time ratio per policy and the "
+        "best checkpoint interval next to Young/Daly's.",
+    )
     parser.add_argument("--gpus", type=int, default=16384, help="GPUs in the job (default 16384)")
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument("--mttf-hours", type=float, default=None, help="mean time between failures of the whole job")
-    rate.add_argument("--gpu-mttf-hours", type=float, default=None,
-                      help="mean time between failures of one GPU (the job's is this / --gpus)")
-    rate.add_argument("--interruptions", type=int, default=None,
-                      help="failures observed over --days (e.g. Llama 3: 419 in 54 days on 16,384 GPUs)")
-    parser.add_argument("--days", type=float, default=None,
-                        help=f"simulated wall time, and the window of --interruptions (default {DEFAULT_DAYS:g})")
-    parser.add_argument("--checkpoint-interval-min", type=float, default=None,
-                        help="also report every policy at this checkpoint interval")
+    rate.add_argument(
+        "--gpu-mttf-hours",
+        type=float,
+        default=None,
+        help="mean time between failures of one GPU (the job's is this / --gpus)",
+    )
+    rate.add_argument(
+        "--interruptions",
+        type=int,
+        default=None,
+        help="failures observed over --days (e.g. Llama 3: 419 in 54 days on 16,384 GPUs)",
+    )
+    parser.add_argument(
+        "--days",
+        type=float,
+        default=None,
+        help=f"simulated wall time, and the window of --interruptions (default {DEFAULT_DAYS:g})",
+    )
+    parser.add_argument(
+        "--checkpoint-interval-min",
+        type=float,
+        default=None,
+        help="also report every policy at this checkpoint interval",
+    )
     for field_name, (_, flag, default, why) in TIMINGS.items():
-        parser.add_argument(flag, type=float, default=None, dest=field_name,
-                            help=f"seconds; default: measured figure if any, else {default:g} ({why})")
-    parser.add_argument("--replace-min", type=float, default=15.0,
-                        help="minutes until a replacement node joins a shrunk job (default 15)")
+        parser.add_argument(
+            flag,
+            type=float,
+            default=None,
+            dest=field_name,
+            help=f"seconds; default: measured figure if any, else {default:g} ({why})",
+        )
+    parser.add_argument(
+        "--replace-min",
+        type=float,
+        default=15.0,
+        help="minutes until a replacement node joins a shrunk job (default 15)",
+    )
     parser.add_argument("--step-s", type=float, default=10.0, help="seconds per training step (default 10)")
-    parser.add_argument("--replica-gpus", type=int, default=None,
-                        help=f"GPUs per replica group, the unit dropped in place (default {DEFAULT_REPLICA_GPUS}, "
-                             "or all GPUs when fewer)")
+    parser.add_argument(
+        "--replica-gpus",
+        type=int,
+        default=None,
+        help=f"GPUs per replica group, the unit dropped in place (default {DEFAULT_REPLICA_GPUS}, "
+        "or all GPUs when fewer)",
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups to train on")
     parser.add_argument("--preemptions-per-day", type=float, default=0.0, help="spot preemption notices per day")
     parser.add_argument("--notice-s", type=float, default=120.0, help="seconds between a notice and the node leaving")
-    parser.add_argument("--policy", action="append", choices=POLICIES, default=None,
-                        help="policies to simulate (repeat; default all)")
+    parser.add_argument(
+        "--policy", action="append", choices=POLICIES, default=None, help="policies to simulate (repeat; default all)"
+    )
     parser.add_argument("--trials", type=int, default=5, help="runs averaged per point (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bench-results", default=str(DEFAULT_PATH),
-                        help="measured figures (JSON); 'none' to use only flags and defaults")
+    parser.add_argument(
+        "--bench-results",
+        default=str(DEFAULT_PATH),
+        help="measured figures (JSON); 'none' to use only flags and defaults",
+    )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="write goodput vs checkpoint interval")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run_simulate)
@@ -85,15 +134,22 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise UserError(f"--trials={args.trials} must be >= 1")
     requested = args.checkpoint_interval_min * 60 if args.checkpoint_interval_min is not None else None
-    result = sweep(inputs, policies=tuple(args.policy) if args.policy else POLICIES, trials=args.trials,
-                   seed=args.seed, requested_interval_s=requested)
+    result = sweep(
+        inputs,
+        policies=tuple(args.policy) if args.policy else POLICIES,
+        trials=args.trials,
+        seed=args.seed,
+        requested_interval_s=requested,
+    )
     plot_path = None
     if args.plot:
         from orchestrator.analysis.goodput_plot import render_goodput_plot
 
-        title = (f"{inputs.gpus} GPUs, MTTF {inputs.mttf_s / 3600:.2f} h, {inputs.horizon_s / 86400:g} days, "
-                 f"stall {inputs.checkpoint_stall_s:g} s, restart {inputs.restart_s:g} s, "
-                 f"in-place {inputs.inplace_recovery_s:g} s")
+        title = (
+            f"{inputs.gpus} GPUs, MTTF {inputs.mttf_s / 3600:.2f} h, {inputs.horizon_s / 86400:g} days, "
+            f"stall {inputs.checkpoint_stall_s:g} s, restart {inputs.restart_s:g} s, "
+            f"in-place {inputs.inplace_recovery_s:g} s"
+        )
         plot_path = render_goodput_plot(result, args.plot, title=title)
     if args.json:
         print(json.dumps(simulate_json(result, sources, failure_source, plot_path), indent=2))
@@ -128,8 +184,10 @@ def build_inputs(args: argparse.Namespace) -> tuple[SimulationInputs, dict[str, 
         raise UserError(f"the mean time between failures must be > 0 hours, got {mttf_h:g}")
     replica_gpus = args.replica_gpus if args.replica_gpus is not None else min(DEFAULT_REPLICA_GPUS, args.gpus)
     if replica_gpus < 1 or args.gpus % replica_gpus:
-        raise UserError(f"--replica-gpus={replica_gpus} must divide --gpus={args.gpus} "
-                        "(the job is a whole number of replica groups)")
+        raise UserError(
+            f"--replica-gpus={replica_gpus} must divide --gpus={args.gpus} "
+            "(the job is a whole number of replica groups)"
+        )
     figures = {} if str(args.bench_results).lower() == "none" else load_figures(Path(args.bench_results))
     timings, sources = {}, {}
     for field_name, (figure_name, flag, default, why) in TIMINGS.items():
@@ -137,9 +195,17 @@ def build_inputs(args: argparse.Namespace) -> tuple[SimulationInputs, dict[str, 
         timings[field_name], sources[field_name] = value, source
     interval_s = args.checkpoint_interval_min * 60 if args.checkpoint_interval_min is not None else 600.0
     inputs = SimulationInputs(
-        gpus=args.gpus, mttf_s=mttf_h * 3600, horizon_s=days * 86400, checkpoint_interval_s=interval_s,
-        replace_s=args.replace_min * 60, replicas=args.gpus // replica_gpus, min_replicas=args.min_replicas,
-        step_s=args.step_s, preemptions_per_day=args.preemptions_per_day, notice_s=args.notice_s, **timings,
+        gpus=args.gpus,
+        mttf_s=mttf_h * 3600,
+        horizon_s=days * 86400,
+        checkpoint_interval_s=interval_s,
+        replace_s=args.replace_min * 60,
+        replicas=args.gpus // replica_gpus,
+        min_replicas=args.min_replicas,
+        step_s=args.step_s,
+        preemptions_per_day=args.preemptions_per_day,
+        notice_s=args.notice_s,
+        **timings,
     )
     problems = inputs.problems()
     if problems:
@@ -173,18 +239,23 @@ def format_simulation(result: Sweep, sources: dict[str, str], failure_source: st
         f"{result.trials} trial{'s' if result.trials > 1 else ''} (seed {result.seed})",
         f"failures: MTTF {inputs.mttf_s / 3600:.2f} h ({failure_source})",
         f"preemptions: {inputs.preemptions_per_day:g}/day with {inputs.notice_s:g} s notice"
-        if inputs.preemptions_per_day else "preemptions: none",
+        if inputs.preemptions_per_day
+        else "preemptions: none",
         "times:",
     ]
-    for field_name, (_, flag, _, _) in TIMINGS.items():
+    for field_name in TIMINGS:
         lines.append(f"  {field_name:<20} {getattr(inputs, field_name):>8.2f} s  [{sources[field_name]}]")
     lines.append(f"  {'replace_s':<20} {inputs.replace_s:>8.2f} s  [--replace-min]")
     lines.append(f"  {'step_s':<20} {inputs.step_s:>8.2f} s  [--step-s]")
-    lines.append(f"Young/Daly interval: sqrt(2 x {inputs.checkpoint_stall_s:g} s x {inputs.mttf_s / 3600:.2f} h) = "
-                 f"{_duration(result.young_daly_s)}")
+    lines.append(
+        f"Young/Daly interval: sqrt(2 x {inputs.checkpoint_stall_s:g} s x {inputs.mttf_s / 3600:.2f} h) = "
+        f"{_duration(result.young_daly_s)}"
+    )
     lines.append("")
-    lines.append(f"{'policy':<8} {'best interval':>13} {'goodput':>8} {'at Y/D':>7}   at the best interval: "
-                 f"{'restores':>8} {'lost work':>10} {'paused':>9} {'ckpt stall':>10} {'shrunk':>9}")
+    lines.append(
+        f"{'policy':<8} {'best interval':>13} {'goodput':>8} {'at Y/D':>7}   at the best interval: "
+        f"{'restores':>8} {'lost work':>10} {'paused':>9} {'ckpt stall':>10} {'shrunk':>9}"
+    )
     for curve in result.curves:
         best = curve.best
         # At the grid's end the optimum lies beyond it: checkpoints hardly matter to this policy.
@@ -192,21 +263,26 @@ def format_simulation(result: Sweep, sources: dict[str, str], failure_source: st
         lines.append(
             f"{curve.policy:<8} {edge + _duration(best.checkpoint_interval_s):>13} {best.goodput:>8.2%} "
             f"{curve.at_young_daly.goodput:>7.2%}   {'':21}{best.restores:>8} {_duration(best.lost_work_s):>10} "
-            f"{_duration(best.paused_s):>9} {_duration(best.checkpoint_stall_s):>10} {_duration(best.shrunk_loss_s):>9}")
+            f"{_duration(best.paused_s):>9} {_duration(best.checkpoint_stall_s):>10} {_duration(best.shrunk_loss_s):>9}"
+        )
     requested = [curve for curve in result.curves if curve.at_requested is not None]
     if requested:
         interval = requested[0].at_requested.checkpoint_interval_s
-        lines.append(f"at a {_duration(interval)} interval: " + ", ".join(
-            f"{curve.policy} {curve.at_requested.goodput:.2%}" for curve in requested))
-    lines.append("goodput = effective training time / wall time (lost work, pauses, stalls and missing capacity "
-                 "excluded)")
+        lines.append(
+            f"at a {_duration(interval)} interval: "
+            + ", ".join(f"{curve.policy} {curve.at_requested.goodput:.2%}" for curve in requested)
+        )
+    lines.append(
+        "goodput = effective training time / wall time (lost work, pauses, stalls and missing capacity excluded)"
+    )
     if plot_path is not None:
         lines.append(f"plot: {plot_path}")
     return "\n".join(lines)
 
 
-def simulate_json(result: Sweep, sources: dict[str, str], failure_source: str,
-                  plot_path: Path | None) -> dict[str, object]:
+def simulate_json(
+    result: Sweep, sources: dict[str, str], failure_source: str, plot_path: Path | None
+) -> dict[str, object]:
     inputs = result.inputs
 
     def short(item: SimulationResult) -> dict[str, object]:

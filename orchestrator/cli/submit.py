@@ -43,19 +43,38 @@ from orchestrator.submission.packaging import DEFAULT_MAX_FILE_MB, METADATA_NAME
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``submit`` and ``jobs`` to the ``meshpilot`` parser."""
     submit = subparsers.add_parser(
-        "submit", help="run a job on a Ray cluster (Ray Job Submission API)",
-        description="Validate CFG here, ship the working directory and run `meshpilot train CFG` as a Ray job.")
+        "submit",
+        help="run a job on a Ray cluster (Ray Job Submission API)",
+        description="Validate CFG here, ship the working directory and run `meshpilot train CFG` as a Ray job.",
+    )
     submit.add_argument("config", metavar="CFG", help="job config (YAML), inside the working directory")
     _add_address(submit)
-    submit.add_argument("--name", help="job name: fixes the checkpoint location {checkpoint.uri}/{name}, "
-                                       "so submitting again under the same name resumes (default: the config's name)")
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set parallelism.tp=4 (repeatable)")
-    submit.add_argument("--follow", action="store_true", help="stream the job's logs until it ends; exit 0 only if it succeeded")
-    submit.add_argument("--working-dir", default=".", help="directory shipped to the cluster (default: the current one)")
-    submit.add_argument("--max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB,
-                        help=f"leave out files larger than this (default {DEFAULT_MAX_FILE_MB:g}); "
-                             "the config and the data file are always shipped")
+    submit.add_argument(
+        "--name",
+        help="job name: fixes the checkpoint location {checkpoint.uri}/{name}, "
+        "so submitting again under the same name resumes (default: the config's name)",
+    )
+    submit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set parallelism.tp=4 (repeatable)",
+    )
+    submit.add_argument(
+        "--follow", action="store_true", help="stream the job's logs until it ends; exit 0 only if it succeeded"
+    )
+    submit.add_argument(
+        "--working-dir", default=".", help="directory shipped to the cluster (default: the current one)"
+    )
+    submit.add_argument(
+        "--max-file-mb",
+        type=float,
+        default=DEFAULT_MAX_FILE_MB,
+        help=f"leave out files larger than this (default {DEFAULT_MAX_FILE_MB:g}); "
+        "the config and the data file are always shipped",
+    )
     submit.set_defaults(handler=submit_command)
 
     jobs = subparsers.add_parser("jobs", help="status, logs, stop and list of submitted jobs")
@@ -79,23 +98,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", help="the head's dashboard, http://HEAD:8265 "
-                                          "(default: RAY_API_SERVER_ADDRESS, or RAY_ADDRESS when it is an http:// address)")
+    parser.add_argument(
+        "--address",
+        help="the head's dashboard, http://HEAD:8265 "
+        "(default: RAY_API_SERVER_ADDRESS, or RAY_ADDRESS when it is an http:// address)",
+    )
 
 
 # ------------------------------------------------------------------------------ commands
 def submit_command(args: argparse.Namespace) -> int:
     address = resolve_address(args.address)
-    submission = prepare_submission(args.config, working_dir=args.working_dir, name=args.name,
-                                    overrides=args.overrides, max_file_mb=args.max_file_mb)
+    submission = prepare_submission(
+        args.config,
+        working_dir=args.working_dir,
+        name=args.name,
+        overrides=args.overrides,
+        max_file_mb=args.max_file_mb,
+    )
     for message in submission.notes:
         note(message)
     with job_client(address) as client:
         refuse_running_duplicate(client, submission.name, address)
         submission_id = submit(client, submission)
         print(submission_id, flush=True)
-        note(f"submitted {submission.name!r} as {submission_id}; follow it with: "
-             f"meshpilot jobs logs {submission_id} --follow --address {address}")
+        note(
+            f"submitted {submission.name!r} as {submission_id}; follow it with: "
+            f"meshpilot jobs logs {submission_id} --follow --address {address}"
+        )
         return follow(client, submission_id) if args.follow else 0
 
 

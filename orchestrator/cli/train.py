@@ -11,24 +11,40 @@ from workers.faults import FaultSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("train", help="train a job described by a YAML config",
-                                   description="Train a job; every key of the config can be overridden with --set.")
+    parser = subparsers.add_parser(
+        "train",
+        help="train a job described by a YAML config",
+        description="Train a job; every key of the config can be overridden with --set.",
+    )
     add_config_arguments(parser)
-    parser.add_argument("--run-dir", default=None, help="where config.yaml and events.jsonl go "
-                        "(default runs/<name>-<timestamp>)")
-    parser.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, "
-                        "else an embedded local cluster)")
+    parser.add_argument(
+        "--run-dir", default=None, help="where config.yaml and events.jsonl go (default runs/<name>-<timestamp>)"
+    )
+    parser.add_argument(
+        "--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded local cluster)"
+    )
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
-    parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
-                        help="inject a fault (repeatable): kill, raise, hang, drain, sigterm, s3_outage or driver, "
-                             "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1")
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:RANK]",
+        help="inject a fault (repeatable): kill, raise, hang, drain, sigterm, s3_outage or driver, "
+        "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1",
+    )
     parser.set_defaults(handler=handle)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None, help="job YAML (omit for the built-in defaults)")
-    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set parallelism.tp=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set parallelism.tp=4 (repeatable)",
+    )
 
 
 def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
@@ -39,8 +55,10 @@ def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
         except ValueError as error:
             raise UserError(str(error)) from None
         if fault.kind == "node":
-            raise UserError(f"--inject {text!r}: node faults need a multi-node test cluster "
-                            "(ray.cluster_utils.Cluster); use the pytest fault harness")
+            raise UserError(
+                f"--inject {text!r}: node faults need a multi-node test cluster "
+                "(ray.cluster_utils.Cluster); use the pytest fault harness"
+            )
         faults.append(fault)
     return tuple(faults)
 
@@ -54,7 +72,8 @@ def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     faults = parse_faults(args.inject)
     view = ProgressView(force_plain=args.plain)
-    result = run_training(config, args.run_dir, subscribers=[view], console=view.console, faults=faults,
-                          handle_signals=True)
+    result = run_training(
+        config, args.run_dir, subscribers=[view], console=view.console, faults=faults, handle_signals=True
+    )
     view.console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
     return result.exit_code

@@ -51,12 +51,23 @@ class DriverCheckpoints:
         self.events = events
         self.model = dataclasses.asdict(config.model_spec)
         self.config_hash = config.config_hash()
-        self.storage = open_storage(target.uri, endpoint_url=target.endpoint_url, region=target.region,
-                                    part_size=target.part_size_mb << 20, concurrency=target.upload_concurrency)
+        self.storage = open_storage(
+            target.uri,
+            endpoint_url=target.endpoint_url,
+            region=target.region,
+            part_size=target.part_size_mb << 20,
+            concurrency=target.upload_concurrency,
+        )
         self.uri = self.storage.uri
         self.coordinator = CommitCoordinator(
-            self.storage, world_size=mesh.world_size, mesh=mesh.as_dict(), config_hash=self.config_hash,
-            model=self.model, keep_last=target.keep_last, keep_every=target.keep_every, on_failure=self._failed,
+            self.storage,
+            world_size=mesh.world_size,
+            mesh=mesh.as_dict(),
+            config_hash=self.config_hash,
+            model=self.model,
+            keep_last=target.keep_last,
+            keep_every=target.keep_every,
+            on_failure=self._failed,
         )
 
     def check_access(self) -> None:
@@ -66,8 +77,13 @@ class DriverCheckpoints:
     def on_report(self, report: CheckpointUploadReport) -> None:
         manifest = self.coordinator.on_report(report.upload)
         if manifest is not None:
-            self.events.emit("checkpoint_committed", step=manifest.step, uri=self.uri, bytes=manifest.total_bytes,
-                             upload_s=round(manifest.upload_s, 3))
+            self.events.emit(
+                "checkpoint_committed",
+                step=manifest.step,
+                uri=self.uri,
+                bytes=manifest.total_bytes,
+                upload_s=round(manifest.upload_s, 3),
+            )
 
     def reset(self, mesh: MeshSpec) -> None:
         """A new generation: half-reported saves of the old mesh will never complete."""
@@ -82,8 +98,9 @@ class DriverCheckpoints:
 
     def choose_resume(self, skip_steps: set[int] = frozenset()) -> Manifest | None:
         """The newest intact, compatible checkpoint (falls back past corrupt ones with a warning)."""
-        return choose_restore(self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps,
-                              warn=log.warning)
+        return choose_restore(
+            self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps, warn=log.warning
+        )
 
     def _failed(self, step: int, reason: str, cause: str) -> None:
         self.events.emit("checkpoint_failed", step=step, error=reason, reason=cause)

@@ -33,18 +33,29 @@ def connect(config: JobConfig) -> bool:
     address = config.runtime.address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
-            ray.init(address=address, runtime_env=_remote_runtime_env(address), log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                address=address,
+                runtime_env=_remote_runtime_env(address),
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
             return False
         # Workers of an embedded cluster inherit the driver's environment; a runtime_env
         # would instead give every actor a fresh worker and waste the pre-started ones.
         os.environ["PYTHONPATH"] = worker_pythonpath()
         # address="local": always a new embedded cluster, never one a `ray start` left on this machine.
-        ray.init(address="local", num_cpus=_embedded_cpus(config), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=_embedded_cpus(config),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
     except ConnectionError as error:
-        raise UserError(f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
-                        "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster") from None
+        raise UserError(
+            f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
+            "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster"
+        ) from None
     return True
 
 
@@ -81,10 +92,14 @@ def alive_nodes() -> list[NodeCapacity]:
 
 
 def _capacity(node_id: str, resources: dict) -> NodeCapacity:
-    custom = {name: float(amount) for name, amount in resources.items()
-              if name not in ("CPU", "GPU", "memory", "object_store_memory") and not name.startswith("node:")}
-    return NodeCapacity(node_id=node_id, cpus=float(resources.get("CPU", 0.0)), gpus=float(resources.get("GPU", 0.0)),
-                        custom=custom)
+    custom = {
+        name: float(amount)
+        for name, amount in resources.items()
+        if name not in ("CPU", "GPU", "memory", "object_store_memory") and not name.startswith("node:")
+    }
+    return NodeCapacity(
+        node_id=node_id, cpus=float(resources.get("CPU", 0.0)), gpus=float(resources.get("GPU", 0.0)), custom=custom
+    )
 
 
 def driver_node_id() -> str:

@@ -20,12 +20,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from elastic.placement import RankResources
-from elastic.policy import Continue, Decision, Fail, FailurePolicy, GroupStatus, Grow, RestoreFromCheckpoint
-from elastic.policy import ScalingPolicy, Shrink
+from elastic.policy import (
+    Continue,
+    Decision,
+    Fail,
+    FailurePolicy,
+    GroupStatus,
+    Grow,
+    RestoreFromCheckpoint,
+    ScalingPolicy,
+    Shrink,
+)
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
@@ -35,14 +45,31 @@ from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, f
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_consistent, replicas_of
-from orchestrator.driver.states import AwaitingActors, Configuring, Finished, RunEnd, Running, SettlePurpose
-from orchestrator.driver.states import Settling, Starting, State
+from orchestrator.driver.states import (
+    AwaitingActors,
+    Configuring,
+    Finished,
+    RunEnd,
+    Running,
+    SettlePurpose,
+    Settling,
+    Starting,
+    State,
+)
 from orchestrator.driver.train_spec import data_bytes, train_spec
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults, FaultSpec
-from workers.spec.messages import DrainNoticeReport, FailureKind, ReportKind, RunOutcome, RunStatus, StartFrom, StartMode
+from workers.spec.messages import (
+    DrainNoticeReport,
+    FailureKind,
+    ReportKind,
+    RunOutcome,
+    RunStatus,
+    StartFrom,
+    StartMode,
+)
 
 log = logging.getLogger("meshpilot")
 
@@ -65,31 +92,52 @@ class Controller:
 
     worker_group_class: type[WorkerGroupProtocol[Any]] = WorkerGroup
 
-    def __init__(self, config: JobConfig, events: EventLog, *, poll_interval_s: float = 0.25,
-                 faults: tuple[FaultSpec, ...] = (), node_fault: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        events: EventLog,
+        *,
+        poll_interval_s: float = 0.25,
+        faults: tuple[FaultSpec, ...] = (),
+        node_fault: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
-        self.router = ReportRouter(events, mesh=config.mesh,
-                                   tokens_per_step=config.training.global_batch * config.training.seq_len)
+        self.router = ReportRouter(
+            events, mesh=config.mesh, tokens_per_step=config.training.global_batch * config.training.seq_len
+        )
         self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
-            spec=self.spec, data=data_bytes(config),
-            per_rank=RankResources(cpus=config.runtime.cpus_per_rank, gpus=config.runtime.gpus_per_rank,
-                                   custom=dict(config.runtime.resources_per_rank)),
+            spec=self.spec,
+            data=data_bytes(config),
+            per_rank=RankResources(
+                cpus=config.runtime.cpus_per_rank,
+                gpus=config.runtime.gpus_per_rank,
+                custom=dict(config.runtime.resources_per_rank),
+            ),
             start_timeout_s=config.runtime.start_timeout_s,
         )
         self.replicas = Replicas(self.group, self.spec)
         elastic = config.elastic
-        self.failure_policy = FailurePolicy(min_replicas=elastic.min_replicas, max_replicas=elastic.max_replicas,
-                                            max_failures=elastic.max_failures, window_s=elastic.failure_window_s)
-        self.scaling_policy = ScalingPolicy(target_replicas=config.parallelism.dp_replicate,
-                                            max_replicas=elastic.max_replicas)
-        self.detector = Detector(heartbeat_timeout_s=elastic.heartbeat_timeout_s, hang_timeout_s=elastic.hang_timeout_s,
-                                 node_of=self.replicas.node_of, dead_nodes=self.replicas.dead_nodes)
+        self.failure_policy = FailurePolicy(
+            min_replicas=elastic.min_replicas,
+            max_replicas=elastic.max_replicas,
+            max_failures=elastic.max_failures,
+            window_s=elastic.failure_window_s,
+        )
+        self.scaling_policy = ScalingPolicy(
+            target_replicas=config.parallelism.dp_replicate, max_replicas=elastic.max_replicas
+        )
+        self.detector = Detector(
+            heartbeat_timeout_s=elastic.heartbeat_timeout_s,
+            hang_timeout_s=elastic.hang_timeout_s,
+            node_of=self.replicas.node_of,
+            dead_nodes=self.replicas.dead_nodes,
+        )
         self.faults = DriverFaults(faults, node_of=self.replicas.node_of, remove_node=node_fault)
         # Injected driver and node faults fire the moment their step is known, before the
         # reports that came with it (a later step, a checkpoint's commit) are handled.
@@ -126,9 +174,14 @@ class Controller:
         finally:
             self.group.shutdown()
             final = self.state if isinstance(self.state, Finished) else Finished.of(RunEnd.FAILED)
-            self.events.emit("done", status=final.status, steps=self.last_step,
-                             elapsed_s=round(time.monotonic() - self.started_at, 3), reason=final.reason,
-                             replicas_consistent=self.replicas_consistent)
+            self.events.emit(
+                "done",
+                status=final.status,
+                steps=self.last_step,
+                elapsed_s=round(time.monotonic() - self.started_at, 3),
+                reason=final.reason,
+                replicas_consistent=self.replicas_consistent,
+            )
         return final
 
     def request_termination(self) -> None:
@@ -170,10 +223,17 @@ class Controller:
     # ----------------------------------------------------------- start, configure
     def _start(self, state: Starting) -> State:
         # Emitted before the actors start, so start-up counts against effective training time.
-        self.events.emit("start", run_dir=str(self.events.path.parent) if self.events.path else None,
-                         name=self.config.name, mesh=state.mesh.as_dict(), world_size=state.mesh.world_size,
-                         steps=self.spec.steps, global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
-                         config_hash=self.config.config_hash())
+        self.events.emit(
+            "start",
+            run_dir=str(self.events.path.parent) if self.events.path else None,
+            name=self.config.name,
+            mesh=state.mesh.as_dict(),
+            world_size=state.mesh.world_size,
+            steps=self.spec.steps,
+            global_batch=self.spec.global_batch,
+            seq_len=self.spec.seq_len,
+            config_hash=self.config.config_hash(),
+        )
         # Storage mistakes (credentials, bucket, endpoint) surface here, before any rank starts.
         self.checkpoints.check_access()
         resume = self.checkpoints.choose_resume() if self.config.checkpoint.resume else None
@@ -184,21 +244,45 @@ class Controller:
         starts = [StartFrom(StartMode.FRESH)] * state.mesh.world_size
         return self._configure(state.mesh, starts, sync_replicas=False)
 
-    def _configure(self, mesh: MeshSpec, starts: list[StartFrom], *, sync_replicas: bool,
-                   restoring: int | None = None, from_mesh: dict | None = None) -> Configuring:
+    def _configure(
+        self,
+        mesh: MeshSpec,
+        starts: list[StartFrom],
+        *,
+        sync_replicas: bool,
+        restoring: int | None = None,
+        from_mesh: dict | None = None,
+    ) -> Configuring:
         self.generation += 1
         self.router.set_mesh(mesh)
         self.checkpoints.reset(mesh)
-        calls = self.group.configure(generation=self.generation, mesh=mesh, starts=starts, sync_replicas=sync_replicas,
-                                     faults=self.faults.for_generation(restoring or self.last_step))
+        calls = self.group.configure(
+            generation=self.generation,
+            mesh=mesh,
+            starts=starts,
+            sync_replicas=sync_replicas,
+            faults=self.faults.for_generation(restoring or self.last_step),
+        )
         now = time.monotonic()
-        return Configuring(generation=self.generation, mesh=mesh, calls=calls, restoring=restoring, from_mesh=from_mesh,
-                           started_at=now, deadline=now + self.config.runtime.start_timeout_s)
+        return Configuring(
+            generation=self.generation,
+            mesh=mesh,
+            calls=calls,
+            restoring=restoring,
+            from_mesh=from_mesh,
+            started_at=now,
+            deadline=now + self.config.runtime.start_timeout_s,
+        )
 
     def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
         """Every active rank loads checkpoint ``step``, resharded to ``mesh``."""
-        return self._configure(mesh, [StartFrom(StartMode.CHECKPOINT, step)] * mesh.world_size, sync_replicas=False,
-                               restoring=step, from_mesh=from_mesh)
+        return self._configure(
+            mesh,
+            [StartFrom(StartMode.CHECKPOINT, step)] * mesh.world_size,
+            sync_replicas=False,
+            restoring=step,
+            from_mesh=from_mesh,
+        )
 
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s, first=True)
@@ -211,22 +295,34 @@ class Controller:
         if not state.calls.done:
             if time.monotonic() > state.deadline:
                 missing = len(state.calls.refs) - len(state.calls.results)
-                return self._fail("configuration", f"{missing} ranks did not finish configuring within "
-                                  f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
+                return self._fail(
+                    "configuration",
+                    f"{missing} ranks did not finish configuring within "
+                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
+                )
             return state
         self.last_step = max(state.calls.results.values())
         if state.restoring is not None:
             self.router.rewind(state.restoring)
-            self.events.emit("restored", step=state.restoring, uri=self.checkpoints.uri, from_mesh=state.from_mesh,
-                             to_mesh=state.mesh.as_dict(), restore_s=round(time.monotonic() - state.started_at, 3))
+            self.events.emit(
+                "restored",
+                step=state.restoring,
+                uri=self.checkpoints.uri,
+                from_mesh=state.from_mesh,
+                to_mesh=state.mesh.as_dict(),
+                restore_s=round(time.monotonic() - state.started_at, 3),
+            )
         self.detector.reset(state.mesh.world_size, self.last_step)
         return Running(generation=state.generation, mesh=state.mesh, calls=self.group.run(last_step=self.spec.steps))
 
     def _restore_around_corruption(self, state: Configuring, step: int, corrupt: CallFailed) -> State:
         """A rank found a checksum mismatch restoring ``step``: fall back to the previous committed step."""
         self._corrupt_steps.add(step)
-        log.warning("checkpoint step %s is corrupt (%s); falling back to the previous committed checkpoint",
-                    step, corrupt.message)
+        log.warning(
+            "checkpoint step %s is corrupt (%s); falling back to the previous committed checkpoint",
+            step,
+            corrupt.message,
+        )
         previous = self.checkpoints.choose_resume(skip_steps=self._corrupt_steps)
         if previous is None:
             return self._fail("restore", f"no intact checkpoint left to restore: {corrupt.message}")
@@ -277,8 +373,14 @@ class Controller:
             self.group.avoid_nodes.add(node)
 
     # ---------------------------------------------------------------- settling
-    def _begin_settling(self, state: Running, purpose: SettlePurpose, *, lost: dict[int, Lost] | None = None,
-                        draining: frozenset[int] = frozenset()) -> Settling:
+    def _begin_settling(
+        self,
+        state: Running,
+        purpose: SettlePurpose,
+        *,
+        lost: dict[int, Lost] | None = None,
+        draining: frozenset[int] = frozenset(),
+    ) -> Settling:
         now = time.monotonic()
         lost = dict(lost or {})
         if purpose == SettlePurpose.FAILURE:
@@ -286,20 +388,34 @@ class Controller:
             self._abort_generation(state, lost)
         else:
             self._request_pause(state, purpose, draining)
-        return Settling(generation=state.generation, mesh=state.mesh, calls=state.calls, purpose=purpose, lost=lost,
-                        draining=draining, started_at=now, deadline=now + SETTLE_TIMEOUT_S)
+        return Settling(
+            generation=state.generation,
+            mesh=state.mesh,
+            calls=state.calls,
+            purpose=purpose,
+            lost=lost,
+            draining=draining,
+            started_at=now,
+            deadline=now + SETTLE_TIMEOUT_S,
+        )
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
         if purpose == SettlePurpose.DRAIN:
             nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
-            self.events.emit("drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining),
-                             reason="node draining")
+            self.events.emit(
+                "drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining), reason="node draining"
+            )
         elif purpose == SettlePurpose.GROW:
             # The grow event comes after the first step of the grown mesh; say now that one began.
-            log.info("growing: %d warm actors can join %s at the next step boundary",
-                     len(self.group.warm()), state.mesh.describe())
-        everyone_leaves = purpose == SettlePurpose.DRAIN and replicas_of(state.mesh, draining) == state.mesh.dp_replicate
+            log.info(
+                "growing: %d warm actors can join %s at the next step boundary",
+                len(self.group.warm()),
+                state.mesh.describe(),
+            )
+        everyone_leaves = (
+            purpose == SettlePurpose.DRAIN and replicas_of(state.mesh, draining) == state.mesh.dp_replicate
+        )
         self.group.request_pause(state.generation, checkpoint=everyone_leaves)
 
     def _abort_generation(self, state: Running | Settling, lost: dict[int, Lost]) -> None:
@@ -315,8 +431,9 @@ class Controller:
             # A failure during a pause: treat it as a failure from here on.
             self._abort_generation(state, lost)
             state = replace(state, purpose=SettlePurpose.FAILURE, lost=dict(lost))
-        waiting_for = [rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results
-                       and rank not in lost]
+        waiting_for = [
+            rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results and rank not in lost
+        ]
         if waiting_for and state.purpose == SettlePurpose.FAILURE:
             silent = self.detector.silent_while_failing(waiting_for, since=state.started_at)
             if silent:
@@ -336,26 +453,36 @@ class Controller:
 
     def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
         self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
-        applied = [r.last_step for rank, r in state.calls.results.items()
-                   if rank not in lost and isinstance(r, RunOutcome)]
+        applied = [
+            r.last_step for rank, r in state.calls.results.items() if rank not in lost and isinstance(r, RunOutcome)
+        ]
         resume_step = min(applied) if applied else self.last_step
         self.router.flush(resume_step)
         self.last_step = max(self.last_step, resume_step)
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left without a cause being found (all echoes): the whole generation
             # counts as lost rather than retrying blindly.
-            lost = {rank: Lost(LossKind.RANK_ERROR, "left the generation without a cause")
-                    for rank in range(state.mesh.world_size)}
+            lost = {
+                rank: Lost(LossKind.RANK_ERROR, "left the generation without a cause")
+                for rank in range(state.mesh.world_size)
+            }
         if lost:
             self.events.emit("failure", **failure_fields(lost))
             # Faults fired in this generation are consumed: a redo of the step must not fire them again.
             self.faults.consume_after_failure(self.router.last_emitted_step)
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(state.mesh, lost, state.draining)
-        status = GroupStatus(mesh=state.mesh, lost_ranks=frozenset(lost), draining_ranks=state.draining,
-                             warm_actors=warm, checkpoint_step=self.checkpoints.latest_step(), time=time.monotonic())
+        status = GroupStatus(
+            mesh=state.mesh,
+            lost_ranks=frozenset(lost),
+            draining_ranks=state.draining,
+            warm_actors=warm,
+            checkpoint_step=self.checkpoints.latest_step(),
+            time=time.monotonic(),
+        )
         if state.purpose == SettlePurpose.GROW:
-            decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()),
-                                                  fits=self.replicas.fits)
+            decision = self.scaling_policy.decide(
+                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits
+            )
         else:
             # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
             decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
@@ -369,8 +496,9 @@ class Controller:
         if isinstance(decision, Continue):
             decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
         if isinstance(decision, Shrink):
-            kept, joining = self.replicas.shrink(state.mesh, lost, state.draining, drop=decision.drop,
-                                                 refill=decision.refill)
+            kept, joining = self.replicas.shrink(
+                state.mesh, lost, state.draining, drop=decision.drop, refill=decision.refill
+            )
             kind = TransitionKind.RECOVERED
         elif isinstance(decision, Grow):
             kept, joining = self.replicas.grow(state.mesh, add=decision.add)
@@ -379,30 +507,53 @@ class Controller:
             return self._fail("policy", f"cannot carry out {decision!r}")
         return self._change_mesh(state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step)
 
-    def _change_mesh(self, state: Settling, new_mesh: MeshSpec, kept: list[Slot], joining: list[Slot], *,
-                     kind: TransitionKind, resume_step: int) -> Configuring:
+    def _change_mesh(
+        self,
+        state: Settling,
+        new_mesh: MeshSpec,
+        kept: list[Slot],
+        joining: list[Slot],
+        *,
+        kind: TransitionKind,
+        resume_step: int,
+    ) -> Configuring:
         """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
         surviving replica (every rank then syncs replicas)."""
         self.group.set_active(kept + joining)
         starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
-        self.transitions.begin(kind, began_at=state.started_at, old_mesh=state.mesh, new_mesh=new_mesh,
-                               resume_step=resume_step, lost_steps=max(0, self.router.last_emitted_step - resume_step),
-                               added_ranks=tuple(range(len(kept), len(kept) + len(joining))), cause=state.purpose)
+        self.transitions.begin(
+            kind,
+            began_at=state.started_at,
+            old_mesh=state.mesh,
+            new_mesh=new_mesh,
+            resume_step=resume_step,
+            lost_steps=max(0, self.router.last_emitted_step - resume_step),
+            added_ranks=tuple(range(len(kept), len(kept) + len(joining))),
+            cause=state.purpose,
+        )
         self.drains.clear()
         return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0)
 
-    def _begin_restore(self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost],
-                       resume_step: int) -> State:
+    def _begin_restore(
+        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
+    ) -> State:
         """No complete replica survived: every healthy actor drops its state and waits for a restore."""
         step = decision.step if decision.step is not None else self.checkpoints.latest_step()
         if step is None:
             return self._fail("restore", "no committed checkpoint to restore")
         self.replicas.release(lost, state.draining)
-        log.warning("no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
-                    step, resume_step - step)
-        return AwaitingActors(step=step, mesh=state.mesh, began_at=state.started_at,
-                              deadline=time.monotonic() + self.config.runtime.start_timeout_s,
-                              lost_steps=max(0, resume_step - step))
+        log.warning(
+            "no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
+            step,
+            resume_step - step,
+        )
+        return AwaitingActors(
+            step=step,
+            mesh=state.mesh,
+            began_at=state.started_at,
+            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
+            lost_steps=max(0, resume_step - step),
+        )
 
     def _await_actors(self, state: AwaitingActors) -> State:
         """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
@@ -410,13 +561,23 @@ class Controller:
         out_of_time = time.monotonic() > state.deadline
         if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
             if out_of_time:
-                return self._fail("restore", "no capacity to restore the checkpoint onto within "
-                                  f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}")
+                return self._fail(
+                    "restore",
+                    "no capacity to restore the checkpoint onto within "
+                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
+                )
             time.sleep(self.poll_interval_s)
             return state
         self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
-        self.transitions.begin(TransitionKind.RECOVERED, began_at=state.began_at, old_mesh=state.mesh, new_mesh=target,
-                               resume_step=state.step, lost_steps=state.lost_steps, cause="restore")
+        self.transitions.begin(
+            TransitionKind.RECOVERED,
+            began_at=state.began_at,
+            old_mesh=state.mesh,
+            new_mesh=target,
+            resume_step=state.step,
+            lost_steps=state.lost_steps,
+            cause="restore",
+        )
         self.last_step = state.step
         return self._restore(target, state.step)
 
@@ -445,8 +606,10 @@ class Controller:
     def _preempt(self, grace_s: float = 120.0) -> Finished:
         """SIGTERM on the driver: save at the next step boundary, commit, stop; a rerun resumes there."""
         if not isinstance(self.state, Running) or not self.checkpoints.enabled:
-            log.warning("terminated: stopping%s", "" if self.checkpoints.enabled else " (checkpoint.uri is not set: "
-                        "nothing is saved)")
+            log.warning(
+                "terminated: stopping%s",
+                "" if self.checkpoints.enabled else " (checkpoint.uri is not set: nothing is saved)",
+            )
             return self._interrupt()
         log.warning("terminated: saving a checkpoint at the next step boundary, then stopping")
         self.group.request_pause(self.state.generation, checkpoint=True)
@@ -474,4 +637,3 @@ class Controller:
             self._drain_reports()
         except KeyboardInterrupt:
             log.warning("interrupted again: stopping now")
-

@@ -29,9 +29,10 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Container, Mapping
+from typing import Any
 
 from orchestrator.driver.calls import CallFailed, CallFailedKind
 from workers.spec.messages import RunOutcome, RunStatus
@@ -73,8 +74,15 @@ SILENT_GRACE_S = 3.0
 class Detector:
     """Heartbeats and step progress of the current generation, and the losses they reveal."""
 
-    def __init__(self, *, heartbeat_timeout_s: float, hang_timeout_s: float, node_of: NodeOf = lambda rank: None,
-                 dead_nodes: DeadNodes = set, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        heartbeat_timeout_s: float,
+        hang_timeout_s: float,
+        node_of: NodeOf = lambda rank: None,
+        dead_nodes: DeadNodes = set,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.node_of = node_of
@@ -170,9 +178,14 @@ class Detector:
 
     def unresponsive_losses(self, returned: Container[int]) -> dict[int, Lost]:
         """Ranks whose run call has not returned and that answered no poll in time."""
-        return {rank: Lost(LossKind.UNRESPONSIVE, "no heartbeat for more than "
-                           f"elastic.heartbeat_timeout_s={self.heartbeat_timeout_s:g}")
-                for rank in self.unresponsive() if rank not in returned}
+        return {
+            rank: Lost(
+                LossKind.UNRESPONSIVE,
+                f"no heartbeat for more than elastic.heartbeat_timeout_s={self.heartbeat_timeout_s:g}",
+            )
+            for rank in self.unresponsive()
+            if rank not in returned
+        }
 
     def hang_losses(self) -> dict[int, Lost]:
         """The ranks to blame once the running generation stopped making progress (see ``hung``)."""
@@ -180,10 +193,15 @@ class Detector:
         if culprits is None:
             return {}
         stalled = self.stalled_for()
-        return {rank: Lost(LossKind.HANG, f"no step completed for {stalled:.0f} s "
-                           f"(elastic.hang_timeout_s={self.hang_timeout_s:g}, and {HANG_STEP_FACTOR:g} typical "
-                           f"steps); busy at {self.where.get(rank) or 'unknown'}")
-                for rank in culprits}
+        return {
+            rank: Lost(
+                LossKind.HANG,
+                f"no step completed for {stalled:.0f} s "
+                f"(elastic.hang_timeout_s={self.hang_timeout_s:g}, and {HANG_STEP_FACTOR:g} typical "
+                f"steps); busy at {self.where.get(rank) or 'unknown'}",
+            )
+            for rank in culprits
+        }
 
     def silent_while_failing(self, waiting_for: list[int], *, since: float) -> dict[int, Lost]:
         """Ranks still out while their generation fails (since ``since``), and answering no poll.
@@ -192,8 +210,11 @@ class Detector:
         cut off, which Ray itself may take seconds more to conclude (a lost node).
         """
         now = self.clock()
-        silent = [rank for rank in waiting_for
-                  if now - self.last_heard.get(rank, since) > SILENT_GRACE_S and now - since > SILENT_GRACE_S]
+        silent = [
+            rank
+            for rank in waiting_for
+            if now - self.last_heard.get(rank, since) > SILENT_GRACE_S and now - since > SILENT_GRACE_S
+        ]
         if not silent:
             return {}
         dead = self.dead_nodes()
@@ -203,15 +224,23 @@ class Detector:
             if node in dead:
                 found[rank] = Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
             else:
-                found[rank] = Lost(LossKind.UNRESPONSIVE, f"answered no poll for {SILENT_GRACE_S:g} s while its "
-                                   "generation failed", node)
+                found[rank] = Lost(
+                    LossKind.UNRESPONSIVE,
+                    f"answered no poll for {SILENT_GRACE_S:g} s while its generation failed",
+                    node,
+                )
         return found
 
     def stuck(self, ranks: list[int], *, generation: int, within_s: float) -> dict[int, Lost]:
         """Ranks that did not leave ``generation`` within ``within_s`` of its end being asked."""
-        return {rank: Lost(LossKind.STUCK, f"did not leave generation {generation} within {within_s:g} s "
-                           f"(blocked at {self.where.get(rank) or 'unknown'})")
-                for rank in ranks}
+        return {
+            rank: Lost(
+                LossKind.STUCK,
+                f"did not leave generation {generation} within {within_s:g} s "
+                f"(blocked at {self.where.get(rank) or 'unknown'})",
+            )
+            for rank in ranks
+        }
 
 
 class DrainWatch:
@@ -255,7 +284,8 @@ def failure_fields(lost: dict[int, Lost]) -> dict[str, Any]:
     kinds = sorted({loss.kind for loss in lost.values()})
     nodes = sorted({loss.node for loss in lost.values() if loss.node})
     return {
-        "kind": kinds[0] if len(kinds) == 1 else ",".join(kinds), "ranks": sorted(lost),
+        "kind": kinds[0] if len(kinds) == 1 else ",".join(kinds),
+        "ranks": sorted(lost),
         "node": nodes[0] if len(nodes) == 1 else (nodes or None),
         "message": group_errors({rank: loss.message for rank, loss in lost.items()}),
         # The tracebacks behind the one-line message, for whoever debugs it.

@@ -9,14 +9,15 @@ in the slot type each implementation uses.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 from elastic.placement import RankResources
 from elastic.spec import MeshSpec
 from orchestrator.driver.calls import CallFailed
+from workers.faults import FaultSpec
 from workers.spec import TrainSpec
 from workers.spec.messages import Heartbeat, StartFrom
-from workers.faults import FaultSpec
 
 
 class Slot(Protocol):
@@ -53,8 +54,9 @@ class WorkerGroupProtocol(Protocol[SlotT]):
 
     avoid_nodes: set[str]  # nodes announced as going away: never used again
 
-    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources,
-                 start_timeout_s: float) -> None: ...
+    def __init__(
+        self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float
+    ) -> None: ...
 
     @property
     def active(self) -> Sequence[SlotT]: ...
@@ -70,8 +72,15 @@ class WorkerGroupProtocol(Protocol[SlotT]):
     def remove(self, slots: list[SlotT]) -> None: ...
 
     # fan-out to the active ranks
-    def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
-                  faults: tuple[FaultSpec, ...] = ()) -> Calls: ...
+    def configure(
+        self,
+        *,
+        generation: int,
+        mesh: MeshSpec,
+        starts: list[StartFrom],
+        sync_replicas: bool,
+        faults: tuple[FaultSpec, ...] = (),
+    ) -> Calls: ...
     def run(self, *, last_step: int) -> Calls: ...
     def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]: ...
     def request_stop(self) -> None: ...

@@ -11,8 +11,8 @@ for ``DRAIN_NOTICE``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from elastic.spec import MeshSpec
 from orchestrator.observe.events import EventLog

@@ -75,4 +75,3 @@ def auth_token_header() -> dict[str, str]:
 def placement_group_on(node_id: str, bundles: list[dict[str, Any]], *, strategy: str, name: str) -> PlacementGroup:
     """A placement group that Ray places on ``node_id`` when it can, elsewhere when it cannot."""
     return placement_group(bundles, strategy=strategy, name=name, _soft_target_node_id=node_id)
-

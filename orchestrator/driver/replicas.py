@@ -11,7 +11,8 @@ finished run ended with identical state.
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from elastic.hardware import gpu_spec
 from elastic.planner import best_mesh
@@ -40,8 +41,9 @@ class Replicas:
         nodes = {slot.node_id for slot in self.group.active if slot.node_id}
         return cluster.dead_nodes(nodes) if nodes else set()
 
-    def shrink(self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], *, drop: tuple[int, ...],
-               refill: int) -> tuple[list[Slot], list[Slot]]:
+    def shrink(
+        self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], *, drop: tuple[int, ...], refill: int
+    ) -> tuple[list[Slot], list[Slot]]:
         """Ranks that stay (``drop``ped replica groups leave) and warm actors for ``refill``
         replica groups, or none if there are too few."""
         kept, pool = self.split(mesh, lost, draining, drop)
@@ -56,8 +58,9 @@ class Replicas:
         self.group.remove([self.group.active[rank] for rank in sorted(set(lost) | set(draining))])
         self.group.set_active([])
 
-    def split(self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int],
-              drop: tuple[int, ...]) -> tuple[list[Slot], list[Slot]]:
+    def split(
+        self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], drop: tuple[int, ...]
+    ) -> tuple[list[Slot], list[Slot]]:
         """Survivors to keep (rank order) and the pool to refill from: the warm actors and the
         healthy actors of dropped replicas. Lost and draining ranks' actors are removed."""
         active = self.group.active
@@ -97,8 +100,13 @@ class Replicas:
     def healthy_in_hit_replicas(mesh: MeshSpec, lost: Collection[int], draining: Collection[int]) -> int:
         """Ranks neither lost nor draining in replica groups that lost or drain one: they go warm."""
         hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining)}
-        return sum(1 for replica in mesh.replica_groups() if replica.index in hit
-                   for rank in replica.ranks if rank not in lost and rank not in draining)
+        return sum(
+            1
+            for replica in mesh.replica_groups()
+            if replica.index in hit
+            for rank in replica.ranks
+            if rank not in lost and rank not in draining
+        )
 
     def fits(self, mesh: MeshSpec) -> bool:
         """Whether the trainer can run ``mesh``: the global batch splits into its rounds."""
@@ -118,9 +126,19 @@ class Replicas:
         what the trainer can run, else the largest mesh keeping tp and pp."""
         if available >= mesh.world_size:
             return mesh
-        planned = best_mesh(self.spec.model, available_ranks=available, gpus_per_node=max(1, mesh.tp),
-                            hardware=gpu_spec(), global_batch=self.spec.global_batch, seq_len=self.spec.seq_len,
-                            fixed={"tp": mesh.tp, "pp": mesh.pp}) if available > 0 else None
+        planned = (
+            best_mesh(
+                self.spec.model,
+                available_ranks=available,
+                gpus_per_node=max(1, mesh.tp),
+                hardware=gpu_spec(),
+                global_batch=self.spec.global_batch,
+                seq_len=self.spec.seq_len,
+                fixed={"tp": mesh.tp, "pp": mesh.pp},
+            )
+            if available > 0
+            else None
+        )
         if planned is not None and planned.world_size <= available and self.fits(planned):
             return planned
         return restore_mesh(mesh, available_ranks=available, fits=self.fits)

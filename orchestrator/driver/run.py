@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import ray
-
 from rich.console import Console
 
-from orchestrator.driver import cluster
 from orchestrator.config import JobConfig
+from orchestrator.driver import cluster
 from orchestrator.driver.controller import Controller
 from orchestrator.observe.events import EventLog
 from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
@@ -44,9 +43,16 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
     return run_dir
 
 
-def run_training(config: JobConfig, run_dir: Path | None = None, *, subscribers: list | None = None,
-                 console: Console | None = None, faults: tuple[FaultSpec, ...] = (),
-                 node_fault: Callable[[str], None] | None = None, handle_signals: bool = False) -> RunResult:
+def run_training(
+    config: JobConfig,
+    run_dir: Path | None = None,
+    *,
+    subscribers: list | None = None,
+    console: Console | None = None,
+    faults: tuple[FaultSpec, ...] = (),
+    node_fault: Callable[[str], None] | None = None,
+    handle_signals: bool = False,
+) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
     The event log feeds the metrics exporter, the per-rank log files and the console, so all

@@ -53,12 +53,30 @@ class TransitionTimer:
         self.router = router
         self.pending: Transition | None = None
 
-    def begin(self, kind: TransitionKind, *, began_at: float, old_mesh: MeshSpec, new_mesh: MeshSpec,
-              resume_step: int, lost_steps: int, cause: str, added_ranks: tuple[int, ...] = ()) -> None:
+    def begin(
+        self,
+        kind: TransitionKind,
+        *,
+        began_at: float,
+        old_mesh: MeshSpec,
+        new_mesh: MeshSpec,
+        resume_step: int,
+        lost_steps: int,
+        cause: str,
+        added_ranks: tuple[int, ...] = (),
+    ) -> None:
         """A change of mesh that began at monotonic time ``began_at`` resumes after ``resume_step``."""
-        self.pending = Transition(kind=kind, began_at=began_at, began_wall=wall_time_of(began_at), old_mesh=old_mesh,
-                                  new_mesh=new_mesh, resume_step=resume_step, lost_steps=lost_steps,
-                                  added_ranks=added_ranks, cause=cause)
+        self.pending = Transition(
+            kind=kind,
+            began_at=began_at,
+            began_wall=wall_time_of(began_at),
+            old_mesh=old_mesh,
+            new_mesh=new_mesh,
+            resume_step=resume_step,
+            lost_steps=lost_steps,
+            added_ranks=added_ranks,
+            cause=cause,
+        )
 
     def report(self) -> None:
         """Emit the pending transition's event once a step after its resume step completed."""
@@ -68,10 +86,21 @@ class TransitionTimer:
         completed_at = self.router.completed_at.get(transition.resume_step + 1, time.time())
         elapsed = round(completed_at - transition.began_wall, 3)
         if transition.kind == TransitionKind.GROW:
-            self.events.emit("grow", new_mesh=transition.new_mesh.as_dict(), added_ranks=list(transition.added_ranks),
-                             join_s=elapsed, old_mesh=transition.old_mesh.as_dict())
+            self.events.emit(
+                "grow",
+                new_mesh=transition.new_mesh.as_dict(),
+                added_ranks=list(transition.added_ranks),
+                join_s=elapsed,
+                old_mesh=transition.old_mesh.as_dict(),
+            )
         else:
-            self.events.emit("recovered", mttr_s=elapsed, lost_steps=transition.lost_steps,
-                             old_mesh=transition.old_mesh.as_dict(), new_mesh=transition.new_mesh.as_dict(),
-                             cause=transition.cause, refilled_ranks=list(transition.added_ranks))
+            self.events.emit(
+                "recovered",
+                mttr_s=elapsed,
+                lost_steps=transition.lost_steps,
+                old_mesh=transition.old_mesh.as_dict(),
+                new_mesh=transition.new_mesh.as_dict(),
+                cause=transition.cause,
+                refilled_ranks=list(transition.added_ranks),
+            )
         self.pending = None

@@ -71,8 +71,7 @@ class RankSlot:
 class WorkerGroup:
     """All rank actors of one job (driver side)."""
 
-    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources,
-                 start_timeout_s: float) -> None:
+    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float) -> None:
         self.spec = spec
         self.per_rank = per_rank
         self.start_timeout_s = start_timeout_s
@@ -95,9 +94,11 @@ class WorkerGroup:
         problem = shortfall(mesh.with_replicas(mesh.dp_replicate + spare_replicas), self.per_rank, nodes)
         if problem:
             spares = f" plus {spare_replicas} spare replica groups" if spare_replicas else ""
-            raise ConfigError(f"parallelism: {mesh.describe()}{spares} cannot be placed: {problem}; lower the "
-                              "degrees, elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, "
-                              "or add nodes")
+            raise ConfigError(
+                f"parallelism: {mesh.describe()}{spares} cannot be placed: {problem}; lower the "
+                "degrees, elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, "
+                "or add nodes"
+            )
         address_ref = self._start_store_host()
         targets = spread_replicas(mesh.dp_replicate + spare_replicas, self.per_rank, mesh.replica_size, nodes)
         started = [slot for target in targets for slot in self._start_replica(mesh, target)]
@@ -108,10 +109,11 @@ class WorkerGroup:
         if pending:
             raise ConfigError(
                 f"runtime.start_timeout_s={self.start_timeout_s:g}: only {len(ready)} of {len(refs)} rank actors "
-                "started; the cluster may lack the resources it reports, or actors fail to import torch")
+                "started; the cluster may lack the resources it reports, or actors fail to import torch"
+            )
         for slot in started:
             self._mark_ready(slot, ray.get(slot.ready_ref))
-        self.set_active(started[:mesh.world_size])
+        self.set_active(started[: mesh.world_size])
 
     def start_replica_in_background(self, mesh: MeshSpec) -> bool:
         """Start one replica group's worth of actors without waiting; False if nothing has room now."""
@@ -163,10 +165,17 @@ class WorkerGroup:
         slots = []
         for local_rank in range(mesh.replica_size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local_rank // mesh.tp)
-            actor: Any = ray.remote(RankActor).options(
-                num_cpus=self.per_rank.cpus, num_gpus=self.per_rank.gpus, resources=dict(self.per_rank.custom) or None,
-                max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=strategy,
-            ).remote(spec=self.spec, data=self.data_ref)
+            actor: Any = (
+                ray.remote(RankActor)
+                .options(
+                    num_cpus=self.per_rank.cpus,
+                    num_gpus=self.per_rank.gpus,
+                    resources=dict(self.per_rank.custom) or None,
+                    max_concurrency=ACTOR_CONCURRENCY,
+                    scheduling_strategy=strategy,
+                )
+                .remote(spec=self.spec, data=self.data_ref)
+            )
             slot = RankSlot(actor=actor, placement_group=group, batch_id=batch_id, ready_ref=actor.info.remote())
             slots.append(slot)
         self.slots.extend(slots)
@@ -206,13 +215,29 @@ class WorkerGroup:
                 remove_placement_group(group)
 
     # ---------------------------------------------------------------- fan-out
-    def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
-                  faults: tuple[FaultSpec, ...] = ()) -> PendingCalls:
-        return PendingCalls([
-            slot.actor.configure.remote(generation=generation, rank=rank, mesh=mesh, store_address=self.store_address,
-                                        start=start, sync_replicas=sync_replicas, faults=faults)
-            for rank, (slot, start) in enumerate(zip(self.active, starts))
-        ])
+    def configure(
+        self,
+        *,
+        generation: int,
+        mesh: MeshSpec,
+        starts: list[StartFrom],
+        sync_replicas: bool,
+        faults: tuple[FaultSpec, ...] = (),
+    ) -> PendingCalls:
+        return PendingCalls(
+            [
+                slot.actor.configure.remote(
+                    generation=generation,
+                    rank=rank,
+                    mesh=mesh,
+                    store_address=self.store_address,
+                    start=start,
+                    sync_replicas=sync_replicas,
+                    faults=faults,
+                )
+                for rank, (slot, start) in enumerate(zip(self.active, starts))
+            ]
+        )
 
     def run(self, *, last_step: int) -> PendingCalls:
         return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.active])

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from checkpointing.commit import MESH_CHANGED
 from orchestrator.observe.redact import redact
@@ -92,8 +93,12 @@ class EventSubscriber(Protocol):
 class EventLog:
     """Appends events to ``events.jsonl`` and fans them out to subscribers (driver only)."""
 
-    def __init__(self, path: Path | None, subscribers: list[EventSubscriber] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        subscribers: list[EventSubscriber] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = path
         self.subscribers = list(subscribers or [])
         self._clock = clock
@@ -131,8 +136,10 @@ def check_event(name: str, fields: dict[str, Any]) -> None:
         raise ValueError(f"unknown event {name!r}; declare it in EVENT_FIELDS")
     missing = [field for field in EVENT_FIELDS[name] if field not in fields]
     if missing:
-        raise ValueError(f"event {name!r} lacks required field(s) {', '.join(map(repr, missing))} "
-                         "(see EVENT_FIELDS in orchestrator/observe/events.py)")
+        raise ValueError(
+            f"event {name!r} lacks required field(s) {', '.join(map(repr, missing))} "
+            "(see EVENT_FIELDS in orchestrator/observe/events.py)"
+        )
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

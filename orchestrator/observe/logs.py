@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from elastic.spec import MeshSpec
-from orchestrator.observe.redact import redact, redact_text
 from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery
+from orchestrator.observe.redact import redact, redact_text
 
 LOGGER_NAME = "meshpilot"
 CONSOLE_FORMATS = ("rich", "json")
@@ -54,15 +54,25 @@ class JsonLinesFormatter(logging.Formatter):
     """One JSON object a line: time, level, logger, message (and rank when the record has one)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"time": round(record.created, 6), "level": record.levelname, "logger": record.name,
-                "message": record.getMessage()}
+        line = {
+            "time": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if getattr(record, "rank", None) is not None:
             line["rank"] = record.rank
         return json.dumps(line)
 
 
-def setup_logging(*, level: str | int = "INFO", run_dir: Path | None = None, console_format: str = "rich",
-                  console: Console | None = None, stream: TextIO | None = None) -> logging.Logger:
+def setup_logging(
+    *,
+    level: str | int = "INFO",
+    run_dir: Path | None = None,
+    console_format: str = "rich",
+    console: Console | None = None,
+    stream: TextIO | None = None,
+) -> logging.Logger:
     """Configure the ``meshpilot`` logger (driver); calling it again replaces what it installed.
 
     ``console`` lets the progress bar and the log share one rich Console, so log lines appear
@@ -80,8 +90,9 @@ def setup_logging(*, level: str | int = "INFO", run_dir: Path | None = None, con
     handlers: list[logging.Handler] = []
     if console_format == "rich":
         console = console or Console(file=stream or sys.stderr)
-        handlers.append(RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False,
-                                    log_time_format="[%X]"))
+        handlers.append(
+            RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]")
+        )
     else:
         json_handler = logging.StreamHandler(stream or sys.stderr)
         json_handler.setFormatter(JsonLinesFormatter())
@@ -168,38 +179,51 @@ class ConsoleEventPrinter:
         name = event.get("event")
         get = event.get
         if name == "start":
-            return logging.INFO, (f"run {get('name')}: {_mesh(get('mesh'))} ({get('world_size')} ranks), "
-                                  f"{get('steps')} steps, run dir {get('run_dir')}")
+            return logging.INFO, (
+                f"run {get('name')}: {_mesh(get('mesh'))} ({get('world_size')} ranks), "
+                f"{get('steps')} steps, run dir {get('run_dir')}"
+            )
         if name == "log" and get("rank") is not None and _level(get("level")) >= self.rank_level:
             return _level(get("level")), f"[rank {get('rank')}] {get('message')}"
         if name == "failure":
-            return logging.WARNING, (f"failure: {get('kind')} on node {get('node')}, ranks "
-                                     f"{_ranks(get('ranks'))}: {get('message')}")
+            return logging.WARNING, (
+                f"failure: {get('kind')} on node {get('node')}, ranks {_ranks(get('ranks'))}: {get('message')}"
+            )
         if name == "recovered":
             change = f"{_mesh(get('old_mesh'))} -> {_mesh(get('new_mesh'))}"
             if not is_failure_recovery(event):  # the end of a drain's (or an idle grow's) pause
-                return logging.INFO, (f"training again after the {get('cause')} in "
-                                      f"{float(get('mttr_s') or 0):.1f} s: {change}")
-            return logging.INFO, (f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, "
-                                  f"{get('lost_steps') or 0} steps lost")
+                return logging.INFO, (
+                    f"training again after the {get('cause')} in {float(get('mttr_s') or 0):.1f} s: {change}"
+                )
+            return logging.INFO, (
+                f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, {get('lost_steps') or 0} steps lost"
+            )
         if name == "restored":
-            return logging.INFO, (f"restored step {get('step')} from {get('uri')} in "
-                                  f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}")
+            return logging.INFO, (
+                f"restored step {get('step')} from {get('uri')} in "
+                f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}"
+            )
         if name == "checkpoint_committed":
-            return logging.INFO, (f"checkpoint step {get('step')} committed: {_megabytes(get('bytes'))} in "
-                                  f"{float(get('upload_s') or 0):.1f} s -> {get('uri')}")
+            return logging.INFO, (
+                f"checkpoint step {get('step')} committed: {_megabytes(get('bytes'))} in "
+                f"{float(get('upload_s') or 0):.1f} s -> {get('uri')}"
+            )
         if name == "checkpoint_failed":
             if checkpoint_failure_reason(event) == "interrupted":  # storage is fine: the mesh moved on
                 return logging.INFO, f"checkpoint step {get('step')} dropped: {get('error')}"
             return logging.WARNING, f"checkpoint step {get('step')} failed: {get('error')}"
         if name == "drain":
-            return logging.WARNING, (f"draining node {get('node')} (ranks {_ranks(get('ranks'))}): "
-                                     f"{get('reason')}")
+            return logging.WARNING, (f"draining node {get('node')} (ranks {_ranks(get('ranks'))}): {get('reason')}")
         if name == "grow":
-            return logging.INFO, (f"grew to {_mesh(get('new_mesh'))}, added ranks {_ranks(get('added_ranks'))} "
-                                  f"in {float(get('join_s') or 0):.1f} s")
+            return logging.INFO, (
+                f"grew to {_mesh(get('new_mesh'))}, added ranks {_ranks(get('added_ranks'))} "
+                f"in {float(get('join_s') or 0):.1f} s"
+            )
         if name == "done":
-            return logging.INFO, f"done: {get('status')} after {get('steps')} steps in {float(get('elapsed_s') or 0):.1f} s"
+            return (
+                logging.INFO,
+                f"done: {get('status')} after {get('steps')} steps in {float(get('elapsed_s') or 0):.1f} s",
+            )
         return None
 
 

@@ -78,8 +78,9 @@ METRICS: dict[str, MetricSpec] = {
     # progress
     "step": _gauge("step", "Last completed optimizer step (goes back after a restore)."),
     "steps": _counter("steps", "Optimizer steps completed by this driver, redone steps included."),
-    "last_step_time": _gauge("last_step_timestamp_seconds",
-                             "Unix time of the last completed step (the run start before the first)."),
+    "last_step_time": _gauge(
+        "last_step_timestamp_seconds", "Unix time of the last completed step (the run start before the first)."
+    ),
     "loss": _gauge("loss", "Training loss of the last step."),
     "learning_rate": _gauge("learning_rate", "Learning rate of the last step."),
     "grad_norm": _gauge("grad_norm", "Gradient norm of the last step, before clipping."),
@@ -87,12 +88,14 @@ METRICS: dict[str, MetricSpec] = {
     "tokens_per_second": _gauge("tokens_per_second", "Throughput of the last step, whole job."),
     "step_time": _histogram("step_time_seconds", "Wall time of one optimizer step.", _STEP_BUCKETS),
     "rank_step_time": _gauge("rank_step_time_seconds", "Last step's time as seen by each rank.", ("rank",)),
-    "straggler_ratio": _gauge("straggler_ratio",
-                              "Slowest rank's step time over the median rank's, last step (1 = even)."),
+    "straggler_ratio": _gauge(
+        "straggler_ratio", "Slowest rank's step time over the median rank's, last step (1 = even)."
+    ),
     "slowest_rank": _gauge("slowest_rank", "Rank with the longest step time, last step."),
     "mfu": _gauge("mfu_ratio", "Model FLOPs utilisation estimate, 0..1 (NaN when the device peak is unknown)."),
-    "effective_seconds": _gauge("effective_training_seconds",
-                                "Wall time spent in completed steps; steps lost to a restore are taken back out."),
+    "effective_seconds": _gauge(
+        "effective_training_seconds", "Wall time spent in completed steps; steps lost to a restore are taken back out."
+    ),
     "goodput": _gauge("goodput_ratio", "Effective training time: time in completed steps / wall time since start."),
     # mesh
     "world_size": _gauge("world_size", "Ranks training now."),
@@ -102,11 +105,14 @@ METRICS: dict[str, MetricSpec] = {
     # checkpoints
     "checkpoint_enabled": _gauge("checkpoint_enabled", "1 when the job writes checkpoints."),
     "checkpoint_interval": _gauge("checkpoint_interval_steps", "Steps between checkpoints."),
-    "checkpoint_stall": _histogram("checkpoint_stall_seconds",
-                                   "Time the training loop stood still to stage a checkpoint.", _STALL_BUCKETS),
-    "checkpoint_upload": _histogram("checkpoint_upload_seconds",
-                                    "Time from staging to commit of a checkpoint (in the background).",
-                                    _TRANSFER_BUCKETS),
+    "checkpoint_stall": _histogram(
+        "checkpoint_stall_seconds", "Time the training loop stood still to stage a checkpoint.", _STALL_BUCKETS
+    ),
+    "checkpoint_upload": _histogram(
+        "checkpoint_upload_seconds",
+        "Time from staging to commit of a checkpoint (in the background).",
+        _TRANSFER_BUCKETS,
+    ),
     "checkpoint_bytes": _counter("checkpoint_bytes", "Bytes of committed checkpoints."),
     "checkpoint_last_bytes": _gauge("checkpoint_last_bytes", "Size of the last committed checkpoint."),
     "checkpoints": _counter("checkpoints_committed", "Checkpoints committed."),
@@ -115,10 +121,10 @@ METRICS: dict[str, MetricSpec] = {
     # were durable, so the save was dropped (the run goes on; nothing is wrong with storage).
     "checkpoint_failures": _counter("checkpoint_failures", "Checkpoints not committed, by reason.", ("reason",)),
     "checkpoint_last_step": _gauge("checkpoint_last_committed_step", "Step of the last committed checkpoint."),
-    "checkpoint_last_time": _gauge("checkpoint_last_committed_timestamp_seconds",
-                                   "Unix time of the last commit."),
-    "checkpoint_age": _gauge("checkpoint_age_seconds",
-                             "Seconds since the last commit (since the start before the first)."),
+    "checkpoint_last_time": _gauge("checkpoint_last_committed_timestamp_seconds", "Unix time of the last commit."),
+    "checkpoint_age": _gauge(
+        "checkpoint_age_seconds", "Seconds since the last commit (since the start before the first)."
+    ),
     # failures and elasticity
     "failures": _counter("failures", "Failures detected, by kind.", ("kind",)),
     # Unlabelled, so it exists from the start and changes() sees even the first failure.
@@ -129,11 +135,13 @@ METRICS: dict[str, MetricSpec] = {
     "restores": _counter("restores", "Restores from a checkpoint."),
     "restore_time": _histogram("restore_seconds", "Time to load a checkpoint into the mesh.", _TRANSFER_BUCKETS),
     "drains": _counter("drains", "Nodes drained ahead of a spot reclaim or shutdown."),
-    "drain_time": _histogram("drain_seconds", "Drain notice to training again on the smaller mesh.",
-                             _RECOVERY_BUCKETS),
+    "drain_time": _histogram("drain_seconds", "Drain notice to training again on the smaller mesh.", _RECOVERY_BUCKETS),
     "grows": _counter("grows", "Times the mesh grew back."),
-    "grow_time": _histogram("grow_seconds", "Pause for a grow to training again on the larger mesh "
-                            "(new ranks joined, state copied from a replica).", _RECOVERY_BUCKETS),
+    "grow_time": _histogram(
+        "grow_seconds",
+        "Pause for a grow to training again on the larger mesh (new ranks joined, state copied from a replica).",
+        _RECOVERY_BUCKETS,
+    ),
     "heartbeat_age": _gauge("heartbeat_age_seconds", "Oldest heartbeat among the ranks, seconds."),
     "log_messages": _counter("log_messages", "Log messages reported by ranks, by level.", ("level",)),
 }

@@ -25,9 +25,10 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_wsgi_server
@@ -38,6 +39,7 @@ from orchestrator.observe.metric_names import MESH_DIMS, METRICS, peak_flops
 from workers.spec import ModelSpec
 
 log = logging.getLogger("meshpilot.metrics")
+
 
 def _mesh_dict(mesh: Any) -> dict[str, int] | None:
     """A mesh as {dim: degree}: subscribers see MeshSpec objects, the file holds dicts."""
@@ -58,10 +60,19 @@ class MetricsExporter:
     prometheus-client's metrics are thread-safe, the few plain floats here are written whole.
     """
 
-    def __init__(self, *, model: ModelSpec | None = None, seq_len: int = 0, world_size: int = 0,
-                 min_world_size: int = 0, device_peak_flops: float | None = None,
-                 checkpoint_interval_steps: int | None = None, run_name: str = "",
-                 targets_dir: str | Path | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        model: ModelSpec | None = None,
+        seq_len: int = 0,
+        world_size: int = 0,
+        min_world_size: int = 0,
+        device_peak_flops: float | None = None,
+        checkpoint_interval_steps: int | None = None,
+        run_name: str = "",
+        targets_dir: str | Path | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.m = SimpleNamespace(**{key: spec.create(self.registry) for key, spec in METRICS.items()})
         self._flops_per_token = model.flops_per_token(seq_len) if model is not None and seq_len else None
@@ -101,8 +112,9 @@ class MetricsExporter:
         m.heartbeat_age.set_function(self._heartbeat_age)
 
     @classmethod
-    def from_config(cls, config: Any, *, device_name: str | None = None,
-                    clock: Callable[[], float] = time.time) -> "MetricsExporter":
+    def from_config(
+        cls, config: Any, *, device_name: str | None = None, clock: Callable[[], float] = time.time
+    ) -> MetricsExporter:
         """An exporter sized from a ``JobConfig`` (driver, before the first event)."""
         mesh = config.mesh
         return cls(
@@ -128,15 +140,20 @@ class MetricsExporter:
             kind = event.get("event")
             if kind not in self._warned:
                 self._warned.add(kind)
-                log.warning("metrics: cannot use a %r event (%s: %s); its metrics may be stale",
-                            kind, type(error).__name__, error)
+                log.warning(
+                    "metrics: cannot use a %r event (%s: %s); its metrics may be stale",
+                    kind,
+                    type(error).__name__,
+                    error,
+                )
 
     def _on_start(self, event: dict[str, Any]) -> None:
         m, now = self.m, float(event["time"])
         self._start_time = self._heartbeat_time = now
         self._end_time = None
-        m.run_info.labels(name=str(event.get("name") or self._run_name),
-                          config_hash=str(event.get("config_hash") or "")).set(1)
+        m.run_info.labels(
+            name=str(event.get("name") or self._run_name), config_hash=str(event.get("config_hash") or "")
+        ).set(1)
         m.running.set(1)
         m.run_start_time.set(now)
         m.last_step_time.set(now)
@@ -209,9 +226,7 @@ class MetricsExporter:
         lost = [s for step, s in self._recent_step_seconds.items() if step > restored_step]
         self._productive -= sum(lost)
         m.effective_seconds.set(self._productive)
-        self._recent_step_seconds = {
-            step: s for step, s in self._recent_step_seconds.items() if step <= restored_step
-        }
+        self._recent_step_seconds = {step: s for step, s in self._recent_step_seconds.items() if step <= restored_step}
         self._set_mesh(event.get("to_mesh"), None)
 
     def _on_failure(self, event: dict[str, Any]) -> None:
@@ -331,16 +346,20 @@ class MetricsExporter:
             try:
                 self._server, self._server_thread = start_wsgi_server(port, addr=host, registry=self.registry)
             except OSError as error:
-                raise UserError(f"cannot serve metrics on metrics.host={host!r}, metrics.port={port}: "
-                                f"{error.strerror or error}; pick a free port (0 = any free one) or "
-                                "an address of this machine") from None
+                raise UserError(
+                    f"cannot serve metrics on metrics.host={host!r}, metrics.port={port}: "
+                    f"{error.strerror or error}; pick a free port (0 = any free one) or "
+                    "an address of this machine"
+                ) from None
             bound_port = self._server.server_port
         try:
             self._write_target(host, bound_port)
         except OSError as error:
             self.close()
-            raise UserError(f"metrics.targets_dir={str(self._targets_dir)!r}: cannot write the scrape target "
-                            f"there ({error.strerror or error}); give a writable directory or null") from None
+            raise UserError(
+                f"metrics.targets_dir={str(self._targets_dir)!r}: cannot write the scrape target "
+                f"there ({error.strerror or error}); give a writable directory or null"
+            ) from None
         shown_host = f"[{host}]" if ":" in host else host
         return f"http://{shown_host}:{bound_port}/metrics"
 

@@ -39,9 +39,15 @@ class ProgressView:
         if self.plain:
             return
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} tok/s"),
-            TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False,
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} tok/s"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self._total, loss="-", rate="-")
@@ -64,4 +70,3 @@ class ProgressView:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-

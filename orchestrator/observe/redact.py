@@ -21,7 +21,9 @@ _SECRET_KEY_NAME = re.compile(
 )
 _PATTERNS = (
     re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{12,}\b"),  # AWS access key ids
-    re.compile(r"(?i)(\b(?:\w+_)?(?:secret|password|passwd|token|access_key|secret_key|api_key)\s*[=:]\s*)([^\s,;'\"&]+)"),
+    re.compile(
+        r"(?i)(\b(?:\w+_)?(?:secret|password|passwd|token|access_key|secret_key|api_key)\s*[=:]\s*)([^\s,;'\"&]+)"
+    ),
     re.compile(r"(?i)(bearer\s+)([A-Za-z0-9._~+/=-]+)"),
     re.compile(r"(://[^/\s:@]+:)([^@\s/]+)(@)"),  # user:password@host
 )
@@ -53,7 +55,9 @@ def redact(value: Any) -> Any:
         return redact_text(value)
     if isinstance(value, dict):
         return {
-            key: (MASK if isinstance(key, str) and _SECRET_KEY_NAME.search(key) and value_is_set(item) else redact(item))
+            key: (
+                MASK if isinstance(key, str) and _SECRET_KEY_NAME.search(key) and value_is_set(item) else redact(item)
+            )
             for key, item in value.items()
         }
     if isinstance(value, (list, tuple)):

@@ -27,8 +27,10 @@ def auth_headers() -> dict[str, str]:
     if token_path and not os.environ.get("RAY_AUTH_TOKEN"):
         path = Path(token_path).expanduser()
         if not path.is_file() or not path.read_text(encoding="utf-8", errors="replace").strip():
-            raise UserError(f"RAY_AUTH_TOKEN_PATH={token_path} is not a readable, non-empty file; point it at "
-                            "the cluster's token file (the head's ~/.ray/auth_token)")
+            raise UserError(
+                f"RAY_AUTH_TOKEN_PATH={token_path} is not a readable, non-empty file; point it at "
+                "the cluster's token file (the head's ~/.ray/auth_token)"
+            )
     from orchestrator.driver import ray_compat  # the loader Ray's own clients use, behind the fence
 
     headers = ray_compat.auth_token_header()
@@ -41,7 +43,11 @@ def auth_headers() -> dict[str, str]:
 def auth_message(text: str, address: str, *, sent_token: bool) -> str:
     """One line for the user when the cluster refused us: no token found, or the wrong one."""
     if "required" in text.lower() or not sent_token:
-        return (f"the Ray cluster at {address} requires a token (token authentication is on) and none was "
-                "found: copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
-    return (f"the Ray cluster at {address} rejected the token (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
-            "~/.ray/auth_token): use the token the cluster was started with")
+        return (
+            f"the Ray cluster at {address} requires a token (token authentication is on) and none was "
+            "found: copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN"
+        )
+    return (
+        f"the Ray cluster at {address} rejected the token (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+        "~/.ray/auth_token): use the token the cluster was started with"
+    )

@@ -12,7 +12,8 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from orchestrator.errors import UserError
 from orchestrator.submission.auth import auth_headers, auth_message
@@ -29,11 +30,15 @@ def resolve_address(flag: str | None) -> str:
         if env_address.startswith(("http://", "https://")):
             address = env_address
     if not address:
-        raise UserError("no Ray cluster address: pass --address http://HEAD:8265 (the head's dashboard) "
-                        "or set RAY_API_SERVER_ADDRESS")
+        raise UserError(
+            "no Ray cluster address: pass --address http://HEAD:8265 (the head's dashboard) "
+            "or set RAY_API_SERVER_ADDRESS"
+        )
     if address.startswith("ray://"):
-        raise UserError(f"--address {address}: that is a Ray Client address; jobs are submitted to the "
-                        "dashboard, e.g. http://HEAD:8265")
+        raise UserError(
+            f"--address {address}: that is a Ray Client address; jobs are submitted to the "
+            "dashboard, e.g. http://HEAD:8265"
+        )
     if "://" not in address:
         address = f"http://{address}"
     if not address.startswith(("http://", "https://")):
@@ -60,13 +65,17 @@ def job_client(address: str, *, job_id: str | None = None) -> Iterator[Any]:
     except AuthenticationError as error:
         raise UserError(auth_message(str(error), address, sent_token=bool(headers))) from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout):
-        raise UserError(f"cannot reach the Ray dashboard at {address}: is the head running and its dashboard "
-                        "port (8265 by default) reachable from here? Pass --address http://HEAD:8265") from None
+        raise UserError(
+            f"cannot reach the Ray dashboard at {address}: is the head running and its dashboard "
+            "port (8265 by default) reachable from here? Pass --address http://HEAD:8265"
+        ) from None
     except RuntimeError as error:
         text = str(error)
         if job_id is not None and ("404" in text or "does not exist" in text):
-            raise UserError(f"no job {job_id!r} on the cluster at {address}; "
-                            f"list them with: meshpilot jobs list --address {address}") from None
+            raise UserError(
+                f"no job {job_id!r} on the cluster at {address}; "
+                f"list them with: meshpilot jobs list --address {address}"
+            ) from None
         raise UserError(f"the Ray cluster at {address} refused the request: {first_line(text)}") from None
 
 
@@ -88,8 +97,11 @@ def submit(client: Any, submission: Submission) -> str:
     """Send ``submission`` under a fresh submission id; returns the id."""
     try:
         return client.submit_job(
-            entrypoint=submission.entrypoint, submission_id=submission_id_for(submission.name),
-            runtime_env=submission.runtime_env, metadata=submission.metadata)
+            entrypoint=submission.entrypoint,
+            submission_id=submission_id_for(submission.name),
+            runtime_env=submission.runtime_env,
+            metadata=submission.metadata,
+        )
     except ValueError as error:  # the SDK's packaging refuses e.g. an oversized working directory
         raise UserError(f"the job was not submitted: {first_line(str(error))}") from None
 
@@ -98,12 +110,15 @@ def refuse_running_duplicate(client: Any, name: str, address: str) -> None:
     """Two running jobs of one name would write one checkpoint prefix: refuse the second."""
     for job in client.list_jobs():
         if (job.metadata or {}).get(METADATA_NAME_KEY) == name and str(job.status) not in TERMINAL_STATUSES:
-            raise UserError(f"a job named {name!r} is still {job.status} as {job.submission_id}: stop it first "
-                            f"(meshpilot jobs stop {job.submission_id} --address {address}) or pass another --name")
+            raise UserError(
+                f"a job named {name!r} is still {job.status} as {job.submission_id}: stop it first "
+                f"(meshpilot jobs stop {job.submission_id} --address {address}) or pass another --name"
+            )
 
 
 def follow(client: Any, job_id: str) -> int:
     """Stream the logs until the job ends; exit code 0 only if it succeeded."""
+
     async def stream() -> None:
         async for chunk in client.tail_job_logs(job_id):
             sys.stdout.write(chunk)

@@ -28,8 +28,19 @@ from orchestrator.errors import UserError
 
 # Never shipped to the cluster: environments, outputs, VCS data and caches.
 DEFAULT_EXCLUDES: tuple[str, ...] = (
-    ".venv", "venv", "runs", ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist",
-    ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache",
+    ".venv",
+    "venv",
+    "runs",
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".pytest_cache",
+    ".hypothesis",
+    ".mypy_cache",
+    ".ruff_cache",
 )
 DEFAULT_MAX_FILE_MB = 64.0
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -49,8 +60,9 @@ class Submission:
     notes: tuple[str, ...] = ()
 
 
-def prepare_submission(config_file: str, *, working_dir: str, name: str | None, overrides: list[str],
-                       max_file_mb: float) -> Submission:
+def prepare_submission(
+    config_file: str, *, working_dir: str, name: str | None, overrides: list[str], max_file_mb: float
+) -> Submission:
     """Validate the config and the working directory here; build the entrypoint and runtime env."""
     root = Path(working_dir).resolve()
     if not root.is_dir():
@@ -64,7 +76,8 @@ def prepare_submission(config_file: str, *, working_dir: str, name: str | None, 
     shipped_config = _inside(config_path.resolve(), root, what=f"config {config_file!r}")
     notes = _check_data_is_shipped(config, root)
     excludes, left_out = working_dir_excludes(
-        root, max_file_bytes=int(max_file_mb * 2**20), keep=[config_path.resolve(), resolve_data_path(config)])
+        root, max_file_bytes=int(max_file_mb * 2**20), keep=[config_path.resolve(), resolve_data_path(config)]
+    )
     if left_out:
         shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
         notes.append(f"not shipping {len(left_out)} file(s) over {max_file_mb:g} MiB: {shown} (see --max-file-mb)")
@@ -88,15 +101,19 @@ def _checkpoint_location_notes(config: JobConfig) -> list[str]:
     if uri is None:
         return ["checkpoint.uri is not set: this job writes no checkpoints, so submitting it again starts over"]
     if "://" not in uri or uri.startswith("file://"):
-        return [f"checkpoint.uri={uri!r} is a local path: each node writes its own disk, and resuming across "
-                "submissions needs storage that every node shares (s3://...)"]
+        return [
+            f"checkpoint.uri={uri!r} is a local path: each node writes its own disk, and resuming across "
+            "submissions needs storage that every node shares (s3://...)"
+        ]
     return []
 
 
 def check_job_name(name: str) -> None:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        raise UserError(f"job name {name!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter "
-                        "or digit (it becomes part of the checkpoint path); pass --name")
+        raise UserError(
+            f"job name {name!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (it becomes part of the checkpoint path); pass --name"
+        )
 
 
 def checkpoint_uri_for(base_uri: str, name: str) -> str:
@@ -106,7 +123,7 @@ def checkpoint_uri_for(base_uri: str, name: str) -> str:
 
 def submission_id_for(name: str, *, now: datetime.datetime | None = None) -> str:
     """A fresh submission id per attempt (Ray refuses one it has seen), readable by job name."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     return f"{name}-{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
@@ -171,8 +188,10 @@ def _inside(path: Path, root: Path, *, what: str) -> Path:
     try:
         return path.relative_to(root)
     except ValueError:
-        raise UserError(f"{what} lies outside the working directory {root} that is shipped to the cluster; "
-                        "run from a directory that contains it or pass --working-dir") from None
+        raise UserError(
+            f"{what} lies outside the working directory {root} that is shipped to the cluster; "
+            "run from a directory that contains it or pass --working-dir"
+        ) from None
 
 
 def _check_data_is_shipped(config: JobConfig, working_dir: Path) -> list[str]:
@@ -184,5 +203,7 @@ def _check_data_is_shipped(config: JobConfig, working_dir: Path) -> list[str]:
         return []
     if Path(config.data.path).is_absolute():
         return [f"data.path={config.data.path!r} is not shipped; it must exist at that path on the cluster"]
-    raise UserError(f"data.path={config.data.path!r} resolves to {data_path}, outside the working directory "
-                    f"{working_dir} that is shipped to the cluster; move it inside or pass --working-dir")
+    raise UserError(
+        f"data.path={config.data.path!r} resolves to {data_path}, outside the working directory "
+        f"{working_dir} that is shipped to the cluster; move it inside or pass --working-dir"
+    )

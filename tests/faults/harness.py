@@ -14,29 +14,41 @@ from typing import Any
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.observe.events import read_events
 from orchestrator.driver.run import RunResult, run_training
+from orchestrator.observe.events import read_events
 from tests.fixtures.worker_nodes import NODE_RESOURCE
 from tests.jobs import DEMO_CONFIG, REPO, losses
 from workers.faults import FaultSpec
 
 # Two replica groups of two ranks: one can be lost and the job goes on in place.
-ELASTIC_LAYOUT = ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=1",
-                  "parallelism.pp=1", "training.seq_len=64", "elastic.hang_timeout_s=8",
-                  "elastic.heartbeat_timeout_s=10")
+ELASTIC_LAYOUT = (
+    "parallelism.dp_replicate=2",
+    "parallelism.dp_shard=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.seq_len=64",
+    "elastic.hang_timeout_s=8",
+    "elastic.heartbeat_timeout_s=10",
+)
 
 
 # Ranks that need this custom resource run only on the worker nodes the node tests add.
 ON_WORKER_NODES = f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}"
 
 
-def run_job(run_dir: Path, *overrides: str, faults: tuple[str, ...] = (), node_fault=None,
-            on_event=None) -> tuple[RunResult, list[dict[str, Any]]]:
+def run_job(
+    run_dir: Path, *overrides: str, faults: tuple[str, ...] = (), node_fault=None, on_event=None
+) -> tuple[RunResult, list[dict[str, Any]]]:
     """Train the demo model with ``overrides``; ``on_event(event)`` sees every event as it happens."""
     config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", *overrides])
     subscribers = [_Callback(on_event)] if on_event else []
-    result = run_training(config, run_dir, faults=tuple(FaultSpec.parse(f) for f in faults), node_fault=node_fault,
-                          subscribers=subscribers)
+    result = run_training(
+        config,
+        run_dir,
+        faults=tuple(FaultSpec.parse(f) for f in faults),
+        node_fault=node_fault,
+        subscribers=subscribers,
+    )
     return result, read_events(run_dir / "events.jsonl")
 
 
@@ -49,8 +61,9 @@ def of_kind(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == kind]
 
 
-def assert_completed_like(events: list[dict[str, Any]], reference: dict[int, float], steps: int,
-                          rel: float = 1e-4) -> None:
+def assert_completed_like(
+    events: list[dict[str, Any]], reference: dict[int, float], steps: int, rel: float = 1e-4
+) -> None:
     """Every step once, in order, with the uninterrupted run's loss: nothing skipped or repeated."""
     step_events = of_kind(events, "step")
     assert [e["step"] for e in step_events] == list(range(1, steps + 1))

@@ -20,14 +20,22 @@ from tests.jobs import DEMO_CONFIG, REPO, losses, signal_after_step
 
 pytestmark = pytest.mark.slow
 
-SINGLE_REPLICA = ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=1", "parallelism.pp=1",
-                  "training.seq_len=32")
+SINGLE_REPLICA = (
+    "parallelism.dp_replicate=1",
+    "parallelism.dp_shard=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.seq_len=32",
+)
 STEPS = 14
 
 
 def checkpoints_to(bucket, interval: int = 2) -> tuple[str, ...]:
-    return (f"checkpoint.uri={bucket.uri}", f"checkpoint.endpoint_url={bucket.endpoint_url}",
-            f"checkpoint.interval_steps={interval}")
+    return (
+        f"checkpoint.uri={bucket.uri}",
+        f"checkpoint.endpoint_url={bucket.endpoint_url}",
+        f"checkpoint.interval_steps={interval}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def reference(ray_cluster, tmp_path_factory):
 
 def assert_resumed_like(events, reference, *, restored_step: int) -> None:
     """Steps after the restore are the uninterrupted run's steps, each exactly once from there."""
-    after = [e for e in events[events.index(of_kind(events, "restored")[-1]):] if e["event"] == "step"]
+    after = [e for e in events[events.index(of_kind(events, "restored")[-1]) :] if e["event"] == "step"]
     assert [e["step"] for e in after] == list(range(restored_step + 1, STEPS + 1))
     for event in after:
         assert event["loss"] == pytest.approx(reference[event["step"]], rel=1e-4), f"step {event['step']}"
@@ -53,22 +61,24 @@ def committed_before(events, index: int) -> list[int]:
 def test_no_surviving_replica_restores_the_latest_checkpoint(reference, s3_bucket, tmp_path):
     # Late enough that some save has committed on a loaded machine too: steps take ~0.15 s here,
     # and a rank's first upload (new S3 connections) once took longer than steps 2 to 6.
-    result, events = run_job(tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket),
-                             faults=("kill@12:1",))
+    result, events = run_job(
+        tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket), faults=("kill@12:1",)
+    )
     assert result.exit_code == 0, result.reason
     [failure] = of_kind(events, "failure")
     assert failure["kind"] == "rank_died" and failure["ranks"] == [1]
     [restored] = of_kind(events, "restored")
     assert restored["step"] == max(committed_before(events, events.index(failure)))
     [recovered] = of_kind(events, "recovered")
-    last_before = max(e["step"] for e in events[:events.index(failure)] if e["event"] == "step")
+    last_before = max(e["step"] for e in events[: events.index(failure)] if e["event"] == "step")
     assert recovered["cause"] == "restore" and recovered["lost_steps"] == last_before - restored["step"]
     assert_resumed_like(events, reference, restored_step=restored["step"])
 
 
 def test_s3_outage_during_uploads_never_stops_training(reference, s3_bucket, tmp_path):
-    result, events = run_job(tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket),
-                             faults=("s3_outage@3:0",))
+    result, events = run_job(
+        tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket), faults=("s3_outage@3:0",)
+    )
     assert result.exit_code == 0, result.reason
     assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
     assert losses(events) == pytest.approx(reference, rel=1e-4)
@@ -82,20 +92,38 @@ def test_s3_outage_during_uploads_never_stops_training(reference, s3_bucket, tmp
 
 
 def _train_command(run_dir, bucket, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "train", str(DEMO_CONFIG), "--run-dir", str(run_dir), "--plain",
-            f"--set=data.path={REPO / 'data' / 'sample.txt'}", *[f"--set={o}" for o in SINGLE_REPLICA],
-            f"--set=training.steps={STEPS}", *[f"--set={o}" for o in checkpoints_to(bucket)], *extra]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "train",
+        str(DEMO_CONFIG),
+        "--run-dir",
+        str(run_dir),
+        "--plain",
+        f"--set=data.path={REPO / 'data' / 'sample.txt'}",
+        *[f"--set={o}" for o in SINGLE_REPLICA],
+        f"--set=training.steps={STEPS}",
+        *[f"--set={o}" for o in checkpoints_to(bucket)],
+        *extra,
+    ]
 
 
 def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, tmp_path):
-    first = subprocess.run(_train_command(tmp_path / "first", s3_bucket, "--inject", "driver@7"), cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        _train_command(tmp_path / "first", s3_bucket, "--inject", "driver@7"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
     committed = list_committed(storage)
     assert committed and max(committed) <= 7
-    second = subprocess.run(_train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True,
-                            timeout=600)
+    second = subprocess.run(
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     events = read_events(tmp_path / "second" / "events.jsonl")
     [restored] = of_kind(events, "restored")
@@ -105,8 +133,13 @@ def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, 
 
 def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, s3_bucket, tmp_path):
     run_dir = tmp_path / "first"
-    process = subprocess.Popen(_train_command(run_dir, s3_bucket, "--set=checkpoint.interval_steps=1000"), cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        _train_command(run_dir, s3_bucket, "--set=checkpoint.interval_steps=1000"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = signal_after_step(process, run_dir, signal.SIGTERM, step=4, wait_s=300, exit_s=300)
     assert process.returncode == 143, output
     events = read_events(run_dir / "events.jsonl")
@@ -114,8 +147,9 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
     assert events[-1]["status"] == "preempted"
     # the emergency checkpoint is the last step the run took: nothing to redo
     assert [e["step"] for e in of_kind(events, "checkpoint_committed")] == [last_step]
-    second = subprocess.run(_train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True,
-                            timeout=600)
+    second = subprocess.run(
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     resumed = read_events(tmp_path / "second" / "events.jsonl")
     assert of_kind(resumed, "restored")[0]["step"] == last_step
@@ -125,15 +159,21 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
 def test_draining_the_only_replica_saves_first_and_loses_no_step(reference, s3_bucket, ray_cluster, tmp_path):
     nodes = WorkerNodes(ray_cluster, 2, ranks_per_node=2)
     try:
-        result, events = run_job(tmp_path, *SINGLE_REPLICA, ON_WORKER_NODES, f"training.steps={STEPS}",
-                                 *checkpoints_to(s3_bucket, interval=1000), faults=("drain@5:0",))
+        result, events = run_job(
+            tmp_path,
+            *SINGLE_REPLICA,
+            ON_WORKER_NODES,
+            f"training.steps={STEPS}",
+            *checkpoints_to(s3_bucket, interval=1000),
+            faults=("drain@5:0",),
+        )
     finally:
         nodes.close()
     assert result.exit_code == 0, result.reason
     assert not of_kind(events, "failure")
     [drain] = of_kind(events, "drain")
     [restored] = of_kind(events, "restored")
-    assert restored["step"] == max(e["step"] for e in events[:events.index(restored)] if e["event"] == "step")
+    assert restored["step"] == max(e["step"] for e in events[: events.index(restored)] if e["event"] == "step")
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0
     assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))  # each step exactly once
@@ -144,13 +184,17 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one_with_a_warning(refere
     first, _ = run_job(tmp_path / "first", *SINGLE_REPLICA, "training.steps=4", *checkpoints_to(s3_bucket))
     assert first.exit_code == 0
     client = s3_bucket.server.client()
-    shard = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket.name, Prefix="run/step-00000004/")["Contents"]
-                 if o["Key"].endswith(".safetensors") and o["Size"] > 10_000)
+    shard = next(
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=s3_bucket.name, Prefix="run/step-00000004/")["Contents"]
+        if o["Key"].endswith(".safetensors") and o["Size"] > 10_000
+    )
     body = bytearray(client.get_object(Bucket=s3_bucket.name, Key=shard)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=s3_bucket.name, Key=shard, Body=bytes(body))
-    result, events = run_job(tmp_path / "second", *SINGLE_REPLICA, f"training.steps={STEPS}",
-                             *checkpoints_to(s3_bucket))
+    result, events = run_job(
+        tmp_path / "second", *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket)
+    )
     assert result.exit_code == 0, result.reason
     assert of_kind(events, "restored")[-1]["step"] == 2
     driver_log = (tmp_path / "second" / "logs" / "driver.jsonl").read_text()

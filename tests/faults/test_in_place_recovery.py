@@ -18,11 +18,11 @@ def reference(ray_cluster, tmp_path_factory):
     return losses(events)
 
 
-@pytest.mark.parametrize("fault, kind, rank", [
-    ("kill@4:3", "rank_died", 3),
-    ("raise@4:1", "rank_error", 1),
-    ("hang@4:2", "hang", 2),
-], ids=["sigkill", "raise", "hang"])
+@pytest.mark.parametrize(
+    "fault, kind, rank",
+    [("kill@4:3", "rank_died", 3), ("raise@4:1", "rank_error", 1), ("hang@4:2", "hang", 2)],
+    ids=["sigkill", "raise", "hang"],
+)
 def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
     result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", faults=(fault,))
     assert result.exit_code == 0, result.reason
@@ -39,8 +39,9 @@ def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
 
 
 def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp_path):
-    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "elastic.spare_actors=2",
-                             faults=("kill@4:2",))
+    result, events = run_job(
+        tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "elastic.spare_actors=2", faults=("kill@4:2",)
+    )
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference, STEPS)
     [recovered] = of_kind(events, "recovered")

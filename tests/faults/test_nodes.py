@@ -29,8 +29,9 @@ def reference(ray_cluster, tmp_path_factory):
 
     def of(steps: int) -> dict[int, float]:
         if steps not in cache:
-            result, events = run_job(tmp_path_factory.mktemp("uninterrupted"), *ELASTIC_LAYOUT, *FAST,
-                                     f"training.steps={steps}")
+            result, events = run_job(
+                tmp_path_factory.mktemp("uninterrupted"), *ELASTIC_LAYOUT, *FAST, f"training.steps={steps}"
+            )
             assert result.exit_code == 0, result.reason
             cache[steps] = losses(events)
         return cache[steps]
@@ -52,8 +53,16 @@ def test_lost_node_shrinks_then_a_new_node_grows_the_mesh_back(reference, worker
         if event["event"] == "recovered" and not added:
             added.append(worker_nodes.add())
 
-    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={LONG_STEPS}",
-                             faults=("node@5:2",), node_fault=worker_nodes.remove, on_event=add_a_node_after_recovery)
+    result, events = run_job(
+        tmp_path,
+        *ELASTIC_LAYOUT,
+        *FAST,
+        ON_WORKER_NODES,
+        f"training.steps={LONG_STEPS}",
+        faults=("node@5:2",),
+        node_fault=worker_nodes.remove,
+        on_event=add_a_node_after_recovery,
+    )
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference(LONG_STEPS), LONG_STEPS)
     [failure] = of_kind(events, "failure")
@@ -67,8 +76,9 @@ def test_lost_node_shrinks_then_a_new_node_grows_the_mesh_back(reference, worker
 
 @pytest.mark.parametrize("fault", ["drain@5:2", "sigterm@5:2"], ids=["ray-drain", "sigterm"])
 def test_drain_notice_leaves_at_a_step_boundary_with_zero_lost_steps(fault, reference, worker_nodes, tmp_path):
-    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}",
-                             faults=(fault,))
+    result, events = run_job(
+        tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}", faults=(fault,)
+    )
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference(STEPS), STEPS)
     assert not of_kind(events, "failure")
@@ -111,9 +121,15 @@ def test_cloud_instance_action_notice_drains_that_node(reference, worker_nodes, 
 
     try:
         result, events = run_job(
-            tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}",
+            tmp_path,
+            *ELASTIC_LAYOUT,
+            *FAST,
+            ON_WORKER_NODES,
+            f"training.steps={STEPS}",
             f"elastic.instance_action_url=http://127.0.0.1:{server.server_port}/{{node_id}}",
-            "elastic.instance_action_poll_s=0.5", on_event=announce_at_step_4)
+            "elastic.instance_action_poll_s=0.5",
+            on_event=announce_at_step_4,
+        )
     finally:
         server.shutdown()
     assert result.exit_code == 0, result.reason

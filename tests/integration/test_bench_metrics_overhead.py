@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 import statistics
 
-from bench.metrics_overhead import DEFAULT_JOB, DEFAULT_STEPS, QUICK_STEPS, driver_cost, paired_ratio, parse_args, run_ab
+from bench.metrics_overhead import (
+    DEFAULT_JOB,
+    DEFAULT_STEPS,
+    QUICK_STEPS,
+    driver_cost,
+    paired_ratio,
+    parse_args,
+    run_ab,
+)
 from orchestrator.config import config_from_dict
 
 

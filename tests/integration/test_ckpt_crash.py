@@ -28,15 +28,17 @@ def small_state() -> dict[str, torch.Tensor]:
 
 def big_state() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(1000, generator=generator), "step": torch.tensor(20.0),
-            "big": torch.randn(40 << 20 >> 2, generator=generator)}  # 160 MB: seconds of upload
+    return {
+        "w": torch.randn(1000, generator=generator),
+        "step": torch.tensor(20.0),
+        "big": torch.randn(40 << 20 >> 2, generator=generator),
+    }  # 160 MB: seconds of upload
 
 
 def rank_and_driver(uri: str, endpoint_url: str, messages) -> None:
     torch.set_num_threads(1)
     storage = open_storage(uri, endpoint_url=endpoint_url, part_size=PART, concurrency=1)
-    coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="h", model={},
-                                    keep_last=3)
+    coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="h", model={}, keep_last=3)
     writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
     writer.save_sync(10, small_state(), extra={"cursor": 10}, owns_plain_tensors=True)
     messages.put(coordinator.committed_steps)
@@ -48,8 +50,9 @@ def rank_and_driver(uri: str, endpoint_url: str, messages) -> None:
 def test_sigkill_mid_upload_leaves_previous_checkpoint(s3_bucket):
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
-    process = context.Process(target=rank_and_driver, args=(s3_bucket.uri, s3_bucket.endpoint_url, messages),
-                              daemon=True)
+    process = context.Process(
+        target=rank_and_driver, args=(s3_bucket.uri, s3_bucket.endpoint_url, messages), daemon=True
+    )
     process.start()
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
     try:
@@ -78,14 +81,14 @@ def test_sigkill_mid_upload_leaves_previous_checkpoint(s3_bucket):
 
     # The resumed run saves step 20 again; its commit triggers retention, which aborts the
     # crashed writer's upload (older than or equal to the newest commit).
-    coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="h", model={},
-                                    keep_last=3)
+    coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="h", model={}, keep_last=3)
     writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
     writer.save_sync(20, small_state(), extra={"cursor": 20}, owns_plain_tensors=True)
     writer.close()
     assert coordinator.committed_steps == [20]
     assert storage.list_pending_uploads() == []
-    assert coordinator.last_retention.aborted_uploads == [u for u in coordinator.last_retention.aborted_uploads
-                                                          if u.startswith("step-00000020/")]
+    assert coordinator.last_retention.aborted_uploads == [
+        u for u in coordinator.last_retention.aborted_uploads if u.startswith("step-00000020/")
+    ]
     assert len(coordinator.last_retention.aborted_uploads) == 1
     storage.close()

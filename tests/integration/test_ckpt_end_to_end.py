@@ -41,12 +41,14 @@ def trained_state(seed: int) -> tuple[Transformer, dict[str, torch.Tensor]]:
 
 
 def save_steps(storage, steps_and_states) -> CommitCoordinator:
-    coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="c0ffee",
-                                    model=MODEL, keep_last=5)
+    coordinator = CommitCoordinator(
+        storage, world_size=1, mesh={"dp_shard": 1}, config_hash="c0ffee", model=MODEL, keep_last=5
+    )
     writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
     for step, state in steps_and_states:
-        writer.save(step, {k: v.detach() for k, v in state.items()}, extra={"data_cursor": step * 32},
-                    owns_plain_tensors=True)
+        writer.save(
+            step, {k: v.detach() for k, v in state.items()}, extra={"data_cursor": step * 32}, owns_plain_tensors=True
+        )
     writer.close()
     return coordinator
 
@@ -56,8 +58,10 @@ def two_checkpoints(s3_bucket):
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
     first_model, first = trained_state(0)
     second_model, second = trained_state(1)
-    snapshots = {10: {k: v.detach().clone() for k, v in first.items()},
-                 20: {k: v.detach().clone() for k, v in second.items()}}
+    snapshots = {
+        10: {k: v.detach().clone() for k, v in first.items()},
+        20: {k: v.detach().clone() for k, v in second.items()},
+    }
     coordinator = save_steps(storage, [(10, first), (20, second)])
     assert coordinator.committed_steps == [10, 20]
     yield s3_bucket, storage, snapshots, second_model
@@ -138,8 +142,21 @@ def test_export_loads_in_transformers_with_same_logits(two_checkpoints, tmp_path
 
     bucket, _, _, model = two_checkpoints
     out = tmp_path / "hf"
-    assert main(cli("export", bucket.uri, "--endpoint-url", bucket.endpoint_url, "--out", str(out),
-                    "--max-shard-size-mb", "0.25")) == 0
+    assert (
+        main(
+            cli(
+                "export",
+                bucket.uri,
+                "--endpoint-url",
+                bucket.endpoint_url,
+                "--out",
+                str(out),
+                "--max-shard-size-mb",
+                "0.25",
+            )
+        )
+        == 0
+    )
     capsys.readouterr()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

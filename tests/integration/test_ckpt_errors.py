@@ -95,8 +95,13 @@ def test_writer_reports_failure_instead_of_raising(s3_bucket, monkeypatch):
     broken = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
     coordinator = CommitCoordinator(broken, world_size=1, mesh={}, config_hash=None, model={}, keep_last=1)
     reports = []
-    writer = CheckpointWriter(broken, rank=0, report=lambda r: (reports.append(r), coordinator.on_report(r)),
-                              upload_attempts=2, retry_backoff_s=0.01)
+    writer = CheckpointWriter(
+        broken,
+        rank=0,
+        report=lambda r: (reports.append(r), coordinator.on_report(r)),
+        upload_attempts=2,
+        retry_backoff_s=0.01,
+    )
     stall = writer.save(5, {"w": torch.ones(4)}, extra={}, owns_plain_tensors=True)
     assert stall < 5
     writer.close()
@@ -108,8 +113,9 @@ def test_writer_reports_failure_instead_of_raising(s3_bucket, monkeypatch):
 
 def test_foreign_checkpoint_is_refused(s3_bucket, capsys):
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
-    coordinator = CommitCoordinator(storage, world_size=1, mesh={}, config_hash="aaaa",
-                                    model={"dim": 64, "n_layers": 2}, keep_last=1)
+    coordinator = CommitCoordinator(
+        storage, world_size=1, mesh={}, config_hash="aaaa", model={"dim": 64, "n_layers": 2}, keep_last=1
+    )
     writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
     writer.save(1, {"w": torch.ones(4)}, extra={}, owns_plain_tensors=True)
     writer.close()
@@ -122,5 +128,7 @@ def test_foreign_checkpoint_is_refused(s3_bucket, capsys):
         restore(storage, manifest, {"w": torch.zeros(5)})
     with pytest.raises(ForeignCheckpointError, match="has no tensor v"):
         restore(storage, manifest, {"v": torch.zeros(4)})
-    code, text = run_cli(capsys, "export", s3_bucket.uri, "--endpoint-url", s3_bucket.endpoint_url, "--out", "/tmp/x-none")
+    code, text = run_cli(
+        capsys, "export", s3_bucket.uri, "--endpoint-url", s3_bucket.endpoint_url, "--out", "/tmp/x-none"
+    )
     assert code == 2 and "not a meshpilot Llama-style model" in text

@@ -49,8 +49,8 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
     """This rank's model + optimizer state under ``mesh_shape`` (world size 1: plain tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
     model = Net()
@@ -117,7 +117,7 @@ def rank_main(rank: int, world_size: int, task: dict, results) -> None:
             _restore(rank, task, storage, results)
         storage.close()
         results.put(("done", rank, None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the test process, whatever it was
         results.put(("error", rank, traceback.format_exc()))
 
 
@@ -127,8 +127,12 @@ def _save(rank: int, task: dict, storage, results) -> None:
     from checkpointing.writer import CheckpointWriter
 
     state, owns_plain, mesh = build_state(task["mesh"], seed=0)
-    writer = CheckpointWriter(storage, rank=rank, report=lambda report: results.put(("report", rank, report)),
-                              mesh=mesh if task.get("writer_knows_mesh", True) else None)
+    writer = CheckpointWriter(
+        storage,
+        rank=rank,
+        report=lambda report: results.put(("report", rank, report)),
+        mesh=mesh if task.get("writer_knows_mesh", True) else None,
+    )
     writer.save(task["step"], state, extra={"data_cursor": 123, "rank": rank}, owns_plain_tensors=owns_plain)
     reference = full_values(state)  # collectives run while the upload goes on in the background
     writer.close()
@@ -158,8 +162,10 @@ def run_ranks(world_size: int, task: dict, *, on_report=None, timeout_s: float =
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     task = dict(task, init_file=os.path.join(task["work_dir"], f"init-{task['mode']}-{time.monotonic_ns()}"))
-    processes = [context.Process(target=rank_main, args=(rank, world_size, task, results), daemon=True)
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=rank_main, args=(rank, world_size, task, results), daemon=True)
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     messages, finished = [], 0
@@ -204,14 +210,20 @@ def saved_3d(tmp_path_factory, s3_server):
     env = s3_server.env()
     saved_env = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    task = {"uri": f"s3://{bucket}/run", "endpoint_url": s3_server.endpoint_url, "work_dir": str(work),
-            "reference_dir": str(reference_dir), "step": 7}
+    task = {
+        "uri": f"s3://{bucket}/run",
+        "endpoint_url": s3_server.endpoint_url,
+        "work_dir": str(work),
+        "reference_dir": str(reference_dir),
+        "step": 7,
+    }
     storage = open_storage(task["uri"], endpoint_url=s3_server.endpoint_url)
     mesh = {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "tp": 2}
     coordinator = CommitCoordinator(storage, world_size=8, mesh=mesh, config_hash="cfg", model=MODEL, keep_last=2)
     committed = []
-    run_ranks(8, dict(task, mode="save", mesh=mesh),
-              on_report=lambda report: committed.append(coordinator.on_report(report)))
+    run_ranks(
+        8, dict(task, mode="save", mesh=mesh), on_report=lambda report: committed.append(coordinator.on_report(report))
+    )
     try:
         yield task, storage, [m for m in committed if m is not None], coordinator
     finally:
@@ -236,7 +248,9 @@ def test_3d_save_commits_once_with_every_rank(saved_3d):
     expected = {f"layers.{i}.{p}" for i in range(4) for p in ("norm.weight", "up.weight", "down.weight")}
     expected |= {"embed.weight", "norm.weight", "head.weight"}
     assert expected <= set(manifest.tensors)
-    assert {f"optim.{name}.{key}" for name in expected for key in ("exp_avg", "exp_avg_sq", "step")} <= set(manifest.tensors)
+    assert {f"optim.{name}.{key}" for name in expected for key in ("exp_avg", "exp_avg_sq", "step")} <= set(
+        manifest.tensors
+    )
 
 
 def world_of(mesh: dict[str, int]) -> int:
@@ -267,5 +281,8 @@ def test_restore_into_another_mesh_is_bitwise_equal(restored, mesh_name):
         assert payload["unequal"] == []
         names.update(payload["names"])
     every_parameter = {"embed.weight", "norm.weight", "head.weight"} | {
-        f"layers.{i}.{p}" for i in range(4) for p in ("norm.weight", "up.weight", "down.weight")}
-    assert names == every_parameter | {f"optim.{n}.{k}" for n in every_parameter for k in ("exp_avg", "exp_avg_sq", "step")}
+        f"layers.{i}.{p}" for i in range(4) for p in ("norm.weight", "up.weight", "down.weight")
+    }
+    assert names == every_parameter | {
+        f"optim.{n}.{k}" for n in every_parameter for k in ("exp_avg", "exp_avg_sq", "step")
+    }

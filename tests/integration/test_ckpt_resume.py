@@ -25,8 +25,17 @@ SAVE_AT, LAST = 2, 4
 def train_spec():
     from workers.spec import PRESETS, TrainSpec
 
-    return TrainSpec(model=PRESETS["debug"], steps=LAST, global_batch=4, seq_len=32, microbatch_size=1,
-                     lr=1e-3, warmup_steps=1, seed=0, data_source="synthetic")
+    return TrainSpec(
+        model=PRESETS["debug"],
+        steps=LAST,
+        global_batch=4,
+        seq_len=32,
+        microbatch_size=1,
+        lr=1e-3,
+        warmup_steps=1,
+        seed=0,
+        data_source="synthetic",
+    )
 
 
 def rank_main(rank: int, task: dict, results) -> None:
@@ -61,10 +70,15 @@ def rank_main(rank: int, task: dict, results) -> None:
         first.init_weights()
         for step in range(1, SAVE_AT + 1):
             first.train_step(step)
-        writer = CheckpointWriter(storage, rank=rank, report=lambda r: results.put(("report", rank, r)),
-                                  mesh=first.world_mesh)
-        writer.save(SAVE_AT, {k: v.detach() for k, v in first.named_state().items()},
-                    extra={"step": SAVE_AT}, owns_plain_tensors=rank == 0)
+        writer = CheckpointWriter(
+            storage, rank=rank, report=lambda r: results.put(("report", rank, r)), mesh=first.world_mesh
+        )
+        writer.save(
+            SAVE_AT,
+            {k: v.detach() for k, v in first.named_state().items()},
+            extra={"step": SAVE_AT},
+            owns_plain_tensors=rank == 0,
+        )
         writer.close()
         first.close()
         deadline = time.monotonic() + 60
@@ -83,17 +97,23 @@ def rank_main(rank: int, task: dict, results) -> None:
         storage.close()
         dist.destroy_process_group()
         results.put(("done", rank, None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the test process, whatever it was
         results.put(("error", rank, traceback.format_exc()))
 
 
 def test_resume_under_another_mesh_matches_uninterrupted_losses(s3_bucket, tmp_path):
     model = dataclasses.asdict(train_spec().model)
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
-    coordinator = CommitCoordinator(storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model=model,
-                                    keep_last=2)
-    task = {"uri": s3_bucket.uri, "endpoint_url": s3_bucket.endpoint_url, "env": s3_bucket.server.env(),
-            "init_file": str(tmp_path / "init"), "model": model}
+    coordinator = CommitCoordinator(
+        storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model=model, keep_last=2
+    )
+    task = {
+        "uri": s3_bucket.uri,
+        "endpoint_url": s3_bucket.endpoint_url,
+        "env": s3_bucket.server.env(),
+        "init_file": str(tmp_path / "init"),
+        "model": model,
+    }
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=rank_main, args=(rank, task, results), daemon=True) for rank in range(2)]

@@ -42,10 +42,10 @@ def test_backends_implement_the_protocol(storage):
 def test_stream_of_uneven_pieces_round_trips_bytes_equal(storage):
     data = os.urandom(3 * PART + 12345)
     view = memoryview(data)
-    pieces = [view[:100], view[100:PART + 7], view[PART + 7:3 * PART], view[3 * PART:]]
+    pieces = [view[:100], view[100 : PART + 7], view[PART + 7 : 3 * PART], view[3 * PART :]]
     assert storage.put_stream("step-1/a.bin", pieces, size=len(data)) == len(data)
     assert storage.get("step-1/a.bin") == data
-    assert storage.get_range("step-1/a.bin", PART - 3, 2 * PART + 5) == data[PART - 3:2 * PART + 5]
+    assert storage.get_range("step-1/a.bin", PART - 3, 2 * PART + 5) == data[PART - 3 : 2 * PART + 5]
     assert storage.list("step-1/") == [type(storage.list()[0])(key="step-1/a.bin", size=len(data))]
 
 

@@ -49,8 +49,21 @@ def _worker_with_rank(cluster) -> tuple[str, object]:
 def _start_hook(cluster, node_id: str, *, grace: float, margin: float) -> subprocess.Popen:
     env = {**os.environ, "RAY_ADDRESS": cluster.address}  # KubeRay sets RAY_ADDRESS in each Ray container
     return subprocess.Popen(
-        [sys.executable, str(HOOK), "--grace-seconds", str(grace), "--margin-seconds", str(margin), "--node-id", node_id],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(HOOK),
+            "--grace-seconds",
+            str(grace),
+            "--margin-seconds",
+            str(margin),
+            "--node-id",
+            node_id,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _gcs():
@@ -111,8 +124,9 @@ def test_hook_does_not_guess_between_nodes_of_one_host(cluster):
     cluster.add_node(num_cpus=1)  # here every node has this machine's hostname; in a pod only one does
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
     draining_before = set(_gcs().get_draining_nodes())
-    result = subprocess.run([sys.executable, str(HOOK), "--grace-seconds", "20"], env=env,
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, str(HOOK), "--grace-seconds", "20"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0
     assert "ALIVE Ray node(s) match this pod" in result.stderr and "pass --node-id; not draining" in result.stderr
     assert set(_gcs().get_draining_nodes()) <= draining_before
@@ -120,9 +134,23 @@ def test_hook_does_not_guess_between_nodes_of_one_host(cluster):
 
 def test_hook_without_a_gcs_returns_within_its_budget():
     started = time.monotonic()
-    result = subprocess.run([sys.executable, str(HOOK), "--grace-seconds", "4", "--margin-seconds", "1",
-                             "--address", "127.0.0.1:1", "--node-id", "ab" * 28],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(HOOK),
+            "--grace-seconds",
+            "4",
+            "--margin-seconds",
+            "1",
+            "--address",
+            "127.0.0.1:1",
+            "--node-id",
+            "ab" * 28,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0
     assert time.monotonic() - started < 8
     assert "deadline reached" in result.stderr

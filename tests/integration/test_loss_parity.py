@@ -13,13 +13,26 @@ from tests.jobs import losses, single_rank, train
 STEPS = 20
 LAYOUTS = {
     "pp2-dp_shard2-tp2": ("parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.tp=2"),
-    "dp_replicate2-dp_shard2": ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=1",
-                                "parallelism.pp=1"),
+    "dp_replicate2-dp_shard2": (
+        "parallelism.dp_replicate=2",
+        "parallelism.dp_shard=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+    ),
     "tp2": ("parallelism.dp_shard=1", "parallelism.tp=2", "parallelism.pp=1"),
-    "pp2-interleaved_1f1b": ("parallelism.dp_shard=1", "parallelism.tp=1", "parallelism.pp=2",
-                             "parallelism.pp_schedule=interleaved_1f1b"),
-    "dp_shard3": ("parallelism.dp_shard=3", "parallelism.tp=1", "parallelism.pp=1", "training.global_batch=12",
-                  "parallelism.microbatches=2"),
+    "pp2-interleaved_1f1b": (
+        "parallelism.dp_shard=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.pp_schedule=interleaved_1f1b",
+    ),
+    "dp_shard3": (
+        "parallelism.dp_shard=3",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "training.global_batch=12",
+        "parallelism.microbatches=2",
+    ),
 }
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.observe.metrics import MetricsExporter, build_metrics
 from orchestrator.driver.run import run_training
+from orchestrator.observe.metrics import MetricsExporter, build_metrics
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, synthetic_run
 from workers.spec import PRESETS
 
@@ -53,7 +53,8 @@ class Prometheus:
     def distinct_values(self, expr: str, start: float, end: float) -> list[float]:
         """The values ``expr`` (one series) took between start and end, each change once, in order."""
         address = f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(
-            {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "0.5"})
+            {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "0.5"}
+        )
         with urllib.request.urlopen(address, timeout=5) as response:
             body = json.load(response)
         assert body["status"] == "success", body
@@ -74,8 +75,10 @@ class Prometheus:
                 return
             time.sleep(0.5)
         targets = self.api("/api/v1/targets")["activeTargets"]
-        pytest.fail(f"{expr} did not become {expected} within {QUERY_TIMEOUT_S:g} s; last answer {result}; "
-                    f"targets {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}")
+        pytest.fail(
+            f"{expr} did not become {expected} within {QUERY_TIMEOUT_S:g} s; last answer {result}; "
+            f"targets {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}"
+        )
 
 
 def free_port() -> int:
@@ -107,9 +110,15 @@ def prometheus(tmp_path_factory):
     log_path = root / "prometheus.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [binary, f"--config.file={config_path}", f"--storage.tsdb.path={root / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     server = Prometheus(f"http://127.0.0.1:{port}", targets_dir, log_path)
     try:
@@ -133,9 +142,15 @@ def prometheus(tmp_path_factory):
 
 
 def test_prometheus_sees_steps_checkpoints_and_the_mesh_after_a_recovery(prometheus):
-    exporter = MetricsExporter(model=PRESETS["debug"], seq_len=128, world_size=8, min_world_size=4,
-                               checkpoint_interval_steps=10, run_name="synthetic-feed",
-                               targets_dir=prometheus.targets_dir)
+    exporter = MetricsExporter(
+        model=PRESETS["debug"],
+        seq_len=128,
+        world_size=8,
+        min_world_size=4,
+        checkpoint_interval_steps=10,
+        run_name="synthetic-feed",
+        targets_dir=prometheus.targets_dir,
+    )
     exporter.start_server("127.0.0.1", 0)
     events = synthetic_run(start_time=time.time())
     before_failure = next(i for i, e in enumerate(events) if e["event"] == "failure")
@@ -147,13 +162,13 @@ def test_prometheus_sees_steps_checkpoints_and_the_mesh_after_a_recovery(prometh
         prometheus.wait_for_value(f"meshpilot_steps_total{run}", 23)
         prometheus.wait_for_value(f"meshpilot_checkpoint_bytes_total{run}", 2 * CHECKPOINT_BYTES)
         prometheus.wait_for_value(f"meshpilot_world_size{run}", 8)
-        prometheus.wait_for_value(f'up{{job="meshpilot", run="synthetic-feed"}}', 1)
+        prometheus.wait_for_value('up{job="meshpilot", run="synthetic-feed"}', 1)
 
         for event in events[before_failure:after_recovery]:
             exporter.on_event(event)
         prometheus.wait_for_value(f"meshpilot_world_size{run}", 4)
-        prometheus.wait_for_value(f'meshpilot_mesh_degree{{run="synthetic-feed", dim="dp_replicate"}}', 1)
-        prometheus.wait_for_value(f'meshpilot_failures_total{{run="synthetic-feed", kind="actor_died"}}', 1)
+        prometheus.wait_for_value('meshpilot_mesh_degree{run="synthetic-feed", dim="dp_replicate"}', 1)
+        prometheus.wait_for_value('meshpilot_failures_total{run="synthetic-feed", kind="actor_died"}', 1)
         prometheus.wait_for_value(f"meshpilot_recovery_seconds_count{run}", 1)
         prometheus.wait_for_value(f"meshpilot_recovery_seconds_sum{run}", 3.0)
     finally:
@@ -212,11 +227,19 @@ def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, s3_buck
     from workers.faults import FaultSpec
 
     steps = 6
-    config = load_config(DEMO_CONFIG, [
-        f"data.path={REPO / 'data' / 'sample.txt'}", *ELASTIC_LAYOUT, "name=scraped-run", f"training.steps={steps}",
-        f"checkpoint.uri={s3_bucket.uri}", f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
-        "checkpoint.interval_steps=2", f"metrics.targets_dir={prometheus.targets_dir}",
-    ])
+    config = load_config(
+        DEMO_CONFIG,
+        [
+            f"data.path={REPO / 'data' / 'sample.txt'}",
+            *ELASTIC_LAYOUT,
+            "name=scraped-run",
+            f"training.steps={steps}",
+            f"checkpoint.uri={s3_bucket.uri}",
+            f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
+            "checkpoint.interval_steps=2",
+            f"metrics.targets_dir={prometheus.targets_dir}",
+        ],
+    )
     served = ServedPastTheRun(build_metrics(config))
     monkeypatch.setattr(run_module, "build_metrics", lambda _config: served)
     began = time.time()
@@ -239,7 +262,7 @@ def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, s3_buck
         grown = len(of("grow"))  # replacement actors may join before the end (not within 6 steps here)
 
         run = '{run="scraped-run"}'
-        prometheus.wait_for_value(f'up{{job="meshpilot", run="scraped-run"}}', 1)
+        prometheus.wait_for_value('up{job="meshpilot", run="scraped-run"}', 1)
         prometheus.wait_for_value(f"meshpilot_steps_total{run}", steps)
         prometheus.wait_for_value(f"meshpilot_step{run}", steps)
         prometheus.wait_for_value(f"meshpilot_tokens_total{run}", steps * 16 * 64)
@@ -248,21 +271,20 @@ def test_prometheus_scrapes_a_real_training_run(prometheus, ray_cluster, s3_buck
         prometheus.wait_for_value(f"meshpilot_checkpoint_bytes_total{run}", sum(e["bytes"] for e in commits))
         prometheus.wait_for_value(f"meshpilot_checkpoints_committed_total{run}", len(commits))
         prometheus.wait_for_value(f"meshpilot_checkpoint_last_committed_step{run}", steps)
-        prometheus.wait_for_value(f'meshpilot_checkpoint_failures_total{{run="scraped-run", reason="storage"}}', 0)
+        prometheus.wait_for_value('meshpilot_checkpoint_failures_total{run="scraped-run", reason="storage"}', 0)
         interrupted = sum(1 for e in of("checkpoint_failed") if checkpoint_failure_reason(e) == "interrupted")
-        prometheus.wait_for_value(f'meshpilot_checkpoint_failures_total{{run="scraped-run", reason="interrupted"}}',
-                                  interrupted)
+        prometheus.wait_for_value(
+            'meshpilot_checkpoint_failures_total{run="scraped-run", reason="interrupted"}', interrupted
+        )
         # the failure: one replica group left, the mesh went from 4 ranks to 2
-        prometheus.wait_for_value(f'meshpilot_failures_total{{run="scraped-run", kind="rank_died"}}', 1)
+        prometheus.wait_for_value('meshpilot_failures_total{run="scraped-run", kind="rank_died"}', 1)
         prometheus.wait_for_value(f"meshpilot_recoveries_total{run}", 1)
         prometheus.wait_for_value(f"meshpilot_recovery_seconds_count{run}", 1)
         prometheus.wait_for_value(f"meshpilot_recovery_seconds_sum{run}", recovered["mttr_s"])
         prometheus.wait_for_value(f"meshpilot_lost_steps_total{run}", 0)
         prometheus.wait_for_value(f"meshpilot_world_size{run}", 2 if not grown else 4)
-        prometheus.wait_for_value(f'meshpilot_mesh_degree{{run="scraped-run", dim="dp_replicate"}}',
-                                  1 if not grown else 2)
-        prometheus.wait_for_value(f'count(meshpilot_rank_step_time_seconds{{run="scraped-run"}})',
-                                  2 if not grown else 4)
+        prometheus.wait_for_value('meshpilot_mesh_degree{run="scraped-run", dim="dp_replicate"}', 1 if not grown else 2)
+        prometheus.wait_for_value('count(meshpilot_rank_step_time_seconds{run="scraped-run"})', 2 if not grown else 4)
         prometheus.wait_for_value(f"meshpilot_running{run}", 0)
         # what Prometheus recorded over the run: 4 ranks, then 2 after the failure
         history = prometheus.distinct_values(f"meshpilot_world_size{run}", began, time.time())

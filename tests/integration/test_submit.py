@@ -56,10 +56,12 @@ def _free_port(*, avoid: range = range(10002, 20000)) -> int:
 
 
 def _clean_env(home: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("RAY_") and key not in ("PYTHONPATH",)}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_") and key not in ("PYTHONPATH",)}
+    env.update(
+        HOME=str(home),
+        RAY_USAGE_STATS_ENABLED="0",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
     return env
 
 
@@ -98,13 +100,24 @@ def ray_head():
     dashboard_port = _free_port()
     ray_bin = Path(sys.executable).parent / "ray"
     command = [
-        str(ray_bin), "start", "--head", "--block", f"--temp-dir={temp_dir / 'ray'}",
-        "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--num-cpus={NUM_CPUS}",
-        f"--port={_free_port()}", f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}", f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", "--disable-usage-stats",
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        f"--temp-dir={temp_dir / 'ray'}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--num-cpus={NUM_CPUS}",
+        f"--port={_free_port()}",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--node-manager-port={_free_port()}",
+        f"--object-manager-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        "--disable-usage-stats",
     ]
     log_path = temp_dir / "head.log"
     with open(log_path, "wb") as log:
@@ -136,8 +149,14 @@ def _wait_ready(address: str, token: str, process: subprocess.Popen, log_path: P
 
 def meshpilot(*args: str, env: dict[str, str], timeout: float = 180.0) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, from this checkout."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +164,18 @@ def stub_project(ray_head):
     """A project to ship: a config, a stand-in for the train command, files that must stay home."""
     root = ray_head.temp_dir / "project"
     (root / "configs").mkdir(parents=True)
-    (root / "configs" / "tiny.yaml").write_text(textwrap.dedent("""\
+    (root / "configs" / "tiny.yaml").write_text(
+        textwrap.dedent("""\
         name: stubjob
         data: {source: synthetic}
         parallelism: {dp_shard: 1, tp: 1, pp: 1}
         checkpoint: {uri: "s3://bucket/ckpts"}
-    """))
+    """)
+    )
     (root / "orchestrator").mkdir()
     (root / "orchestrator" / "__init__.py").write_text("")
-    (root / "orchestrator" / "cli.py").write_text(textwrap.dedent("""\
+    (root / "orchestrator" / "cli.py").write_text(
+        textwrap.dedent("""\
         import json, os, sys, time
         print("STUB argv=" + json.dumps(sys.argv[1:]), flush=True)
         shipped = sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in os.walk(".") for f in fs)
@@ -166,7 +188,8 @@ def stub_project(ray_head):
             if arg.startswith("training.steps="):
                 print("STUB sleeping", flush=True)
                 time.sleep(int(arg.split("=")[1]))
-    """))
+    """)
+    )
     for kept_home in ("runs/old/events.jsonl", ".venv/bin/python", ".git/HEAD"):
         (root / kept_home).parent.mkdir(parents=True, exist_ok=True)
         (root / kept_home).write_text("not shipped\n")
@@ -185,16 +208,36 @@ def _assert_no_secret(result: subprocess.CompletedProcess, secret: str) -> None:
 
 def test_submit_follow_status_logs(ray_head, stub_project):
     config = stub_project / "configs" / "tiny.yaml"
-    submitted = meshpilot("submit", str(config), "--working-dir", str(stub_project), "--address", ray_head.address,
-                          "--max-file-mb", "1", "--follow", env=ray_head.env)
+    submitted = meshpilot(
+        "submit",
+        str(config),
+        "--working-dir",
+        str(stub_project),
+        "--address",
+        ray_head.address,
+        "--max-file-mb",
+        "1",
+        "--follow",
+        env=ray_head.env,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.splitlines()[0]
     assert SUBMISSION_ID.match(job_id).group("name") == "stubjob"
-    assert _stub_lines(submitted.stdout, "argv") == [[
-        "train", "configs/tiny.yaml", "--set", 'name="stubjob"',
-        "--set", 'checkpoint.uri="s3://bucket/ckpts/stubjob"', "--set", "checkpoint.resume=true",
-    ]]
-    assert _stub_lines(submitted.stdout, "files") == [["configs/tiny.yaml", "orchestrator/__init__.py", "orchestrator/cli.py"]]
+    assert _stub_lines(submitted.stdout, "argv") == [
+        [
+            "train",
+            "configs/tiny.yaml",
+            "--set",
+            'name="stubjob"',
+            "--set",
+            'checkpoint.uri="s3://bucket/ckpts/stubjob"',
+            "--set",
+            "checkpoint.resume=true",
+        ]
+    ]
+    assert _stub_lines(submitted.stdout, "files") == [
+        ["configs/tiny.yaml", "orchestrator/__init__.py", "orchestrator/cli.py"]
+    ]
     assert f"STUB cpus={NUM_CPUS}" in submitted.stdout
     assert "not shipping 1 file(s) over 1 MiB: data/blob.bin" in submitted.stderr
     assert submitted.stderr.rstrip().endswith(f"meshpilot: {job_id}: SUCCEEDED")
@@ -216,8 +259,20 @@ def test_resubmitting_a_name_keeps_its_checkpoint_location(ray_head, stub_projec
     config = stub_project / "configs" / "tiny.yaml"
     job_ids, argvs = [], []
     for _ in range(2):
-        submitted = meshpilot("submit", str(config), "--working-dir", str(stub_project), "--name", "again",
-                              "--address", ray_head.address, "--max-file-mb", "1", "--follow", env=ray_head.env)
+        submitted = meshpilot(
+            "submit",
+            str(config),
+            "--working-dir",
+            str(stub_project),
+            "--name",
+            "again",
+            "--address",
+            ray_head.address,
+            "--max-file-mb",
+            "1",
+            "--follow",
+            env=ray_head.env,
+        )
         assert submitted.returncode == 0, submitted.stderr
         job_ids.append(submitted.stdout.splitlines()[0])
         argvs += _stub_lines(submitted.stdout, "argv")
@@ -230,15 +285,17 @@ def test_resubmitting_a_name_keeps_its_checkpoint_location(ray_head, stub_projec
 def test_stop_a_running_job_and_refuse_a_second_writer(ray_head, stub_project):
     config = stub_project / "configs" / "tiny.yaml"
     common = ["--working-dir", str(stub_project), "--address", ray_head.address, "--max-file-mb", "1"]
-    submitted = meshpilot("submit", str(config), "--name", "sleeper", "--set", "training.steps=300", *common,
-                          env=ray_head.env)
+    submitted = meshpilot(
+        "submit", str(config), "--name", "sleeper", "--set", "training.steps=300", *common, env=ray_head.env
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
 
     duplicate = meshpilot("submit", str(config), "--name", "sleeper", *common, env=ray_head.env)
     assert duplicate.returncode == 2
-    assert re.search(rf"meshpilot: a job named 'sleeper' is still (PENDING|RUNNING) as {job_id}: stop it first",
-                     duplicate.stderr)
+    assert re.search(
+        rf"meshpilot: a job named 'sleeper' is still (PENDING|RUNNING) as {job_id}: stop it first", duplicate.stderr
+    )
 
     _wait_for_log(ray_head, job_id, "STUB sleeping")
     stopped = meshpilot("jobs", "stop", job_id, "--wait", "--address", ray_head.address, env=ray_head.env)
@@ -270,38 +327,73 @@ def test_errors_are_one_line_and_keep_the_token_secret(ray_head, stub_project):
     config = str(stub_project / "configs" / "tiny.yaml")
     no_token = {key: value for key, value in ray_head.env.items() if not key.startswith("RAY_AUTH")}
     line = _one_line_error(meshpilot("jobs", "list", "--address", ray_head.address, env=no_token))
-    assert line == (f"meshpilot: the Ray cluster at {ray_head.address} requires a token (token authentication is on) "
-                    "and none was found: copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
+    assert line == (
+        f"meshpilot: the Ray cluster at {ray_head.address} requires a token (token authentication is on) "
+        "and none was found: copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN"
+    )
 
     wrong = "wrong-" + os.urandom(8).hex()
-    result = meshpilot("submit", config, "--working-dir", str(stub_project), "--address", ray_head.address,
-                       env={**no_token, "RAY_AUTH_TOKEN": wrong})
+    result = meshpilot(
+        "submit",
+        config,
+        "--working-dir",
+        str(stub_project),
+        "--address",
+        ray_head.address,
+        env={**no_token, "RAY_AUTH_TOKEN": wrong},
+    )
     assert _one_line_error(result) == (
         f"meshpilot: the Ray cluster at {ray_head.address} rejected the token (from RAY_AUTH_TOKEN, "
-        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): use the token the cluster was started with")
+        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): use the token the cluster was started with"
+    )
     _assert_no_secret(result, wrong)
 
     unreachable = f"http://127.0.0.1:{_free_port()}"
     assert _one_line_error(meshpilot("jobs", "status", "x", "--address", unreachable, env=ray_head.env)) == (
         f"meshpilot: cannot reach the Ray dashboard at {unreachable}: is the head running and its dashboard port "
-        "(8265 by default) reachable from here? Pass --address http://HEAD:8265")
+        "(8265 by default) reachable from here? Pass --address http://HEAD:8265"
+    )
 
-    assert _one_line_error(meshpilot("submit", "configs/missing.yaml", "--address", ray_head.address, env=ray_head.env)) == (
-        "meshpilot: config file 'configs/missing.yaml' does not exist; pass the path of a YAML job file")
+    assert _one_line_error(
+        meshpilot("submit", "configs/missing.yaml", "--address", ray_head.address, env=ray_head.env)
+    ) == ("meshpilot: config file 'configs/missing.yaml' does not exist; pass the path of a YAML job file")
 
-    assert _one_line_error(meshpilot("jobs", "logs", "no-such-job", "--address", ray_head.address, env=ray_head.env)) == (
+    assert _one_line_error(
+        meshpilot("jobs", "logs", "no-such-job", "--address", ray_head.address, env=ray_head.env)
+    ) == (
         f"meshpilot: no job 'no-such-job' on the cluster at {ray_head.address}; "
-        f"list them with: meshpilot jobs list --address {ray_head.address}")
+        f"list them with: meshpilot jobs list --address {ray_head.address}"
+    )
 
 
 def _real_train(ray_head, *extra: str) -> subprocess.CompletedProcess:
     """``meshpilot submit configs/tiny-3d.yaml`` shipping this repository: 2 CPU ranks, tiny shapes."""
     return meshpilot(
-        "submit", str(REPO_ROOT / "configs" / "tiny-3d.yaml"), "--address", ray_head.address,
-        "--set", "parallelism.dp_shard=2", "--set", "parallelism.tp=1", "--set", "parallelism.pp=1",
-        "--set", "training.warmup_steps=1", "--set", "training.seq_len=32", "--set", "training.global_batch=4",
-        "--set", "parallelism.microbatches=1",
-        "--set", "metrics.enabled=false", "--follow", *extra, env=ray_head.env, timeout=300)
+        "submit",
+        str(REPO_ROOT / "configs" / "tiny-3d.yaml"),
+        "--address",
+        ray_head.address,
+        "--set",
+        "parallelism.dp_shard=2",
+        "--set",
+        "parallelism.tp=1",
+        "--set",
+        "parallelism.pp=1",
+        "--set",
+        "training.warmup_steps=1",
+        "--set",
+        "training.seq_len=32",
+        "--set",
+        "training.global_batch=4",
+        "--set",
+        "parallelism.microbatches=1",
+        "--set",
+        "metrics.enabled=false",
+        "--follow",
+        *extra,
+        env=ray_head.env,
+        timeout=300,
+    )
 
 
 def test_real_train_job_runs_to_completion(ray_head):

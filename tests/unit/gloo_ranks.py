@@ -19,8 +19,9 @@ COLLECTIVE_TIMEOUT_S = 1.0
 def run_rank(rank: int, scenario: str, store_path: str, results) -> None:
     """``own_timeout``: rank 1 never joins rank 0's collective. ``peer_dies``: rank 1 crashes."""
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
     dist.all_reduce(torch.ones(4))  # the connections between the ranks are up
     if rank == 1:
         if scenario == "peer_dies":

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import functools
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jsonschema
 import yaml
@@ -83,7 +84,7 @@ def crd_json_schema(node: Any) -> Any:
     return schema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_schema(kind: str, version: str = "v1") -> dict[str, Any]:
     """The strict JSON schema of ``kind`` (RayCluster, RayJob) at ``version`` from the vendored CRD."""
     crd = load_yaml_documents((CRD_DIR / CRD_FILES[kind]).read_text())[0]
@@ -110,8 +111,10 @@ def render(directory: Path | str) -> list[dict[str, Any]]:
     try:
         result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise AssertionError("kubectl is not installed: the manifest checks render with `kubectl kustomize` "
-                             "(offline, no cluster needed); install kubectl >= 1.27") from None
+        raise AssertionError(
+            "kubectl is not installed: the manifest checks render with `kubectl kustomize` "
+            "(offline, no cluster needed); install kubectl >= 1.27"
+        ) from None
     if result.returncode != 0:
         raise AssertionError(f"kubectl kustomize {directory} failed:\n{result.stderr}")
     return load_yaml_documents(result.stdout)

@@ -113,7 +113,9 @@ def test_driver_side_modules_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, checkpointing.commit, checkpointing.catalog, checkpointing.verify, "
-            "checkpointing.local_s3, checkpointing.s3, orchestrator.cli.ckpt; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, checkpointing.commit, checkpointing.catalog, checkpointing.verify, "
+        "checkpointing.local_s3, checkpointing.s3, orchestrator.cli.ckpt; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -29,7 +29,7 @@ MANIFEST_V1 = (
 )
 KEY = "s3://bucket/run/step-00000030/manifest.json"
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
@@ -50,14 +50,21 @@ def test_version_1_manifest_keeps_loading():
     assert manifest.extra == {"data_cursor": 96}
     assert manifest.mesh["dp_shard"] == 2
     chunk = manifest.tensors["w"].chunks[0]
-    assert (chunk.key, chunk.start, chunk.end, chunk.sizes) == ("step-00000030/rank-00000-0a1b2c3d.safetensors", 152, 200, (3, 4))
+    assert (chunk.key, chunk.start, chunk.end, chunk.sizes) == (
+        "step-00000030/rank-00000-0a1b2c3d.safetensors",
+        152,
+        200,
+        (3, 4),
+    )
     assert manifest.to_json() and parse_manifest(manifest.to_json(), key=KEY) == manifest
 
 
 def test_newer_version_asks_to_upgrade():
     body = json.loads(MANIFEST_V1)
     body["version"] = 2
-    with pytest.raises(ManifestVersionError, match="manifest version 2; this meshpilot reads versions up to 1: upgrade"):
+    with pytest.raises(
+        ManifestVersionError, match="manifest version 2; this meshpilot reads versions up to 1: upgrade"
+    ):
         parse_manifest(signed(body), key=KEY)
 
 
@@ -117,8 +124,9 @@ def test_any_field_replaced_by_any_json_gives_a_clear_answer(path, value):
 def test_header_is_readable_by_the_safetensors_library(tmp_path):
     tensors = {"a@0,4": torch.randn(2, 3), "b": torch.arange(5, dtype=torch.int64), "c": torch.tensor(1.5)}
     ordered = sorted(tensors, key=lambda n: -tensors[n].element_size())
-    header, entries = build_header([(n, str(tensors[n].dtype)[6:], tuple(tensors[n].shape)) for n in ordered],
-                                   {"rank": "3"})
+    header, entries = build_header(
+        [(n, str(tensors[n].dtype)[6:], tuple(tensors[n].shape)) for n in ordered], {"rank": "3"}
+    )
     assert len(header) % 8 == 0
     data = bytearray(header)
     for name, entry in zip(ordered, entries):
@@ -135,8 +143,11 @@ def test_header_is_readable_by_the_safetensors_library(tmp_path):
 
 
 def test_absurd_header_length_is_refused_without_reading_it():
-    with pytest.raises(CorruptCheckpointError, match="shard 'step-1/r.safetensors' has a corrupt safetensors header: "
-                                                     "it claims 18446744073709551615 header bytes"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match="shard 'step-1/r.safetensors' has a corrupt safetensors header: "
+        "it claims 18446744073709551615 header bytes",
+    ):
         parse_header(struct.pack("<Q", 2**64 - 1) + b"{}", key="step-1/r.safetensors", object_bytes=10)
 
 

@@ -54,8 +54,14 @@ def saved(tmp_path):
 def sharded_destination(mesh, placement) -> DTensor:
     local_rows = ROWS // 4 if placement == Shard(0) else ROWS
     local_cols = COLS // 4 if placement == Shard(1) else COLS
-    return DTensor.from_local(torch.zeros(local_rows, local_cols), mesh, [placement], run_check=False,
-                              shape=torch.Size([ROWS, COLS]), stride=(COLS, 1))
+    return DTensor.from_local(
+        torch.zeros(local_rows, local_cols),
+        mesh,
+        [placement],
+        run_check=False,
+        shape=torch.Size([ROWS, COLS]),
+        stride=(COLS, 1),
+    )
 
 
 def test_row_shard_reads_only_its_block(saved, fake_rank_1_of_4):

@@ -35,8 +35,9 @@ class GatedStorage(LocalStorage):
 
 
 def coordinator_for(storage, world_size: int = 1) -> CommitCoordinator:
-    return CommitCoordinator(storage, world_size=world_size, mesh={"dp_shard": world_size}, config_hash="h",
-                             model={"dim": 8}, keep_last=10)
+    return CommitCoordinator(
+        storage, world_size=world_size, mesh={"dp_shard": world_size}, config_hash="h", model={"dim": 8}, keep_last=10
+    )
 
 
 def test_save_returns_before_upload_and_stages_a_snapshot(tmp_path):

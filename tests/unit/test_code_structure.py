@@ -80,8 +80,12 @@ def test_no_function_over_60_lines(package: str) -> None:
 
 
 def _imports_from(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
-    return [f"{_relative(path)}:{line} imports {name}" for path in paths for name, line in _imported_modules(_parse(path))
-            if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)]
+    return [
+        f"{_relative(path)}:{line} imports {name}"
+        for path in paths
+        for name, line in _imported_modules(_parse(path))
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)
+    ]
 
 
 def test_imports_go_one_way() -> None:
@@ -94,8 +98,12 @@ def test_imports_go_one_way() -> None:
 
 
 def test_driver_takes_only_the_actor_class_from_workers_actor() -> None:
-    uses = [(_relative(path), name) for path in _modules("orchestrator")
-            for name, _ in _imported_modules(_parse(path)) if name.startswith("workers.actor")]
+    uses = [
+        (_relative(path), name)
+        for path in _modules("orchestrator")
+        for name, _ in _imported_modules(_parse(path))
+        if name.startswith("workers.actor")
+    ]
     assert all(name in ("workers.actor", "workers.actor.RankActor") for _, name in uses), uses
     assert {where for where, _ in uses} <= {"orchestrator/driver/worker_group.py"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,23 +15,35 @@ CASES = [
     (["--set", "parallelism.tpp=2"], "parallelism.tpp: unknown key; did you mean 'parallelism.tp'?"),
     (["--set", "training.lr=fast"], "training.lr: expected a number, got str 'fast'"),
     (["--set", "parallelism.tp=3"], "parallelism: tp=3 must divide model.n_heads=4"),
-    (["--set", "parallelism.pp=3", "--set", "parallelism.microbatches=3"],
-     "parallelism: pp=3 x stages_per_rank=1 = 3 pipeline stages must divide model.n_layers=4"),
-    (["--set", "parallelism.dp_shard=3"],
-     "parallelism: dp_replicate=1 x dp_shard=3 x microbatches=4 = 12 must divide training.global_batch=16"),
-    (["--set", "parallelism.pp_schedule=1f1"],
-     "parallelism.pp_schedule: '1f1' is not one of gpipe, 1f1b, interleaved_1f1b; did you mean '1f1b'?"),
+    (
+        ["--set", "parallelism.pp=3", "--set", "parallelism.microbatches=3"],
+        "parallelism: pp=3 x stages_per_rank=1 = 3 pipeline stages must divide model.n_layers=4",
+    ),
+    (
+        ["--set", "parallelism.dp_shard=3"],
+        "parallelism: dp_replicate=1 x dp_shard=3 x microbatches=4 = 12 must divide training.global_batch=16",
+    ),
+    (
+        ["--set", "parallelism.pp_schedule=1f1"],
+        "parallelism.pp_schedule: '1f1' is not one of gpipe, 1f1b, interleaved_1f1b; did you mean '1f1b'?",
+    ),
     (["--set", "training.steps=0"], "training.steps=0 must be >= 1"),
     (["--set", "data.path=no/such/file.txt"], "data.path='no/such/file.txt': no such file"),
-    (["--set", "checkpoint.uri=gs://bucket/run"],
-     "checkpoint.uri='gs://bucket/run': scheme 'gs' is not supported; use s3://, file:// or a directory"),
+    (
+        ["--set", "checkpoint.uri=gs://bucket/run"],
+        "checkpoint.uri='gs://bucket/run': scheme 'gs' is not supported; use s3://, file:// or a directory",
+    ),
     (["--set", "runtime.backend=nccl"], "runtime.backend=nccl needs runtime.gpus_per_rank > 0"),
-    (["--set", "parallelism.microbatches=1"],
-     "parallelism.microbatches=1 must be >= pp=2 so that every pipeline stage has work"),
+    (
+        ["--set", "parallelism.microbatches=1"],
+        "parallelism.microbatches=1 must be >= pp=2 so that every pipeline stage has work",
+    ),
     (["--set", "training.seq_len=4096"], "training.seq_len=4096 exceeds the model's max_seq_len=2048"),
     (["--set", "model.preset=llama9"], "model.preset: 'llama9' is not one of debug, llama3-1b"),
-    (["--set", "parallelism.activation_checkpointing=maybe"],
-     "parallelism.activation_checkpointing: expected true or false, got str 'maybe'"),
+    (
+        ["--set", "parallelism.activation_checkpointing=maybe"],
+        "parallelism.activation_checkpointing: expected true or false, got str 'maybe'",
+    ),
     (["--set", "nonsense"], "--set 'nonsense': expected dotted.key=value"),
     (["--set", "elastic.min_replicas=2"], "elastic.min_replicas=2 exceeds parallelism.dp_replicate=1"),
 ]
@@ -76,8 +87,9 @@ def test_all_problems_listed_at_once(monkeypatch):
 
 
 def test_unknown_flag_exits_2_without_traceback():
-    process = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "--no-such-flag"],
-                             capture_output=True, text=True, cwd=REPO)
+    process = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "train", "--no-such-flag"], capture_output=True, text=True, cwd=REPO
+    )
     assert process.returncode == 2
     assert "unrecognized arguments: --no-such-flag" in process.stderr
     assert "Traceback" not in process.stderr

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import AbstractSet, Any
+from typing import Any
 
 import pytest
 
@@ -66,8 +67,7 @@ class FakeGroup:
 
     script: dict[str, Any] = {}
 
-    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources,
-                 start_timeout_s: float) -> None:
+    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float) -> None:
         self.spec = spec
         self.active: list[FakeSlot] = []
         self.queued: dict[int, list[dict[str, Any]]] = {}
@@ -108,17 +108,28 @@ class FakeGroup:
     def request_pause(self, generation: int, *, checkpoint: bool = False) -> None:
         pass
 
-    def configure(self, *, generation: int, mesh: MeshSpec, starts: list[StartFrom], sync_replicas: bool,
-                  faults: tuple[FaultSpec, ...] = ()) -> FakeCalls:
-        self.configured.append({"mesh": mesh, "starts": starts, "sync": sync_replicas,
-                                "slots": [slot.index for slot in self.active]})
+    def configure(
+        self,
+        *,
+        generation: int,
+        mesh: MeshSpec,
+        starts: list[StartFrom],
+        sync_replicas: bool,
+        faults: tuple[FaultSpec, ...] = (),
+    ) -> FakeCalls:
+        self.configured.append(
+            {"mesh": mesh, "starts": starts, "sync": sync_replicas, "slots": [slot.index for slot in self.active]}
+        )
         step = self.script.get("resume_step", 0) if generation > 1 else 0
-        results: dict[int, Any] = {rank: start.step if start.mode == StartMode.CHECKPOINT else step
-                                   for rank, start in enumerate(starts)}
+        results: dict[int, Any] = {
+            rank: start.step if start.mode == StartMode.CHECKPOINT else step for rank, start in enumerate(starts)
+        }
         if starts and starts[0].mode == StartMode.CHECKPOINT and starts[0].step in self.script.get("corrupt", ()):
-            results[0] = CallFailed(CallFailedKind.ERROR, f"CorruptCheckpointError: step {starts[0].step}: checksum "
-                                    "mismatch", failure_kind=self.script.get("corrupt_kind",
-                                                                             FailureKind.CORRUPT_CHECKPOINT))
+            results[0] = CallFailed(
+                CallFailedKind.ERROR,
+                f"CorruptCheckpointError: step {starts[0].step}: checksum mismatch",
+                failure_kind=self.script.get("corrupt_kind", FailureKind.CORRUPT_CHECKPOINT),
+            )
         return FakeCalls(results, after=self.script.get("configure_delay", 0))
 
     def run(self, *, last_step: int) -> FakeCalls:
@@ -128,8 +139,16 @@ class FakeGroup:
         steps = plan.get("steps_done", last_step)
         for rank in range(len(self.active)):
             self.queued[rank] = [
-                StepReport(rank=rank, time=1000.0 + s, step=s, loss=5.0 - s * 0.1 if rank == 0 else None, dp_rank=0,
-                           step_time_s=0.1, lr=0.001, grad_norm=1.0)
+                StepReport(
+                    rank=rank,
+                    time=1000.0 + s,
+                    step=s,
+                    loss=5.0 - s * 0.1 if rank == 0 else None,
+                    dp_rank=0,
+                    step_time_s=0.1,
+                    lr=0.001,
+                    grad_norm=1.0,
+                )
                 for s in range(first, steps + 1)
             ]
         outcomes: dict[int, Any] = {rank: RunOutcome(RunStatus.FINISHED, steps) for rank in range(len(self.active))}
@@ -137,9 +156,12 @@ class FakeGroup:
         return FakeCalls(outcomes)
 
     def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]:
-        return {rank: Heartbeat(rank=rank, phase=Phase.STEP, step=0, phase_age_s=0.0,
-                                reports=tuple(self.queued.pop(rank, [])))
-                for rank in range(len(self.active))}
+        return {
+            rank: Heartbeat(
+                rank=rank, phase=Phase.STEP, step=0, phase_age_s=0.0, reports=tuple(self.queued.pop(rank, []))
+            )
+            for rank in range(len(self.active))
+        }
 
     def request_stop(self) -> None:
         pass
@@ -197,8 +219,17 @@ def test_configuration_waits_until_every_rank_answers(controller):
 
 
 def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_path):
-    FakeGroup.script = {"runs": {1: {"steps_done": 2, "outcomes": {
-        0: RunOutcome(RunStatus.ABORTED, 2), 1: RunOutcome(RunStatus.FAILED, 2, error="Traceback...\nValueError: boom")}}}}
+    FakeGroup.script = {
+        "runs": {
+            1: {
+                "steps_done": 2,
+                "outcomes": {
+                    0: RunOutcome(RunStatus.ABORTED, 2),
+                    1: RunOutcome(RunStatus.FAILED, 2, error="Traceback...\nValueError: boom"),
+                },
+            }
+        }
+    }
     final = controller.run()
     assert final.status == "failed" and final.exit_code == 1
     events = read_events(tmp_path / "events.jsonl")
@@ -209,9 +240,16 @@ def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_p
 
 
 def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
-    FakeGroup.script = {"runs": {1: {"outcomes": {
-        0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
-        1: RunOutcome(RunStatus.FAILED, 0, failure_kind=FailureKind.PEER_FAILURE)}}}}
+    FakeGroup.script = {
+        "runs": {
+            1: {
+                "outcomes": {
+                    0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+                    1: RunOutcome(RunStatus.FAILED, 0, failure_kind=FailureKind.PEER_FAILURE),
+                }
+            }
+        }
+    }
     assert controller.run().status == "failed"
     failure = next(e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure")
     assert failure["kind"] == "rank_died"
@@ -220,12 +258,30 @@ def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
 def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
-    FakeGroup.script = {"resume_step": 2, "runs": {1: {"steps_done": 2, "outcomes": {
-        0: RunOutcome(RunStatus.ABORTED, 2), 1: RunOutcome(RunStatus.ABORTED, 2),
-        2: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
-        3: RunOutcome(RunStatus.FAILED, 2, failure_kind=FailureKind.PEER_FAILURE)}}}}
-    config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1",
-                                       "parallelism.dp_replicate=2", "parallelism.dp_shard=2"])
+    FakeGroup.script = {
+        "resume_step": 2,
+        "runs": {
+            1: {
+                "steps_done": 2,
+                "outcomes": {
+                    0: RunOutcome(RunStatus.ABORTED, 2),
+                    1: RunOutcome(RunStatus.ABORTED, 2),
+                    2: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+                    3: RunOutcome(RunStatus.FAILED, 2, failure_kind=FailureKind.PEER_FAILURE),
+                },
+            }
+        },
+    }
+    config = load_config(
+        DEMO_CONFIG,
+        [
+            "training.steps=4",
+            "parallelism.pp=1",
+            "parallelism.tp=1",
+            "parallelism.dp_replicate=2",
+            "parallelism.dp_shard=2",
+        ],
+    )
     controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
     final = controller.run()
     assert final.status == "finished"
@@ -243,8 +299,13 @@ def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch
 
 
 def test_identical_errors_print_once():
-    text = group_errors({0: "x\nRuntimeError: Connection closed by peer", 1: "RuntimeError: Connection closed by peer",
-                         3: "ValueError: other"})
+    text = group_errors(
+        {
+            0: "x\nRuntimeError: Connection closed by peer",
+            1: "RuntimeError: Connection closed by peer",
+            3: "ValueError: other",
+        }
+    )
     assert text == "[Rank 0, 1]: RuntimeError: Connection closed by peer; [Rank 3]: ValueError: other"
 
 
@@ -314,19 +375,33 @@ class Clock:
 
 
 def detector(clock: Clock, *, nodes: dict[int, str] | None = None, dead: set[str] | None = None) -> Detector:
-    return Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, node_of=(nodes or {}).get,
-                    dead_nodes=lambda: set(dead or ()), clock=clock)
+    return Detector(
+        heartbeat_timeout_s=10.0,
+        hang_timeout_s=60.0,
+        node_of=(nodes or {}).get,
+        dead_nodes=lambda: set(dead or ()),
+        clock=clock,
+    )
 
 
 def test_a_dead_actor_on_a_dead_node_is_a_lost_node_and_peer_echoes_are_no_loss() -> None:
-    found = detector(Clock(), nodes={0: "n0", 1: "n1", 2: "n1"}, dead={"n0"}).losses({
-        0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
-        1: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
-        2: RunOutcome(RunStatus.FAILED, 3, error="RuntimeError: Connection closed by peer",
-                      failure_kind=FailureKind.PEER_FAILURE),
-    }, hangs=False)
-    assert found == {0: Lost(LossKind.NODE_LOST, "node n0 left the cluster", "n0"),
-                     1: Lost(LossKind.RANK_DIED, "The actor died unexpectedly", "n1")}
+    found = detector(Clock(), nodes={0: "n0", 1: "n1", 2: "n1"}, dead={"n0"}).losses(
+        {
+            0: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+            1: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+            2: RunOutcome(
+                RunStatus.FAILED,
+                3,
+                error="RuntimeError: Connection closed by peer",
+                failure_kind=FailureKind.PEER_FAILURE,
+            ),
+        },
+        hangs=False,
+    )
+    assert found == {
+        0: Lost(LossKind.NODE_LOST, "node n0 left the cluster", "n0"),
+        1: Lost(LossKind.RANK_DIED, "The actor died unexpectedly", "n1"),
+    }
 
 
 def test_a_returned_loss_outranks_silence_and_silence_needs_a_timeout() -> None:
@@ -374,8 +449,11 @@ def test_a_lost_replica_leaves_whole_and_its_healthy_ranks_go_to_the_pool(contro
 def test_driver_faults_fire_once_when_their_step_completed_and_a_failure_consumes_its_step() -> None:
     killed: list[bool] = []
     removed: list[str] = []
-    faults = DriverFaults([FaultSpec.parse("driver@3"), FaultSpec.parse("node@2:1"), FaultSpec.parse("kill@5:1")],
-                          node_of={1: "n1"}.get, remove_node=removed.append)
+    faults = DriverFaults(
+        [FaultSpec.parse("driver@3"), FaultSpec.parse("node@2:1"), FaultSpec.parse("kill@5:1")],
+        node_of={1: "n1"}.get,
+        remove_node=removed.append,
+    )
     assert faults.for_generation(after_step=2) == (FaultSpec(FaultKind.DRIVER, 3), FaultSpec(FaultKind.KILL, 5, 1))
     faults.fire(2, kill_driver=lambda: killed.append(True))
     faults.fire(2, kill_driver=lambda: killed.append(True))

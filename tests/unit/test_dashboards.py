@@ -27,8 +27,21 @@ _MATCHERS = re.compile(r"\{([^}]*)\}")
 _RANGE = re.compile(r"\[[^\]]*\]")
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _IDENTIFIER = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_KEYWORDS = {"and", "or", "unless", "offset", "bool", "inf", "nan", "by", "without", "on", "ignoring",
-             "group_left", "group_right"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+}
 
 
 def promql_names(expr: str) -> tuple[set[str], set[str]]:
@@ -47,7 +60,7 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
         word, start = match.group(0), match.start()
         if start and (text[start - 1].isdigit() or text[start - 1] == "."):
             continue  # the exponent or unit of a number: 1e9, 5m
-        if text[match.end():].lstrip().startswith("("):
+        if text[match.end() :].lstrip().startswith("("):
             continue  # a function call
         if word.lower() in _KEYWORDS:
             continue
@@ -57,14 +70,16 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
 
 def test_the_parser_finds_metrics_and_labels():
     metrics, labels = promql_names(
-        'histogram_quantile(0.95, sum by (le, instance) (rate(meshpilot_step_time_seconds_bucket'
+        "histogram_quantile(0.95, sum by (le, instance) (rate(meshpilot_step_time_seconds_bucket"
         '{job=~"$job", instance=~"a|b"}[$__rate_interval]))) > 1e9 and on(job) '
         'meshpilot_running offset 5m == bool 1 unless label_replace(up, "x", "meshpilot_fake", "", "")'
     )
     assert metrics == {"meshpilot_step_time_seconds_bucket", "meshpilot_running", "up"}
     assert labels == {"le", "instance", "job"}
     assert promql_names("time() - meshpilot_last_step_timestamp_seconds > 600") == (
-        {"meshpilot_last_step_timestamp_seconds"}, set())
+        {"meshpilot_last_step_timestamp_seconds"},
+        set(),
+    )
 
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str, str]]:
@@ -117,8 +132,11 @@ def test_every_query_uses_only_exported_metrics_and_labels(source):
 
 def test_rule_unit_tests_feed_exported_series():
     tests = yaml.safe_load(RULE_TESTS.read_text())
-    names = {re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", series["series"]).group(0)
-             for test in tests["tests"] for series in test["input_series"]}
+    names = {
+        re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", series["series"]).group(0)
+        for test in tests["tests"]
+        for series in test["input_series"]
+    }
     assert names <= exported_names()
     tested = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]}
     assert tested == {alert.split()[1] for alert, _, _ in rule_queries()}  # every alert has a test
@@ -126,8 +144,14 @@ def test_rule_unit_tests_feed_exported_series():
 
 def test_alerts_cover_what_operators_must_hear_about():
     rules = {rule["alert"]: rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
-    assert {"MeshpilotNoProgress", "MeshpilotStraggler", "MeshpilotCheckpointFailing", "MeshpilotCheckpointTooOld",
-            "MeshpilotRepeatedRecoveries", "MeshpilotWorldSizeBelowMinimum"} <= set(rules)
+    assert {
+        "MeshpilotNoProgress",
+        "MeshpilotStraggler",
+        "MeshpilotCheckpointFailing",
+        "MeshpilotCheckpointTooOld",
+        "MeshpilotRepeatedRecoveries",
+        "MeshpilotWorldSizeBelowMinimum",
+    } <= set(rules)
     for name, rule in rules.items():
         assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
@@ -137,9 +161,23 @@ def test_dashboard_has_the_panels_and_a_sound_layout():
     dashboard = json.loads(DASHBOARD.read_text())
     panels = dashboard["panels"]
     titles = {panel["title"]: panel for panel in panels}
-    for title in ("Step", "Progress", "Throughput", "Loss", "World size", "Mesh degrees", "Last committed step",
-                  "Checkpoint age", "Checkpoint stall and upload time", "Failures by kind", "Recovery time",
-                  "Effective training time", "MFU", "Step time per rank", "Straggler"):
+    for title in (
+        "Step",
+        "Progress",
+        "Throughput",
+        "Loss",
+        "World size",
+        "Mesh degrees",
+        "Last committed step",
+        "Checkpoint age",
+        "Checkpoint stall and upload time",
+        "Failures by kind",
+        "Recovery time",
+        "Effective training time",
+        "MFU",
+        "Step time per rank",
+        "Straggler",
+    ):
         assert title in titles, f"no {title!r} panel"
     assert titles["Step time per rank"]["type"] == "heatmap"
     assert titles["Step time per rank"]["targets"][0]["legendFormat"] == "{{rank}}"

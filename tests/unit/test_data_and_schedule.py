@@ -32,7 +32,7 @@ def test_steps_never_overlap_and_a_mesh_change_neither_skips_nor_repeats():
     for step in range(1, 31):
         dp = 4 if step <= 10 else (2 if step <= 20 else 4)  # shrink, then grow
         for dp_rank in range(dp):
-            seen += list(step_samples(step, 8))[dp_rank * (8 // dp):(dp_rank + 1) * (8 // dp)]
+            seen += list(step_samples(step, 8))[dp_rank * (8 // dp) : (dp_rank + 1) * (8 // dp)]
         batch = torch.cat([local_batch(source, step=step, global_batch=8, dp_rank=r, dp=dp) for r in range(dp)])
         assert batch.shape == (8, 33)
     assert seen == list(range(30 * 8))
@@ -42,7 +42,7 @@ def test_text_windows_cover_each_epoch_once():
     data = bytes(range(256)) * 10
     source = TextSource(data, seq_len=64, seed=1)
     starts = [bytes(source.sample(i)[:4].to(torch.uint8).tolist()) for i in range(source.windows)]
-    expected = [data[j * 64:j * 64 + 4] for j in range(source.windows)]
+    expected = [data[j * 64 : j * 64 + 4] for j in range(source.windows)]
     assert sorted(starts) == sorted(expected)
     # the next epoch is another permutation of the same windows
     second = [bytes(source.sample(source.windows + i)[:4].to(torch.uint8).tolist()) for i in range(source.windows)]
@@ -55,8 +55,16 @@ def test_text_too_short_for_seq_len():
 
 
 def test_warmup_then_cosine_to_floor():
-    spec = TrainSpec(model=PRESETS["debug"], steps=100, global_batch=8, seq_len=8, microbatch_size=1,
-                     lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    spec = TrainSpec(
+        model=PRESETS["debug"],
+        steps=100,
+        global_batch=8,
+        seq_len=8,
+        microbatch_size=1,
+        lr=1.0,
+        warmup_steps=10,
+        min_lr_ratio=0.1,
+    )
     assert spec.lr_at(1) == pytest.approx(0.1)
     assert spec.lr_at(10) == pytest.approx(1.0)
     assert spec.lr_at(55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
@@ -79,8 +87,11 @@ def test_the_configured_mesh_runs_one_round_and_a_smaller_one_accumulates():
     assert [plan.accumulation(dp) for dp in (4, 2, 1)] == [1, 2, 4]
     assert [plan.fits(dp) for dp in (1, 2, 3, 4, 8)] == [True, True, False, True, False]
     assert plan.samples_per_rank(4) == 8 and plan.samples_per_rank(2) == 16
-    with pytest.raises(ValueError, match=r"^global_batch=32 is not a multiple of dp=3 x microbatches=2 x "
-                                         r"microbatch_size=4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^global_batch=32 is not a multiple of dp=3 x microbatches=2 x "
+        r"microbatch_size=4$",
+    ):
         plan.accumulation(3)
 
 

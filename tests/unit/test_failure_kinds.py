@@ -30,15 +30,20 @@ def two_rank_outcomes(tmp_path_factory) -> dict[str, FailureKind | None]:
     context = mp.get_context("spawn")
     results = context.Queue()
     folder = tmp_path_factory.mktemp("stores")
-    processes = [context.Process(target=run_rank, args=(rank, scenario, str(folder / scenario), results), daemon=True)
-                 for scenario in ("own_timeout", "peer_dies") for rank in range(2)]
+    processes = [
+        context.Process(target=run_rank, args=(rank, scenario, str(folder / scenario), results), daemon=True)
+        for scenario in ("own_timeout", "peer_dies")
+        for rank in range(2)
+    ]
     for process in processes:
         process.start()
     errors_seen = dict(results.get(timeout=120) for _ in range(2))
     for process in processes:
         process.join(timeout=30)
-    return {scenario: None if error is None else classify_failure(error, aborted=False)
-            for scenario, error in errors_seen.items()}
+    return {
+        scenario: None if error is None else classify_failure(error, aborted=False)
+        for scenario, error in errors_seen.items()
+    }
 
 
 def test_a_rank_whose_own_collective_times_out_fails_with_timeout(two_rank_outcomes):
@@ -61,19 +66,24 @@ def test_after_the_driver_aborted_the_generation_every_error_is_a_peer_failure()
     assert classify_failure(CommitVoteTimeout("late"), aborted=True) == FailureKind.PEER_FAILURE
 
 
-@pytest.mark.parametrize("error, kind", [
-    (errors.CorruptCheckpointError("bad checksum", key="step-00000004/rank-00001.safetensors"),
-     FailureKind.CORRUPT_CHECKPOINT),
-    (errors.StorageUnreachableError("s3://bucket: no answer"), FailureKind.STORAGE),
-    (errors.StorageCredentialsError("s3://bucket: access denied"), FailureKind.STORAGE),
-    (InjectedFault("injected fault raise@3"), FailureKind.INJECTED),
-    (StepAborted(3), FailureKind.PEER_FAILURE),
-    (ValueError("a bug"), FailureKind.OWN_ERROR),
-    # Timeout-like words in an untyped error say nothing: it is the rank's own error.
-    (RuntimeError("the data loader timed out"), FailureKind.OWN_ERROR),
-    (dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed."), FailureKind.PEER_FAILURE),
-    (dist.DistStoreError("wait timeout after 500ms, keys: /gen1/step/4"), FailureKind.TIMEOUT),
-])
+@pytest.mark.parametrize(
+    "error, kind",
+    [
+        (
+            errors.CorruptCheckpointError("bad checksum", key="step-00000004/rank-00001.safetensors"),
+            FailureKind.CORRUPT_CHECKPOINT,
+        ),
+        (errors.StorageUnreachableError("s3://bucket: no answer"), FailureKind.STORAGE),
+        (errors.StorageCredentialsError("s3://bucket: access denied"), FailureKind.STORAGE),
+        (InjectedFault("injected fault raise@3"), FailureKind.INJECTED),
+        (StepAborted(3), FailureKind.PEER_FAILURE),
+        (ValueError("a bug"), FailureKind.OWN_ERROR),
+        # Timeout-like words in an untyped error say nothing: it is the rank's own error.
+        (RuntimeError("the data loader timed out"), FailureKind.OWN_ERROR),
+        (dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed."), FailureKind.PEER_FAILURE),
+        (dist.DistStoreError("wait timeout after 500ms, keys: /gen1/step/4"), FailureKind.TIMEOUT),
+    ],
+)
 def test_declared_and_typed_errors_keep_their_kind(error, kind):
     assert classify_failure(error, aborted=False) == kind
 

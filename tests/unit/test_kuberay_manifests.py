@@ -29,7 +29,10 @@ IANA_SVC_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")
 # API reference defines them (PodMonitorSpec, PodMetricsEndpoint, LabelSelector). Strict: a
 # misspelt field is an error here, as it would be for an API server with the operator's CRD.
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 PODMONITOR_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
@@ -37,9 +40,17 @@ PODMONITOR_SCHEMA = {
     "properties": {
         "apiVersion": {"enum": ["monitoring.coreos.com/v1"]},
         "kind": {"enum": ["PodMonitor"]},
-        "metadata": {"type": "object", "additionalProperties": False, "required": ["name"],
-                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                                    "labels": _LABELS, "annotations": _LABELS}},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": _LABELS,
+                "annotations": _LABELS,
+            },
+        },
         "spec": {
             "type": "object",
             "additionalProperties": False,
@@ -47,17 +58,36 @@ PODMONITOR_SCHEMA = {
             "properties": {
                 "jobLabel": {"type": "string"},
                 "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False,
-                                      "properties": {"any": {"type": "boolean"},
-                                                     "matchNames": {"type": "array", "items": {"type": "string"}}}},
-                "selector": {"type": "object", "additionalProperties": False, "minProperties": 1,
-                             "properties": {"matchLabels": _LABELS, "matchExpressions": {"type": "array"}}},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "minProperties": 1,
+                    "properties": {"matchLabels": _LABELS, "matchExpressions": {"type": "array"}},
+                },
                 "podMetricsEndpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {"type": "object", "additionalProperties": False, "required": ["port"],
-                              "properties": {"port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                                             "scheme": {"enum": ["http", "https"]}, "interval": _DURATION,
-                                             "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"}}},
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
                 },
             },
         },
@@ -68,16 +98,18 @@ PRIORITYCLASS_SCHEMA = {
     "additionalProperties": False,
     "required": ["apiVersion", "kind", "metadata", "value"],
     "properties": {
-        "apiVersion": {"enum": ["scheduling.k8s.io/v1"]}, "kind": {"enum": ["PriorityClass"]},
+        "apiVersion": {"enum": ["scheduling.k8s.io/v1"]},
+        "kind": {"enum": ["PriorityClass"]},
         "metadata": PODMONITOR_SCHEMA["properties"]["metadata"],
         "value": {"type": "integer", "minimum": -2147483648, "maximum": 1000000000},
-        "globalDefault": {"type": "boolean"}, "description": {"type": "string"},
+        "globalDefault": {"type": "boolean"},
+        "description": {"type": "string"},
         "preemptionPolicy": {"enum": ["Never", "PreemptLowerPriority"]},
     },
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rendered(kustomization: str) -> tuple[dict, ...]:
     return tuple(render(KUBERAY_DIR / kustomization))
 
@@ -100,9 +132,14 @@ def kustomization(request) -> str:
 def test_renders_the_expected_objects(kustomization):
     kinds = sorted(f"{doc['kind']}/{doc['metadata']['name']}" for doc in rendered(kustomization))
     assert kinds == [
-        "ConfigMap/meshpilot-hooks", "ConfigMap/meshpilot-job", "PodMonitor/meshpilot",
-        "PriorityClass/meshpilot-head", "PriorityClass/meshpilot-on-demand", "PriorityClass/meshpilot-spot",
-        "RayCluster/meshpilot", "RayJob/meshpilot-train",
+        "ConfigMap/meshpilot-hooks",
+        "ConfigMap/meshpilot-job",
+        "PodMonitor/meshpilot",
+        "PriorityClass/meshpilot-head",
+        "PriorityClass/meshpilot-on-demand",
+        "PriorityClass/meshpilot-spot",
+        "RayCluster/meshpilot",
+        "RayJob/meshpilot-train",
     ]
 
 
@@ -118,7 +155,9 @@ def test_podmonitor_structure_and_targets(kustomization):
     selector = monitor["spec"]["selector"]["matchLabels"]
     for group, template in templates.items():  # every Ray pod is scraped
         assert selector.items() <= template["metadata"]["labels"].items(), group
-    port_names = {group: {port["name"] for c in containers(t) for port in c.get("ports", [])} for group, t in templates.items()}
+    port_names = {
+        group: {port["name"] for c in containers(t) for port in c.get("ports", [])} for group, t in templates.items()
+    }
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert any(endpoint["port"] in names for names in port_names.values()), endpoint
     assert all("metrics" in names for names in port_names.values())  # Ray's metrics on every node
@@ -149,7 +188,9 @@ def test_worker_groups_on_demand_and_spot(kustomization):
         capacity = template_spec.get("nodeSelector", {}).get("karpenter.sh/capacity-type")
         assert capacity in (None, name), (name, capacity)  # cpu-dev selects no capacity type
     assert groups["on-demand"]["minReplicas"] >= 1  # one replica that a spot reclaim cannot take
-    assert {"key": "meshpilot.io/spot", "operator": "Exists", "effect": "NoSchedule"} in groups["spot"]["template"]["spec"]["tolerations"]
+    assert {"key": "meshpilot.io/spot", "operator": "Exists", "effect": "NoSchedule"} in groups["spot"]["template"][
+        "spec"
+    ]["tolerations"]
     if kustomization != "overlays/cpu-dev":
         assert groups["spot"]["template"]["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
 
@@ -190,7 +231,10 @@ def test_credentials_come_only_from_secrets(kustomization):
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env.keys(), group
         for name, item in env.items():
             if SECRET_ENV.search(name):
-                assert "value" not in item and item["valueFrom"]["secretKeyRef"]["name"] == "meshpilot-s3", (group, name)
+                assert "value" not in item and item["valueFrom"]["secretKeyRef"]["name"] == "meshpilot-s3", (
+                    group,
+                    name,
+                )
     job_config = yaml.safe_load(one(kustomization, "ConfigMap", "meshpilot-job")["data"]["job.yaml"])
     assert not re.search(r"(?i)(secret|password|access_key|AKIA)", yaml.safe_dump(job_config))
 
@@ -237,7 +281,9 @@ def test_the_job_config_is_a_valid_meshpilot_config_wired_to_the_pods(kustomizat
     mounts = {m["name"]: m["mountPath"] for m in containers(head)[0]["volumeMounts"]}
     assert job["spec"]["entrypoint"] == f"meshpilot train {mounts['job-config']}/job.yaml"
     assert job["spec"]["metadata"]["meshpilot_name"] == config.name
-    assert config.checkpoint.uri.endswith(f"/{config.name}") and config.checkpoint.resume  # as `meshpilot submit` names it
+    assert (
+        config.checkpoint.uri.endswith(f"/{config.name}") and config.checkpoint.resume
+    )  # as `meshpilot submit` names it
     driver_port = {p["name"]: p["containerPort"] for p in containers(head)[0]["ports"]}["driver-metrics"]
     assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", driver_port)
     gpus = {group: containers(t)[0]["resources"]["limits"].get("nvidia.com/gpu") for group, t in pod_templates(cluster)}

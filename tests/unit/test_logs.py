@@ -36,8 +36,17 @@ def test_rank_log_events_go_to_one_json_file_per_rank(tmp_path):
     log.emit("log", rank=0, level="INFO", message="loaded shard 0")
     log.emit("log", rank=3, level="WARNING", message=f"retrying upload with secret_key={SECRET} and {KEY_ID}")
     log.emit("log", rank=0, level="INFO", message="step 1 done")
-    log.emit("step", step=1, loss=1.0, tokens=8, step_time_s=0.1, world_size=1, mesh={}, lr=0.001,
-             rank_step_time_s={"0": 0.1})  # not a log record: no file
+    log.emit(
+        "step",
+        step=1,
+        loss=1.0,
+        tokens=8,
+        step_time_s=0.1,
+        world_size=1,
+        mesh={},
+        lr=0.001,
+        rank_step_time_s={"0": 0.1},
+    )  # not a log record: no file
     writer.close()
     log.close()
 
@@ -116,8 +125,9 @@ def test_console_printer_tells_what_happened(console_text):
 def test_a_save_dropped_by_a_mesh_change_is_no_warning(console_text):
     console, buffer = console_text
     printer = ConsoleEventPrinter(setup_logging(console=console))
-    printer.on_event({"event": "checkpoint_failed", "time": 0.0, "step": 8,
-                      "error": "the mesh changed before every rank reported"})
+    printer.on_event(
+        {"event": "checkpoint_failed", "time": 0.0, "step": 8, "error": "the mesh changed before every rank reported"}
+    )
     assert "checkpoint step 8 dropped: the mesh changed before every rank reported" in buffer.getvalue()
     assert "WARNING" not in buffer.getvalue()
     printer.on_event({"event": "checkpoint_failed", "time": 0.0, "step": 12, "error": "rank 1 gave up: SlowDown"})

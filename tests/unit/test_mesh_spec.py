@@ -52,7 +52,8 @@ def test_bad_degrees_are_named():
 
 def test_check_divides_lists_numbers():
     problems = MeshSpec(tp=3, pp=3, dp_shard=5).check_divides(
-        n_heads=4, n_kv_heads=2, n_layers=4, ffn_dim=192, global_batch=16, microbatches=4, seq_len=128)
+        n_heads=4, n_kv_heads=2, n_layers=4, ffn_dim=192, global_batch=16, microbatches=4, seq_len=128
+    )
     assert "tp=3 must divide model.n_heads=4" in problems
     assert any("3 pipeline stages must divide model.n_layers=4" in p for p in problems)
     assert any("= 20 must divide training.global_batch=16" in p for p in problems)

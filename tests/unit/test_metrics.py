@@ -14,14 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from checkpointing.spec import FailureReport, ShardReport
 from elastic.spec import MeshSpec
-from orchestrator.driver.checkpoint_commits import DriverCheckpoints
 from orchestrator.config import config_from_dict
+from orchestrator.driver.checkpoint_commits import DriverCheckpoints
 from orchestrator.errors import UserError
 from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.metric_names import METRICS, exported_names, peak_flops
 from orchestrator.observe.metrics import MetricsExporter, NullMetrics, build_metrics
 from tests.fixtures.synthetic_events import CHECKPOINT_BYTES, START_TIME, TOKENS_PER_STEP, synthetic_run
-from workers.spec import CheckpointUploadReport, PRESETS
+from workers.spec import PRESETS, CheckpointUploadReport
 
 
 class FakeClock:
@@ -46,8 +46,15 @@ def value(samples, name: str, /, **labels: str) -> float:
 
 
 def fed_exporter(events, **kwargs) -> MetricsExporter:
-    exporter = MetricsExporter(model=PRESETS["debug"], seq_len=128, world_size=8, min_world_size=4,
-                               checkpoint_interval_steps=10, run_name="synthetic", **kwargs)
+    exporter = MetricsExporter(
+        model=PRESETS["debug"],
+        seq_len=128,
+        world_size=8,
+        min_world_size=4,
+        checkpoint_interval_steps=10,
+        run_name="synthetic",
+        **kwargs,
+    )
     for event in events:
         exporter.on_event(event)
     return exporter
@@ -69,7 +76,8 @@ def test_synthetic_run_counts_what_happened():
     assert value(samples, "meshpilot_tokens_per_second") == pytest.approx(TOKENS_PER_STEP / last["step_time_s"])
     assert value(samples, "meshpilot_step_time_seconds_count") == 62
     assert value(samples, "meshpilot_step_time_seconds_sum") == pytest.approx(
-        sum(e["step_time_s"] for e in step_events))
+        sum(e["step_time_s"] for e in step_events)
+    )
     # Mesh after the drain: one replica of pp=2 x tp=2 left.
     assert value(samples, "meshpilot_world_size") == 4
     assert value(samples, "meshpilot_world_size_min") == 4
@@ -92,8 +100,10 @@ def test_synthetic_run_counts_what_happened():
     assert value(samples, "meshpilot_drain_seconds_count") == 1
     assert value(samples, "meshpilot_drain_seconds_sum") == pytest.approx(0.3)
     assert value(samples, "meshpilot_grow_seconds_sum") == pytest.approx(1.5)
-    assert value(samples, "meshpilot_last_failure_timestamp_seconds") == [
-        e for e in events if e["event"] == "failure"][-1]["time"]
+    assert (
+        value(samples, "meshpilot_last_failure_timestamp_seconds")
+        == [e for e in events if e["event"] == "failure"][-1]["time"]
+    )
     assert value(samples, "meshpilot_recovery_seconds_sum") == pytest.approx(3.0 + 8.5)
     assert value(samples, "meshpilot_recovery_seconds_bucket", le="5.0") == 1
     assert value(samples, "meshpilot_lost_steps_total") == 2
@@ -114,7 +124,8 @@ def test_per_rank_step_time_and_straggler():
     assert value(samples, "meshpilot_rank_step_time_seconds", rank="3") == rank_times[3]
     assert value(samples, "meshpilot_slowest_rank") == 3
     assert value(samples, "meshpilot_straggler_ratio") == pytest.approx(
-        rank_times[3] / statistics.median(rank_times.values()))
+        rank_times[3] / statistics.median(rank_times.values())
+    )
 
 
 def test_goodput_counts_completed_steps_and_takes_back_lost_ones():
@@ -122,8 +133,11 @@ def test_goodput_counts_completed_steps_and_takes_back_lost_ones():
     done = events[-1]["time"]
     samples = scrape(fed_exporter(events, clock=FakeClock(done + 1000)))  # frozen at "done"
     restored_at = next(i for i, e in enumerate(events) if e["event"] == "restored")
-    productive = sum(e["step_time_s"] for i, e in enumerate(events) if e["event"] == "step"
-                     and not (i < restored_at and e["step"] > 50))  # steps 51, 52 before the restore were lost
+    productive = sum(
+        e["step_time_s"]
+        for i, e in enumerate(events)
+        if e["event"] == "step" and not (i < restored_at and e["step"] > 50)
+    )  # steps 51, 52 before the restore were lost
     assert value(samples, "meshpilot_effective_training_seconds") == pytest.approx(productive)
     assert value(samples, "meshpilot_goodput_ratio") == pytest.approx(productive / (done - START_TIME))
     assert 0.5 < value(samples, "meshpilot_goodput_ratio") < 1.0
@@ -131,10 +145,13 @@ def test_goodput_counts_completed_steps_and_takes_back_lost_ones():
 
 def test_mfu_uses_flops_per_token_over_device_peak():
     model = PRESETS["llama3-1b"]
-    exporter = MetricsExporter(model=model, seq_len=2048, world_size=4, device_peak_flops=peak_flops(None, "NVIDIA H100 80GB HBM3"))
+    exporter = MetricsExporter(
+        model=model, seq_len=2048, world_size=4, device_peak_flops=peak_flops(None, "NVIDIA H100 80GB HBM3")
+    )
     exporter.on_event({"event": "start", "time": 0.0, "world_size": 4})
-    exporter.on_event({"event": "step", "time": 2.0, "step": 1, "loss": 2.0, "tokens": 65536,
-                       "step_time_s": 2.0, "world_size": 4})
+    exporter.on_event(
+        {"event": "step", "time": 2.0, "step": 1, "loss": 2.0, "tokens": 65536, "step_time_s": 2.0, "world_size": 4}
+    )
     expected = 65536 / 2.0 * model.flops_per_token(2048) / (4 * 989e12)
     assert value(scrape(exporter), "meshpilot_mfu_ratio") == pytest.approx(expected)
     assert 0.0 < expected < 1.0
@@ -167,8 +184,17 @@ def test_ages_are_computed_at_scrape_time():
 def test_event_log_subscribers_see_mesh_objects():
     exporter = MetricsExporter(world_size=8)
     log = EventLog(None, [exporter])
-    log.emit("start", name="via-event-log", config_hash="abc", world_size=8, steps=5,
-             mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), run_dir=None, global_batch=16, seq_len=128)
+    log.emit(
+        "start",
+        name="via-event-log",
+        config_hash="abc",
+        world_size=8,
+        steps=5,
+        mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2),
+        run_dir=None,
+        global_batch=16,
+        seq_len=128,
+    )
     assert value(scrape(exporter), "meshpilot_run_info", name="via-event-log", config_hash="abc") == 1
     mesh = MeshSpec(dp_replicate=1, dp_shard=2, tp=2, pp=1)
     log.emit("recovered", mttr_s=1.0, lost_steps=0, old_mesh=MeshSpec(dp_replicate=2, dp_shard=2, tp=2), new_mesh=mesh)
@@ -209,10 +235,15 @@ def test_http_server_binds_loopback_on_a_free_port_and_stops(tmp_path):
 
 
 def test_build_metrics_follows_the_config(tmp_path):
-    config = config_from_dict({"data": {"source": "synthetic"},
-                               "parallelism": {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 2},
-                               "elastic": {"min_replicas": 1}, "metrics": {"device_peak_tflops": 2.0},
-                               "checkpoint": {"uri": str(tmp_path)}})
+    config = config_from_dict(
+        {
+            "data": {"source": "synthetic"},
+            "parallelism": {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 2},
+            "elastic": {"min_replicas": 1},
+            "metrics": {"device_peak_tflops": 2.0},
+            "checkpoint": {"uri": str(tmp_path)},
+        }
+    )
     exporter = build_metrics(config)
     samples = scrape(exporter)
     assert value(samples, "meshpilot_world_size") == 8
@@ -240,7 +271,8 @@ def test_a_bad_event_never_stops_training(caplog):
         exporter.on_event({"event": "step", "time": 2.0, "loss": 1.0})  # warned once per kind
         exporter.on_event({"event": "step", "time": 3.0, "step": 1, "loss": 0.5, "tokens": 10, "step_time_s": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
-        "metrics: cannot use a 'step' event (KeyError: 'step'); its metrics may be stale"]
+        "metrics: cannot use a 'step' event (KeyError: 'step'); its metrics may be stale"
+    ]
     assert value(scrape(exporter), "meshpilot_step") == 1
 
 
@@ -249,8 +281,11 @@ def test_a_taken_port_is_one_clear_error(tmp_path):
     first.start_server("127.0.0.1", 0)
     second = MetricsExporter()
     try:
-        with pytest.raises(UserError, match=rf"cannot serve metrics on metrics.host='127.0.0.1', "
-                                            rf"metrics.port={first.port}: .*; pick a free port \(0 = any free one\)"):
+        with pytest.raises(
+            UserError,
+            match=rf"cannot serve metrics on metrics.host='127.0.0.1', "
+            rf"metrics.port={first.port}: .*; pick a free port \(0 = any free one\)",
+        ):
             second.start_server("127.0.0.1", first.port)
         blocked = tmp_path / "file"
         blocked.write_text("")
@@ -264,8 +299,12 @@ def test_a_taken_port_is_one_clear_error(tmp_path):
 
 def test_a_save_dropped_by_a_mesh_change_is_no_storage_failure(tmp_path):
     """The driver's own checkpoint path (local storage) emits both kinds of ``checkpoint_failed``."""
-    config = config_from_dict({"checkpoint": {"uri": str(tmp_path / "ckpt")},
-                               "parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}})
+    config = config_from_dict(
+        {
+            "checkpoint": {"uri": str(tmp_path / "ckpt")},
+            "parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1},
+        }
+    )
     exporter = MetricsExporter(world_size=4, checkpoint_interval_steps=4)
     checkpoints = DriverCheckpoints(config, EventLog(None, [exporter]), mesh=config.mesh)
     assert value(scrape(exporter), "meshpilot_checkpoint_failures_total", reason="storage") == 0
@@ -295,10 +334,28 @@ def test_pauses_that_were_no_failure_stay_out_of_the_recovery_figures():
     exporter = MetricsExporter(world_size=4)
     full, half = {"dp_replicate": 2, "dp_shard": 2}, {"dp_replicate": 1, "dp_shard": 2}
     exporter.on_event({"event": "drain", "time": 1.0, "node": "n1", "ranks": [2, 3]})
-    exporter.on_event({"event": "recovered", "time": 2.0, "mttr_s": 0.8, "lost_steps": 0, "old_mesh": full,
-                       "new_mesh": half, "cause": "drain"})
-    exporter.on_event({"event": "recovered", "time": 3.0, "mttr_s": 0.2, "lost_steps": 0, "old_mesh": half,
-                       "new_mesh": half, "cause": "grow"})  # a grow's pause that ended without growing
+    exporter.on_event(
+        {
+            "event": "recovered",
+            "time": 2.0,
+            "mttr_s": 0.8,
+            "lost_steps": 0,
+            "old_mesh": full,
+            "new_mesh": half,
+            "cause": "drain",
+        }
+    )
+    exporter.on_event(
+        {
+            "event": "recovered",
+            "time": 3.0,
+            "mttr_s": 0.2,
+            "lost_steps": 0,
+            "old_mesh": half,
+            "new_mesh": half,
+            "cause": "grow",
+        }
+    )  # a grow's pause that ended without growing
     exporter.on_event({"event": "grow", "time": 9.0, "new_mesh": full, "added_ranks": [2, 3], "join_s": 1.2})
     samples = scrape(exporter)
     assert value(samples, "meshpilot_recoveries_total") == 0
@@ -306,8 +363,17 @@ def test_pauses_that_were_no_failure_stay_out_of_the_recovery_figures():
     assert value(samples, "meshpilot_drain_seconds_sum") == 0.8
     assert value(samples, "meshpilot_grow_seconds_sum") == 1.2
     assert value(samples, "meshpilot_world_size") == 4
-    exporter.on_event({"event": "recovered", "time": 12.0, "mttr_s": 0.7, "lost_steps": 0, "old_mesh": full,
-                       "new_mesh": half, "cause": "failure"})
+    exporter.on_event(
+        {
+            "event": "recovered",
+            "time": 12.0,
+            "mttr_s": 0.7,
+            "lost_steps": 0,
+            "old_mesh": full,
+            "new_mesh": half,
+            "cause": "failure",
+        }
+    )
     samples = scrape(exporter)
     assert value(samples, "meshpilot_recoveries_total") == 1
     assert value(samples, "meshpilot_recovery_seconds_sum") == 0.7
@@ -320,7 +386,8 @@ def test_a_recorded_real_drain_and_grow_are_no_recoveries():
     samples = scrape(fed_exporter(events))
     assert value(samples, "meshpilot_drains_total") == 1
     assert value(samples, "meshpilot_drain_seconds_sum") == next(
-        e["mttr_s"] for e in events if e["event"] == "recovered" and e["cause"] == "drain")
+        e["mttr_s"] for e in events if e["event"] == "recovered" and e["cause"] == "drain"
+    )
     assert value(samples, "meshpilot_grow_seconds_sum") == next(e["join_s"] for e in events if e["event"] == "grow")
     assert value(samples, "meshpilot_recoveries_total") == 0 and value(samples, "meshpilot_recovery_seconds_count") == 0
     assert value(samples, "meshpilot_world_size") == 4 and value(samples, "meshpilot_steps_total") == 24

@@ -30,5 +30,7 @@ def test_shortfall_names_what_is_missing():
     text = shortfall(mesh, RankResources(cpus=4), [NodeCapacity("a", 16)])
     assert text == "8 ranks need 32 CPUs and 0 GPUs; the cluster has 16 CPUs and 0 GPUs"
     split = shortfall(mesh, RankResources(cpus=1, gpus=1), [NodeCapacity("a", 8, 2), NodeCapacity("b", 8, 6)])
-    assert split == ("a tensor-parallel group of tp=4 ranks needs 4 CPUs and 4 GPUs on one node; "
-                     "the nodes can hold only 1 of the 2 groups")
+    assert split == (
+        "a tensor-parallel group of tp=4 ranks needs 4 CPUs and 4 GPUs on one node; "
+        "the nodes can hold only 1 of the 2 groups"
+    )

@@ -10,9 +10,7 @@ import sys
 
 import pytest
 
-from elastic.cost_model import (
-    Assumptions, Cluster, Layout, Workload, estimate, pipeline_bubble, zero_memory_per_gpu,
-)
+from elastic.cost_model import Assumptions, Cluster, Layout, Workload, estimate, pipeline_bubble, zero_memory_per_gpu
 from elastic.hardware import GPU_KINDS, gpu_spec
 from elastic.planner import Constraints, best_mesh, check_layout, plan_layouts
 from elastic.spec import MeshSpec
@@ -57,12 +55,12 @@ def test_zero_stage_rejects_nonsense():
 def test_fsdp_full_shard_is_zero3_in_the_estimate():
     # dp_shard = 8, no pipeline: state per GPU = 16 bytes x params / 8 (ZeRO-3), plus buffers.
     model = PRESETS["llama3-8b"]
-    result = estimate(Workload(model, 8192, 16), Cluster(8, 8, H100),
-                      Layout(MeshSpec(dp_shard=8), "none", 1, 1, True))
+    result = estimate(Workload(model, 8192, 16), Cluster(8, 8, H100), Layout(MeshSpec(dp_shard=8), "none", 1, 1, True))
     state = result.memory.params + result.memory.grads + result.memory.optimizer
     assert state == pytest.approx(zero_memory_per_gpu(model.num_params, stage=3, dp=8), rel=1e-9)
-    replicated = estimate(Workload(model, 8192, 16), Cluster(8, 8, H100),
-                          Layout(MeshSpec(dp_replicate=8), "none", 1, 2, True))
+    replicated = estimate(
+        Workload(model, 8192, 16), Cluster(8, 8, H100), Layout(MeshSpec(dp_replicate=8), "none", 1, 2, True)
+    )
     replicated_state = replicated.memory.params + replicated.memory.grads + replicated.memory.optimizer
     assert replicated_state == pytest.approx(zero_memory_per_gpu(model.num_params, stage=0, dp=8), rel=1e-9)
 
@@ -91,12 +89,36 @@ TORCHTITAN_LAYOUTS = [
     ("8B FSDP 8 (Table 1)", "llama3-8b", H100, MeshSpec(dp_shard=8), "none", 1, 1, 16),
     ("8B FSDP 128 (Table 3)", "llama3-8b", H100, MeshSpec(dp_shard=128), "none", 1, 1, 256),
     ("70B FSDP 32 x TP 8 (Table 4)", "llama3-70b", H100, MeshSpec(dp_shard=32, tp=8), "none", 1, 1, 512),
-    ("405B FSDP 8 x TP 8 x PP 8, 1F1B (Table 5)", "llama3-405b", H100, MeshSpec(dp_shard=8, tp=8, pp=8),
-     "1f1b", 1, 32, 256),
-    ("405B FSDP 8 x TP 8 x PP 8, interleaved (Table 5)", "llama3-405b", H100, MeshSpec(dp_shard=8, tp=8, pp=8),
-     "interleaved_1f1b", 2, 32, 256),
-    ("70B FSDP 64 on A100 (docs/performance.md)", "llama3-70b", gpu_spec("h100-80g", bf16_tflops=312),
-     MeshSpec(dp_shard=64), "none", 1, 1, 64),
+    (
+        "405B FSDP 8 x TP 8 x PP 8, 1F1B (Table 5)",
+        "llama3-405b",
+        H100,
+        MeshSpec(dp_shard=8, tp=8, pp=8),
+        "1f1b",
+        1,
+        32,
+        256,
+    ),
+    (
+        "405B FSDP 8 x TP 8 x PP 8, interleaved (Table 5)",
+        "llama3-405b",
+        H100,
+        MeshSpec(dp_shard=8, tp=8, pp=8),
+        "interleaved_1f1b",
+        2,
+        32,
+        256,
+    ),
+    (
+        "70B FSDP 64 on A100 (docs/performance.md)",
+        "llama3-70b",
+        gpu_spec("h100-80g", bf16_tflops=312),
+        MeshSpec(dp_shard=64),
+        "none",
+        1,
+        1,
+        64,
+    ),
 ]
 
 
@@ -117,7 +139,11 @@ def test_torchtitan_published_layouts_are_feasible(case):
 def test_check_layout_names_what_is_wrong():
     workload = Workload(PRESETS["llama3-405b"], 8192, 2048)
     _, problems = check_layout(workload, Cluster(64, 8, H100), Layout(MeshSpec(dp_shard=8, tp=8), "none", 1, 1, True))
-    assert len(problems) == 1 and problems[0].startswith("needs ") and "GB per GPU with activation checkpointing" in problems[0]
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("needs ")
+        and "GB per GPU with activation checkpointing" in problems[0]
+    )
     _, problems = check_layout(workload, Cluster(32, 8, H100), Layout(MeshSpec(dp_shard=2, tp=16), "none", 1, 1, True))
     assert "tp=16: tp=16 must divide model.n_kv_heads=8" in problems
 
@@ -163,27 +189,53 @@ def test_best_mesh_keeps_the_global_batch_divisible():
     # Llama 3 405B loses one of its 128 replica groups (tp 8 x pp 16): 127 or 126 replicas cannot
     # split 2,048 sequences evenly, so the largest mesh that can is 64 replicas. (126 layers on 16
     # stages is an uneven split, which the trainer does not build yet: allowed here explicitly.)
-    mesh = best_mesh(PRESETS["llama3-405b"], available_ranks=16384 - 128, gpus_per_node=8, hardware=H100,
-                     global_batch=2048, seq_len=8192, fixed={"tp": 8, "pp": 16, "dp_shard": 1}, even_stages=False)
+    mesh = best_mesh(
+        PRESETS["llama3-405b"],
+        available_ranks=16384 - 128,
+        gpus_per_node=8,
+        hardware=H100,
+        global_batch=2048,
+        seq_len=8192,
+        fixed={"tp": 8, "pp": 16, "dp_shard": 1},
+        even_stages=False,
+    )
     assert mesh == MeshSpec(dp_replicate=64, dp_shard=1, tp=8, pp=16)
 
 
 def test_best_mesh_plans_only_what_the_trainer_builds_by_default():
-    kwargs = dict(available_ranks=16384, gpus_per_node=8, hardware=H100, global_batch=2048, seq_len=8192,
-                  fixed={"tp": 8, "pp": 16})
+    kwargs = dict(
+        available_ranks=16384,
+        gpus_per_node=8,
+        hardware=H100,
+        global_batch=2048,
+        seq_len=8192,
+        fixed={"tp": 8, "pp": 16},
+    )
     assert best_mesh(PRESETS["llama3-405b"], **kwargs) is None  # 126 layers do not split into 16 equal stages
     assert best_mesh(PRESETS["llama3-405b"], even_stages=False, **kwargs) is not None
 
 
 def test_best_mesh_without_fixed_degrees_and_when_nothing_fits():
-    mesh = best_mesh(PRESETS["llama3-8b"], available_ranks=8, gpus_per_node=8, hardware=H100,
-                     global_batch=16, seq_len=8192)
+    mesh = best_mesh(
+        PRESETS["llama3-8b"], available_ranks=8, gpus_per_node=8, hardware=H100, global_batch=16, seq_len=8192
+    )
     assert mesh is not None and mesh.world_size == 8
-    assert best_mesh(PRESETS["llama3-405b"], available_ranks=8, gpus_per_node=8, hardware=H100,
-                     global_batch=16, seq_len=8192) is None
+    assert (
+        best_mesh(
+            PRESETS["llama3-405b"], available_ranks=8, gpus_per_node=8, hardware=H100, global_batch=16, seq_len=8192
+        )
+        is None
+    )
     with pytest.raises(ValueError, match="not mesh dimensions"):
-        best_mesh(PRESETS["debug"], available_ranks=8, gpus_per_node=8, hardware=H100, global_batch=16,
-                  seq_len=128, fixed={"cp": 2})
+        best_mesh(
+            PRESETS["debug"],
+            available_ranks=8,
+            gpus_per_node=8,
+            hardware=H100,
+            global_batch=16,
+            seq_len=128,
+            fixed={"cp": 2},
+        )
 
 
 def test_more_memory_admits_layouts_a_smaller_gpu_rejects():
@@ -215,17 +267,22 @@ def test_mesh_stride_tells_which_ranks_are_neighbours():
 
 def test_check_divides_accepts_uneven_stages_only_when_asked():
     mesh = MeshSpec(dp_shard=128, tp=8, pp=16)
-    kwargs = dict(n_heads=128, n_kv_heads=8, n_layers=126, ffn_dim=53248, global_batch=2048, microbatches=16,
-                  seq_len=8192)
+    kwargs = dict(
+        n_heads=128, n_kv_heads=8, n_layers=126, ffn_dim=53248, global_batch=2048, microbatches=16, seq_len=8192
+    )
     assert mesh.check_divides(**kwargs) == [
-        "pp=16 x stages_per_rank=1 = 16 pipeline stages must divide model.n_layers=126"]
+        "pp=16 x stages_per_rank=1 = 16 pipeline stages must divide model.n_layers=126"
+    ]
     assert mesh.check_divides(**kwargs, even_stages=False) == []
     assert mesh.check_divides(**kwargs, stages_per_rank=8, even_stages=False) == [
-        "pp=16 x stages_per_rank=8 = 128 pipeline stages exceed model.n_layers=126"]
+        "pp=16 x stages_per_rank=8 = 128 pipeline stages exceed model.n_layers=126"
+    ]
 
 
 def test_elastic_modules_import_without_torch_or_ray():
-    code = ("import sys; import elastic.planner, elastic.simulator, elastic.cost_model, elastic.hardware; "
-            "bad = [m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; import elastic.planner, elastic.simulator, elastic.cost_model, elastic.hardware; "
+        "bad = [m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules]; print(bad)"
+    )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "[]"

@@ -15,8 +15,18 @@ from workers.spec.messages import CheckpointUploadReport, DrainNoticeReport, Rep
 
 
 def step_report(rank: int, step: int, *, loss: float | None, stall: float | None = None) -> StepReport:
-    return StepReport(rank=rank, time=100.0 + step + rank, step=step, loss=loss, dp_rank=rank, step_time_s=0.1 * (rank + 1),
-                      lr=0.001, grad_norm=1.0, phases={"compute": 0.05 * (rank + 1)}, checkpoint_stall_s=stall)
+    return StepReport(
+        rank=rank,
+        time=100.0 + step + rank,
+        step=step,
+        loss=loss,
+        dp_rank=rank,
+        step_time_s=0.1 * (rank + 1),
+        lr=0.001,
+        grad_norm=1.0,
+        phases={"compute": 0.05 * (rank + 1)},
+        checkpoint_stall_s=stall,
+    )
 
 
 def test_a_step_event_waits_for_every_rank_and_takes_the_slowest(tmp_path):

@@ -36,7 +36,10 @@ def test_a_kill_ends_at_the_first_step_on_the_smaller_mesh_with_nothing_lost():
 
 def test_steps_redone_after_the_fault_count_as_lost():
     events = [step(n, 100.0 + n, TWO) for n in range(1, 8)] + [
-        {"event": "failure"}, step(6, 115.0, ONE), {"event": "recovered", "new_mesh": ONE}]
+        {"event": "failure"},
+        step(6, 115.0, ONE),
+        {"event": "recovered", "new_mesh": ONE},
+    ]
     change = mesh_change(events, after_event="failure", new_mesh_event="recovered", began_at=107.5)
     assert change.first_step == 6 and change.lost_steps == 2
 
@@ -56,8 +59,16 @@ def test_a_drain_pauses_between_the_last_old_step_and_the_first_new_one():
 
 
 def test_a_grow_after_a_shrink_ends_on_the_grown_mesh_not_the_original_one():
-    events = [step(1, 101.0, TWO), {"event": "failure"}, step(2, 103.0, ONE), {"event": "recovered", "new_mesh": ONE},
-              step(3, 104.0, ONE), step(4, 105.0, ONE), step(5, 107.5, TWO), {"event": "grow", "new_mesh": TWO}]
+    events = [
+        step(1, 101.0, TWO),
+        {"event": "failure"},
+        step(2, 103.0, ONE),
+        {"event": "recovered", "new_mesh": ONE},
+        step(3, 104.0, ONE),
+        step(4, 105.0, ONE),
+        step(5, 107.5, TWO),
+        {"event": "grow", "new_mesh": TWO},
+    ]
     change = mesh_change(events, after_event="recovered", new_mesh_event="grow", began_at=104.5)
     assert change.first_step == 5 and change.to_first_step_s == pytest.approx(3.0)
 
@@ -89,8 +100,11 @@ def test_a_ray_train_restart_redoes_the_steps_since_its_checkpoint():
 
 
 def test_a_step_only_some_ranks_completed_is_not_a_completed_step():
-    records = [record("step", 0, 1, step=1, completed_at=1.0), record("step", 1, 1, step=1, completed_at=1.2),
-               record("step", 0, 1, step=2, completed_at=2.0)]
+    records = [
+        record("step", 0, 1, step=1, completed_at=1.0),
+        record("step", 1, 1, step=1, completed_at=1.2),
+        record("step", 0, 1, step=2, completed_at=2.0),
+    ]
     assert completions_by_attempt(records, world_size=2) == {1: {1: 1.2}}
 
 
@@ -104,8 +118,16 @@ def test_the_driver_reports_a_recovery_once_at_the_first_step_after_its_resume_s
     events = EventLog(tmp_path / "events.jsonl")
     router = ReportRouter(events, mesh=one, tokens_per_step=1)
     timer = TransitionTimer(events, router)
-    timer.begin(TransitionKind.RECOVERED, began_at=0.0, old_mesh=two, new_mesh=one, resume_step=7, lost_steps=1,
-                cause="failure", added_ranks=(1,))
+    timer.begin(
+        TransitionKind.RECOVERED,
+        began_at=0.0,
+        old_mesh=two,
+        new_mesh=one,
+        resume_step=7,
+        lost_steps=1,
+        cause="failure",
+        added_ranks=(1,),
+    )
     assert timer.pending is not None
     began_wall = timer.pending.began_wall
     router.last_emitted_step = 7

@@ -33,7 +33,7 @@ def report_main(monkeypatch):
 
 def colour_share(image: np.ndarray, hex_colour: str, tolerance: float = 6 / 255, *, alpha: float = 1.0) -> float:
     """Share of the pixels that show ``hex_colour`` (drawn with ``alpha`` over white)."""
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]) * alpha + (1 - alpha)
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]) * alpha + (1 - alpha)
     return float((np.abs(image[..., :3] - rgb).max(axis=-1) <= tolerance).mean())
 
 
@@ -45,8 +45,11 @@ def test_summary_of_a_run_with_failures_and_checkpoints():
     events = synthetic_run()
     summary = summarize(events)
     restored_at = next(i for i, e in enumerate(events) if e["event"] == "restored")
-    effective = sum(e["step_time_s"] for i, e in enumerate(events)
-                    if e["event"] == "step" and not (i < restored_at and e["step"] > 50))
+    effective = sum(
+        e["step_time_s"]
+        for i, e in enumerate(events)
+        if e["event"] == "step" and not (i < restored_at and e["step"] > 50)
+    )
     assert summary.effective_s == pytest.approx(effective)
     assert summary.wall_s == pytest.approx(events[-1]["time"] - START_TIME)
     assert summary.recovery_s == (3.0, 8.5)
@@ -80,7 +83,8 @@ def test_report_command_draws_the_timeline_and_prints_the_summary(tmp_path, repo
 
 def test_a_quiet_run_has_no_failure_markers(tmp_path):
     events = [e for e in synthetic_run() if e["event"] in ("start", "step", "done")][:21] + [
-        {"event": "done", "time": START_TIME + 20.0, "status": "finished", "steps": 20, "elapsed_s": 20.0}]
+        {"event": "done", "time": START_TIME + 20.0, "status": "finished", "steps": 20, "elapsed_s": 20.0}
+    ]
     image = imread(render_timeline(events, tmp_path / "quiet.png"))
     assert not has_colour(image, MARKERS["failure"][0])
     assert not has_colour(image, MARKERS["recovered"][0])
@@ -104,12 +108,15 @@ def test_a_run_without_steps_renders(tmp_path):
     assert summarize([start]).last_step == 0
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda d: None, "run directory '{d}' does not exist; pass the directory `meshpilot train` printed at start"),
-    (lambda d: d.mkdir(), "'{d}' has no events.jsonl, so it is not a meshpilot run directory"),
-    (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("")), "'{d}/events.jsonl' holds no events"),
-    (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("not json\n")), "'{d}/events.jsonl' holds no events"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: None, "run directory '{d}' does not exist; pass the directory `meshpilot train` printed at start"),
+        (lambda d: d.mkdir(), "'{d}' has no events.jsonl, so it is not a meshpilot run directory"),
+        (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("")), "'{d}/events.jsonl' holds no events"),
+        (lambda d: (d.mkdir(), (d / "events.jsonl").write_text("not json\n")), "'{d}/events.jsonl' holds no events"),
+    ],
+)
 def test_bad_run_directory_is_one_clear_error(tmp_path, report_main, capsys, setup, message):
     run_dir = tmp_path / "run"
     setup(run_dir)
@@ -170,8 +177,15 @@ def test_report_of_a_recorded_real_run_with_a_killed_rank(tmp_path, report_main,
 def test_a_save_dropped_by_a_mesh_change_is_told_apart(tmp_path):
     events = synthetic_run()
     failure_at = next(i for i, e in enumerate(events) if e["event"] == "failure")
-    events.insert(failure_at + 1, {"event": "checkpoint_failed", "time": events[failure_at]["time"], "step": 20,
-                                   "error": "the mesh changed before every rank reported"})
+    events.insert(
+        failure_at + 1,
+        {
+            "event": "checkpoint_failed",
+            "time": events[failure_at]["time"],
+            "step": 20,
+            "error": "the mesh changed before every rank reported",
+        },
+    )
     summary = summarize(events)
     assert (summary.checkpoint_failures, summary.checkpoints_interrupted) == (2, 1)
     assert "5 committed (240.0 MB), 2 failed (1 interrupted by a mesh change);" in format_summary(summary)

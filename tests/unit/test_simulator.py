@@ -12,7 +12,13 @@ from dataclasses import replace
 import pytest
 
 from elastic.simulator import (
-    LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, SimulationInputs, default_mttf_hours, simulate, sweep,
+    LLAMA3_DAYS,
+    LLAMA3_GPUS,
+    LLAMA3_INTERRUPTIONS,
+    SimulationInputs,
+    default_mttf_hours,
+    simulate,
+    sweep,
     young_daly_interval_s,
 )
 from orchestrator.analysis.bench_figures import FORMAT, load_figures, record_figure
@@ -23,8 +29,18 @@ DAY = 86400.0
 
 def scenario(**changes) -> SimulationInputs:
     base = SimulationInputs(
-        gpus=1024, mttf_s=4 * 3600, horizon_s=20 * DAY, checkpoint_interval_s=600, checkpoint_stall_s=10,
-        restart_s=300, inplace_recovery_s=60, drain_s=30, grow_s=30, replace_s=900, replicas=8, step_s=10,
+        gpus=1024,
+        mttf_s=4 * 3600,
+        horizon_s=20 * DAY,
+        checkpoint_interval_s=600,
+        checkpoint_stall_s=10,
+        restart_s=300,
+        inplace_recovery_s=60,
+        drain_s=30,
+        grow_s=30,
+        replace_s=900,
+        replicas=8,
+        step_s=10,
     )
     return replace(base, **changes)
 
@@ -38,8 +54,18 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_llama3_reliability_gives_above_90_percent_and_in_place_recovery_more(capsys):
     # The Llama 3 Herd of Models: 419 unexpected interruptions in 54 days on 16,384 H100s,
     # restart from checkpoint, > 90% effective training time.
-    code, out, _ = run_cli(capsys, "--gpus", str(LLAMA3_GPUS), "--interruptions", str(LLAMA3_INTERRUPTIONS),
-                           "--days", str(LLAMA3_DAYS), "--bench-results", "none", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "--gpus",
+        str(LLAMA3_GPUS),
+        "--interruptions",
+        str(LLAMA3_INTERRUPTIONS),
+        "--days",
+        str(LLAMA3_DAYS),
+        "--bench-results",
+        "none",
+        "--json",
+    )
     assert code == 0
     document = json.loads(out)
     policies = document["policies"]
@@ -137,14 +163,16 @@ def test_bench_figures_replace_defaults_and_the_output_says_so(capsys, tmp_path)
     assert re.search(r"checkpoint_stall_s +0\.40 s  \[measured \(bench/checkpoint_stall\.py, 8 ranks, ", out)
     assert re.search(r"restart_s +300\.00 s  \[default: ", out)
     # A flag beats the measured figure.
-    code, out, _ = run_cli(capsys, "--gpus", "1024", "--days", "10", "--trials", "1", "--bench-results",
-                           str(results), "--inplace-s", "7")
+    code, out, _ = run_cli(
+        capsys, "--gpus", "1024", "--days", "10", "--trials", "1", "--bench-results", str(results), "--inplace-s", "7"
+    )
     assert re.search(r"inplace_recovery_s +7\.00 s  \[--inplace-s\]", out)
 
 
 def test_missing_bench_results_fall_back_to_documented_defaults(capsys, tmp_path):
-    code, out, _ = run_cli(capsys, "--gpus", "1024", "--days", "5", "--trials", "1",
-                           "--bench-results", str(tmp_path / "absent.json"))
+    code, out, _ = run_cli(
+        capsys, "--gpus", "1024", "--days", "5", "--trials", "1", "--bench-results", str(tmp_path / "absent.json")
+    )
     assert code == 0
     assert "failures: MTTF 7.90 h (Meta reliability study (7.9 h at 1,024 GPUs, 1.8 h at 16,384), scaled" in out
     assert re.search(r"checkpoint_stall_s +10\.00 s  \[default: async sharded checkpoint", out)
@@ -152,24 +180,46 @@ def test_missing_bench_results_fall_back_to_documented_defaults(capsys, tmp_path
 
 def test_plot_is_a_small_png(capsys, tmp_path):
     target = tmp_path / "plots" / "goodput.png"
-    code, out, _ = run_cli(capsys, "--gpus", "16384", "--interruptions", "419", "--days", "54", "--trials", "1",
-                           "--bench-results", "none", "--plot", str(target))
+    code, out, _ = run_cli(
+        capsys,
+        "--gpus",
+        "16384",
+        "--interruptions",
+        "419",
+        "--days",
+        "54",
+        "--trials",
+        "1",
+        "--bench-results",
+        "none",
+        "--plot",
+        str(target),
+    )
     assert code == 0 and f"plot: {target}" in out
     data = target.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 200_000
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--gpus", "0"], "meshpilot: --gpus=0 must be >= 1\n"),
-    (["--interruptions", "419"], "meshpilot: --interruptions needs --days: the window they were counted over\n"),
-    (["--gpus", "1000", "--replica-gpus", "128"],
-     "meshpilot: --replica-gpus=128 must divide --gpus=1000 (the job is a whole number of replica groups)\n"),
-    (["--stall-s", "-1", "--bench-results", "none"],
-     "meshpilot: --stall-s: checkpoint_stall_s=-1.0 must be >= 0\n"),
-    (["--checkpoint-interval-min", "1", "--upload-s", "90", "--bench-results", "none"],
-     "meshpilot: --upload-s=90 exceeds the checkpoint interval (60 s): one upload must finish before the next "
-     "starts\n"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpus", "0"], "meshpilot: --gpus=0 must be >= 1\n"),
+        (["--interruptions", "419"], "meshpilot: --interruptions needs --days: the window they were counted over\n"),
+        (
+            ["--gpus", "1000", "--replica-gpus", "128"],
+            "meshpilot: --replica-gpus=128 must divide --gpus=1000 (the job is a whole number of replica groups)\n",
+        ),
+        (
+            ["--stall-s", "-1", "--bench-results", "none"],
+            "meshpilot: --stall-s: checkpoint_stall_s=-1.0 must be >= 0\n",
+        ),
+        (
+            ["--checkpoint-interval-min", "1", "--upload-s", "90", "--bench-results", "none"],
+            "meshpilot: --upload-s=90 exceeds the checkpoint interval (60 s): one upload must finish before the next "
+            "starts\n",
+        ),
+    ],
+)
 def test_bad_simulate_flags_give_one_clear_line_and_exit_2(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and err == message and out == ""
@@ -180,5 +230,7 @@ def test_a_malformed_bench_file_is_named_with_the_fix(capsys, tmp_path):
     broken.write_text('{"figures": []}')
     code, _, err = run_cli(capsys, "--bench-results", str(broken))
     assert code == 2
-    assert err == (f"meshpilot: bench results {broken} is not a {FORMAT} file (want {{\"format\": \"{FORMAT}\", "
-                   "\"figures\": {...}}); re-run the benchmark or pass --bench-results none\n")
+    assert err == (
+        f'meshpilot: bench results {broken} is not a {FORMAT} file (want {{"format": "{FORMAT}", '
+        '"figures": {...}}); re-run the benchmark or pass --bench-results none\n'
+    )

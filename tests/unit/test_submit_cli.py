@@ -1,6 +1,6 @@
 """Fast checks of ``meshpilot submit``'s pieces (no cluster); tests/integration/test_submit.py runs them for real.
 
-    python -m pytest tests/unit/test_submit_cli.py -q
+python -m pytest tests/unit/test_submit_cli.py -q
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def _config(tmp_path: Path, text: str) -> Path:
 
 
 def test_overrides_round_trip_through_the_train_side_loader(tmp_path):
-    path = _config(tmp_path, "name: base\ndata: {source: synthetic}\ncheckpoint: {uri: 's3://bucket/prefix/', resume: false}\n")
+    path = _config(
+        tmp_path, "name: base\ndata: {source: synthetic}\ncheckpoint: {uri: 's3://bucket/prefix/', resume: false}\n"
+    )
     config = load_config(path)
     # A name YAML would read as a number must stay a string on the cluster.
     overrides = packaging.job_overrides(config, name="1e3", user_overrides=["training.steps=7"])
@@ -45,12 +47,21 @@ def test_without_a_checkpoint_uri_only_the_name_is_set():
 
 def test_entrypoint_is_one_shell_command_with_every_override():
     entrypoint = packaging.train_entrypoint(Path("configs/a b.yaml"), ['name="x"', "data.path=it's.txt"])
-    assert shlex.split(entrypoint) == ["python", "-m", "orchestrator.cli", "train", "configs/a b.yaml",
-                                       "--set", 'name="x"', "--set", "data.path=it's.txt"]
+    assert shlex.split(entrypoint) == [
+        "python",
+        "-m",
+        "orchestrator.cli",
+        "train",
+        "configs/a b.yaml",
+        "--set",
+        'name="x"',
+        "--set",
+        "data.path=it's.txt",
+    ]
 
 
 def test_submission_ids_are_unique_per_attempt_and_carry_the_name():
-    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
     first, second = (packaging.submission_id_for("job.a", now=now) for _ in range(2))
     assert first != second
     assert first.startswith("job.a-20260102-030405-") and len(first) == len("job.a-20260102-030405-") + 6
@@ -70,21 +81,30 @@ def test_large_files_are_left_out_except_config_and_data(tmp_path):
     (tmp_path / ".venv" / "lib").mkdir(parents=True)
     (tmp_path / ".venv" / "lib" / "huge.so").write_bytes(b"z" * 4096)  # inside an excluded dir: never walked
     patterns, left_out = packaging.working_dir_excludes(
-        tmp_path, max_file_bytes=1024, keep=[tmp_path / "data" / "corpus.txt", None])
+        tmp_path, max_file_bytes=1024, keep=[tmp_path / "data" / "corpus.txt", None]
+    )
     assert left_out == ["data/big [1].bin"]
     excluded = _get_excludes(tmp_path, patterns)
-    for path in ("data/big [1].bin", ".venv/lib/huge.so", "runs/x/events.jsonl", ".git/HEAD",
-                 "orchestrator/__pycache__/cli.cpython-311.pyc"):
+    for path in (
+        "data/big [1].bin",
+        ".venv/lib/huge.so",
+        "runs/x/events.jsonl",
+        ".git/HEAD",
+        "orchestrator/__pycache__/cli.cpython-311.pyc",
+    ):
         assert excluded(tmp_path / path), path
     assert not excluded(tmp_path / "data" / "corpus.txt") and not excluded(tmp_path / "small.txt")
 
 
-@pytest.mark.parametrize(("flag", "env", "expected"), [
-    ("http://head:8265/", {}, "http://head:8265"),
-    ("head:8265", {"RAY_ADDRESS": "http://other:1"}, "http://head:8265"),
-    (None, {"RAY_API_SERVER_ADDRESS": "https://api:443", "RAY_ADDRESS": "http://other:1"}, "https://api:443"),
-    (None, {"RAY_ADDRESS": "http://env:8265"}, "http://env:8265"),
-])
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        ("http://head:8265/", {}, "http://head:8265"),
+        ("head:8265", {"RAY_ADDRESS": "http://other:1"}, "http://head:8265"),
+        (None, {"RAY_API_SERVER_ADDRESS": "https://api:443", "RAY_ADDRESS": "http://other:1"}, "https://api:443"),
+        (None, {"RAY_ADDRESS": "http://env:8265"}, "http://env:8265"),
+    ],
+)
 def test_address_precedence(monkeypatch, flag, env, expected):
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(key, raising=False)
@@ -135,8 +155,10 @@ def test_unreadable_token_path_is_one_clear_error(token_loader, tmp_path):
     token_loader.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
     with pytest.raises(UserError) as caught:
         auth.auth_headers()
-    assert str(caught.value) == (f"RAY_AUTH_TOKEN_PATH={tmp_path / 'absent'} is not a readable, non-empty file; point "
-                                 "it at the cluster's token file (the head's ~/.ray/auth_token)")
+    assert str(caught.value) == (
+        f"RAY_AUTH_TOKEN_PATH={tmp_path / 'absent'} is not a readable, non-empty file; point "
+        "it at the cluster's token file (the head's ~/.ray/auth_token)"
+    )
 
 
 def test_no_token_anywhere_sends_no_header(token_loader, tmp_path):
@@ -145,8 +167,15 @@ def test_no_token_anywhere_sends_no_header(token_loader, tmp_path):
 
 
 def _submit_args(config: Path, working_dir: Path) -> argparse.Namespace:
-    return argparse.Namespace(config=str(config), address="http://127.0.0.1:9", name=None, overrides=[],
-                              follow=False, working_dir=str(working_dir), max_file_mb=64.0)
+    return argparse.Namespace(
+        config=str(config),
+        address="http://127.0.0.1:9",
+        name=None,
+        overrides=[],
+        follow=False,
+        working_dir=str(working_dir),
+        max_file_mb=64.0,
+    )
 
 
 def test_config_outside_the_working_dir_is_refused_before_any_request(tmp_path):

@@ -34,9 +34,17 @@ def test_no_other_module_names_a_private_torch_symbol():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    private = ("_world.group_count", "_abort_process_group", "_create_chunk_list", "_op_dispatcher",
-               "_clear_DTensor_sharding_propagator_cache", "clear_redistribute_planner_cache", "MeshTopoInfo",
-               "compute_local_shape_and_global_offset", "tensor._redistribute")
+    private = (
+        "_world.group_count",
+        "_abort_process_group",
+        "_create_chunk_list",
+        "_op_dispatcher",
+        "_clear_DTensor_sharding_propagator_cache",
+        "clear_redistribute_planner_cache",
+        "MeshTopoInfo",
+        "compute_local_shape_and_global_offset",
+        "tensor._redistribute",
+    )
     offenders = []
     for folder in ("workers", "checkpointing", "orchestrator", "elastic"):
         for path in (repo / folder).rglob("*.py"):

@@ -25,18 +25,30 @@ from workers.spec.messages import (
     failure_kind_of,
 )
 from workers.spec.model import PRESETS, ModelSpec, model_spec
-from workers.spec.train import (
-    ABORT,
-    COMMIT,
-    COMMIT_AND_PAUSE,
-    COMMIT_PAUSE_CHECKPOINT,
-    CheckpointTarget,
-    TrainSpec,
-)
+from workers.spec.train import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, CheckpointTarget, TrainSpec
 
 __all__ = [
-    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "PRESETS", "CheckpointTarget",
-    "CheckpointUploadReport", "DrainNoticeReport", "FailureKind", "Heartbeat", "LogReport", "ModelSpec", "Phase",
-    "RankReport", "ReportKind", "RunOutcome", "RunStatus", "StartFrom", "StartMode", "StepReport", "TrainSpec",
-    "failure_kind_of", "model_spec",
+    "ABORT",
+    "COMMIT",
+    "COMMIT_AND_PAUSE",
+    "COMMIT_PAUSE_CHECKPOINT",
+    "PRESETS",
+    "CheckpointTarget",
+    "CheckpointUploadReport",
+    "DrainNoticeReport",
+    "FailureKind",
+    "Heartbeat",
+    "LogReport",
+    "ModelSpec",
+    "Phase",
+    "RankReport",
+    "ReportKind",
+    "RunOutcome",
+    "RunStatus",
+    "StartFrom",
+    "StartMode",
+    "StepReport",
+    "TrainSpec",
+    "failure_kind_of",
+    "model_spec",
 ]

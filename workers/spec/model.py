@@ -7,7 +7,6 @@ validates a config without importing the model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 

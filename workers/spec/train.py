@@ -17,8 +17,14 @@ from elastic.spec import BatchPlan
 from workers.spec.model import ModelSpec
 
 __all__ = [
-    "ABORT", "COMMIT", "COMMIT_AND_PAUSE", "COMMIT_PAUSE_CHECKPOINT", "BatchPlan", "CheckpointTarget",
-    "OptimizerSpec", "TrainSpec",
+    "ABORT",
+    "COMMIT",
+    "COMMIT_AND_PAUSE",
+    "COMMIT_PAUSE_CHECKPOINT",
+    "BatchPlan",
+    "CheckpointTarget",
+    "OptimizerSpec",
+    "TrainSpec",
 ]
 
 # The per-step commit vote's outcomes (see workers/rendezvous.py).
@@ -92,8 +98,9 @@ class TrainSpec(OptimizerSpec):
     @property
     def batch(self) -> BatchPlan:
         """How each step's global batch splits over a mesh's data-parallel ranks and rounds."""
-        return BatchPlan(global_batch=self.global_batch, microbatch_size=self.microbatch_size,
-                         microbatches=self.microbatches)
+        return BatchPlan(
+            global_batch=self.global_batch, microbatch_size=self.microbatch_size, microbatches=self.microbatches
+        )
 
     def accumulation(self, dp: int) -> int:
         """Forward/backward rounds per step on ``dp`` data-parallel ranks (see BatchPlan.accumulation)."""
