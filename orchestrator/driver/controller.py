@@ -21,30 +21,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from elastic.placement import RankResources
-from elastic.policy import (
-    Continue,
-    Decision,
-    Fail,
-    FailurePolicy,
-    GroupStatus,
-    Grow,
-    RestoreFromCheckpoint,
-    ScalingPolicy,
-    Shrink,
-)
+from elastic.policy import FailurePolicy, Grow, ScalingPolicy
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
 from orchestrator.driver.checkpoint_commits import driver_checkpoints
-from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, group_errors
+from orchestrator.driver.detector import Detector, DrainWatch, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
+from orchestrator.driver.mesh_change import MeshChanges
 from orchestrator.driver.rank_reports import ReportRouter
-from orchestrator.driver.replicas import Replicas, replicas_consistent, replicas_of
+from orchestrator.driver.replicas import Replicas, replicas_consistent
 from orchestrator.driver.states import (
     AwaitingActors,
     Configuring,
@@ -57,37 +47,22 @@ from orchestrator.driver.states import (
     State,
 )
 from orchestrator.driver.train_spec import data_bytes, train_spec
-from orchestrator.driver.transitions import TransitionKind, TransitionTimer
+from orchestrator.driver.transitions import TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults, FaultSpec
-from workers.spec.messages import (
-    DrainNoticeReport,
-    FailureKind,
-    ReportKind,
-    RunOutcome,
-    RunStatus,
-    StartFrom,
-    StartMode,
-)
+from workers.spec.messages import DrainNoticeReport, FailureKind, ReportKind, RunStatus, StartFrom, StartMode
 
 log = logging.getLogger("meshpilot")
 
 # Seconds between looks at the cluster for drains and spare capacity (each is a GCS call).
 HOUSEKEEPING_INTERVAL_S = 1.0
 HEARTBEAT_EVENT_INTERVAL_S = 5.0
-# How long survivors may take to leave a failed generation before they count as stuck.
-SETTLE_TIMEOUT_S = 30.0
-# After every survivor has left, how long to wait for Ray to name the cause (an actor's death
-# is reported a moment after its peers see their connections close).
-CAUSE_GRACE_S = 5.0
 # A run call that ended so ends its generation as a failure.
 ENDED_BADLY = (RunStatus.FAILED, RunStatus.ABORTED, CallFailedKind.DIED)
-# Losses whose process may still hold the step (or a socket): killed when the generation fails.
-KILLED_ON_FAILURE = (LossKind.HANG, LossKind.UNRESPONSIVE)
 
 
-class Controller:
+class Controller(MeshChanges):
     """Owns the worker group and carries the run from start to a terminal state (driver side)."""
 
     worker_group_class: type[WorkerGroupProtocol[Any]] = WorkerGroup
@@ -122,19 +97,10 @@ class Controller:
             start_timeout_s=config.runtime.start_timeout_s,
         )
         self.replicas = Replicas(self.group, self.spec)
-        elastic = config.elastic
-        self.failure_policy = FailurePolicy(
-            min_replicas=elastic.min_replicas,
-            max_replicas=elastic.max_replicas,
-            max_failures=elastic.max_failures,
-            window_s=elastic.failure_window_s,
-        )
-        self.scaling_policy = ScalingPolicy(
-            target_replicas=config.parallelism.dp_replicate, max_replicas=elastic.max_replicas
-        )
+        self.failure_policy, self.scaling_policy = _policies(config)
         self.detector = Detector(
-            heartbeat_timeout_s=elastic.heartbeat_timeout_s,
-            hang_timeout_s=elastic.hang_timeout_s,
+            heartbeat_timeout_s=config.elastic.heartbeat_timeout_s,
+            hang_timeout_s=config.elastic.hang_timeout_s,
             node_of=self.replicas.node_of,
             dead_nodes=self.replicas.dead_nodes,
         )
@@ -372,215 +338,6 @@ class Controller:
             log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.reason)
             self.group.avoid_nodes.add(node)
 
-    # ---------------------------------------------------------------- settling
-    def _begin_settling(
-        self,
-        state: Running,
-        purpose: SettlePurpose,
-        *,
-        lost: dict[int, Lost] | None = None,
-        draining: frozenset[int] = frozenset(),
-    ) -> Settling:
-        now = time.monotonic()
-        lost = dict(lost or {})
-        if purpose == SettlePurpose.FAILURE:
-            self.group.kill([self.group.active[rank] for rank, loss in lost.items() if loss.kind in KILLED_ON_FAILURE])
-            self._abort_generation(state, lost)
-        else:
-            self._request_pause(state, purpose, draining)
-        return Settling(
-            generation=state.generation,
-            mesh=state.mesh,
-            calls=state.calls,
-            purpose=purpose,
-            lost=lost,
-            draining=draining,
-            started_at=now,
-            deadline=now + SETTLE_TIMEOUT_S,
-        )
-
-    def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
-        """Every rank stops after the step it is in; with every replica draining, saves first."""
-        if purpose == SettlePurpose.DRAIN:
-            nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
-            self.events.emit(
-                "drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining), reason="node draining"
-            )
-        elif purpose == SettlePurpose.GROW:
-            # The grow event comes after the first step of the grown mesh; say now that one began.
-            log.info(
-                "growing: %d warm actors can join %s at the next step boundary",
-                len(self.group.warm()),
-                state.mesh.describe(),
-            )
-        everyone_leaves = (
-            purpose == SettlePurpose.DRAIN and replicas_of(state.mesh, draining) == state.mesh.dp_replicate
-        )
-        self.group.request_pause(state.generation, checkpoint=everyone_leaves)
-
-    def _abort_generation(self, state: Running | Settling, lost: dict[int, Lost]) -> None:
-        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
-        self.group.abort_step(state.generation, self.last_step + 1, survivors)
-
-    def _settle(self, state: Settling) -> State:
-        state.calls.collect(timeout=self.poll_interval_s, first=True)
-        self._drain_reports()
-        # The first diagnosis stands (a hung rank, then killed, is still hung).
-        lost = {**self.detector.losses(state.calls.results, hangs=False), **state.lost}
-        if lost and state.purpose != SettlePurpose.FAILURE:
-            # A failure during a pause: treat it as a failure from here on.
-            self._abort_generation(state, lost)
-            state = replace(state, purpose=SettlePurpose.FAILURE, lost=dict(lost))
-        waiting_for = [
-            rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results and rank not in lost
-        ]
-        if waiting_for and state.purpose == SettlePurpose.FAILURE:
-            silent = self.detector.silent_while_failing(waiting_for, since=state.started_at)
-            if silent:
-                self.group.kill([self.group.active[rank] for rank in silent])
-            lost.update(silent)
-            waiting_for = [rank for rank in waiting_for if rank not in lost]
-        if waiting_for:
-            if time.monotonic() < state.deadline:
-                return replace(state, lost=lost)
-            lost.update(self.detector.stuck(waiting_for, generation=state.generation, within_s=SETTLE_TIMEOUT_S))
-        if state.purpose == SettlePurpose.FAILURE and not lost:
-            # Every rank left and no cause is known yet: give Ray a moment to name it.
-            state = state.noting_returns(time.monotonic())
-            if time.monotonic() < max(state.started_at, state.all_returned_at or time.monotonic()) + CAUSE_GRACE_S:
-                return state
-        return self._decide(state, lost)
-
-    def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
-        self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
-        applied = [
-            r.last_step for rank, r in state.calls.results.items() if rank not in lost and isinstance(r, RunOutcome)
-        ]
-        resume_step = min(applied) if applied else self.last_step
-        self.router.flush(resume_step)
-        self.last_step = max(self.last_step, resume_step)
-        if state.purpose == SettlePurpose.FAILURE and not lost:
-            # Every rank left without a cause being found (all echoes): the whole generation
-            # counts as lost rather than retrying blindly.
-            lost = {
-                rank: Lost(LossKind.RANK_ERROR, "left the generation without a cause")
-                for rank in range(state.mesh.world_size)
-            }
-        if lost:
-            self.events.emit("failure", **failure_fields(lost))
-            # Faults fired in this generation are consumed: a redo of the step must not fire them again.
-            self.faults.consume_after_failure(self.router.last_emitted_step)
-        warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(state.mesh, lost, state.draining)
-        status = GroupStatus(
-            mesh=state.mesh,
-            lost_ranks=frozenset(lost),
-            draining_ranks=state.draining,
-            warm_actors=warm,
-            checkpoint_step=self.checkpoints.latest_step(),
-            time=time.monotonic(),
-        )
-        if state.purpose == SettlePurpose.GROW:
-            decision = self.scaling_policy.decide(
-                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits
-            )
-        else:
-            # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
-            decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
-        return self._carry_out(decision, state, lost, resume_step)
-
-    def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> State:
-        if isinstance(decision, Fail):
-            return self._fail("policy", decision.reason)
-        if isinstance(decision, RestoreFromCheckpoint):
-            return self._begin_restore(decision, state, lost, resume_step)
-        if isinstance(decision, Continue):
-            decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
-        if isinstance(decision, Shrink):
-            kept, joining = self.replicas.shrink(
-                state.mesh, lost, state.draining, drop=decision.drop, refill=decision.refill
-            )
-            kind = TransitionKind.RECOVERED
-        elif isinstance(decision, Grow):
-            kept, joining = self.replicas.grow(state.mesh, add=decision.add)
-            kind = TransitionKind.GROW
-        else:
-            return self._fail("policy", f"cannot carry out {decision!r}")
-        return self._change_mesh(state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step)
-
-    def _change_mesh(
-        self,
-        state: Settling,
-        new_mesh: MeshSpec,
-        kept: list[Slot],
-        joining: list[Slot],
-        *,
-        kind: TransitionKind,
-        resume_step: int,
-    ) -> Configuring:
-        """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
-        surviving replica (every rank then syncs replicas)."""
-        self.group.set_active(kept + joining)
-        starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
-        self.transitions.begin(
-            kind,
-            began_at=state.started_at,
-            old_mesh=state.mesh,
-            new_mesh=new_mesh,
-            resume_step=resume_step,
-            lost_steps=max(0, self.router.last_emitted_step - resume_step),
-            added_ranks=tuple(range(len(kept), len(kept) + len(joining))),
-            cause=state.purpose,
-        )
-        self.drains.clear()
-        return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0)
-
-    def _begin_restore(
-        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
-    ) -> State:
-        """No complete replica survived: every healthy actor drops its state and waits for a restore."""
-        step = decision.step if decision.step is not None else self.checkpoints.latest_step()
-        if step is None:
-            return self._fail("restore", "no committed checkpoint to restore")
-        self.replicas.release(lost, state.draining)
-        log.warning(
-            "no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
-            step,
-            resume_step - step,
-        )
-        return AwaitingActors(
-            step=step,
-            mesh=state.mesh,
-            began_at=state.started_at,
-            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
-            lost_steps=max(0, resume_step - step),
-        )
-
-    def _await_actors(self, state: AwaitingActors) -> State:
-        """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
-        warm, target = self.replicas.gather(state.mesh)
-        out_of_time = time.monotonic() > state.deadline
-        if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
-            if out_of_time:
-                return self._fail(
-                    "restore",
-                    "no capacity to restore the checkpoint onto within "
-                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
-                )
-            time.sleep(self.poll_interval_s)
-            return state
-        self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
-        self.transitions.begin(
-            TransitionKind.RECOVERED,
-            began_at=state.began_at,
-            old_mesh=state.mesh,
-            new_mesh=target,
-            resume_step=state.step,
-            lost_steps=state.lost_steps,
-            cause="restore",
-        )
-        self.last_step = state.step
-        return self._restore(target, state.step)
-
     # ---------------------------------------------------------------- reports
     def _drain_reports(self, timeout: float = 1.0) -> None:
         for rank, heartbeat in self.group.poll(min(timeout, self.config.elastic.heartbeat_timeout_s)).items():
@@ -637,3 +394,16 @@ class Controller:
             self._drain_reports()
         except KeyboardInterrupt:
             log.warning("interrupted again: stopping now")
+
+
+def _policies(config: JobConfig) -> tuple[FailurePolicy, ScalingPolicy]:
+    """The failure and scaling policies the job's elastic settings ask for."""
+    elastic = config.elastic
+    failure = FailurePolicy(
+        min_replicas=elastic.min_replicas,
+        max_replicas=elastic.max_replicas,
+        max_failures=elastic.max_failures,
+        window_s=elastic.failure_window_s,
+    )
+    scaling = ScalingPolicy(target_replicas=config.parallelism.dp_replicate, max_replicas=elastic.max_replicas)
+    return failure, scaling

@@ -1,0 +1,297 @@
+"""Changing the mesh: how the controller settles a generation that ends and starts the next.
+
+Runs on the driver, as part of ``Controller`` (a mixin: these are its methods, kept here so the
+controller module holds the loop and this one the recovery, drain and grow path). A generation
+ends on a failure (abort issued), a drain or a grow (a pause at the step boundary); once every
+surviving rank has left, the failure or scaling policy decides, and the decision is carried out:
+shrink or refill in place, grow, restore from a checkpoint, or fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from elastic.policy import (
+    Continue,
+    Decision,
+    Fail,
+    FailurePolicy,
+    GroupStatus,
+    Grow,
+    RestoreFromCheckpoint,
+    ScalingPolicy,
+    Shrink,
+)
+from elastic.spec import MeshSpec
+from orchestrator.config import JobConfig
+from orchestrator.driver.checkpoint_commits import DriverCheckpoints, NoCheckpoints
+from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields
+from orchestrator.driver.group import Slot, WorkerGroupProtocol
+from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.replicas import Replicas, replicas_of
+from orchestrator.driver.states import AwaitingActors, Configuring, Finished, Running, SettlePurpose, Settling, State
+from orchestrator.driver.transitions import TransitionKind, TransitionTimer
+from orchestrator.observe.events import EventLog
+from workers.faults import DriverFaults
+from workers.spec.messages import RunOutcome, StartFrom, StartMode
+
+log = logging.getLogger("meshpilot")
+
+# How long survivors may take to leave a failed generation before they count as stuck.
+SETTLE_TIMEOUT_S = 30.0
+# After every survivor has left, how long to wait for Ray to name the cause (an actor's death
+# is reported a moment after its peers see their connections close).
+CAUSE_GRACE_S = 5.0
+# Losses whose process may still hold the step (or a socket): killed when the generation fails.
+KILLED_ON_FAILURE = (LossKind.HANG, LossKind.UNRESPONSIVE)
+
+
+class MeshChanges:
+    """The controller's settling and mesh-change steps (see ``Controller``, which mixes them in)."""
+
+    # What these steps use of the controller (set in ``Controller.__init__``).
+    config: JobConfig
+    events: EventLog
+    group: WorkerGroupProtocol[Slot]
+    replicas: Replicas
+    detector: Detector
+    router: ReportRouter
+    checkpoints: DriverCheckpoints | NoCheckpoints
+    failure_policy: FailurePolicy
+    scaling_policy: ScalingPolicy
+    transitions: TransitionTimer
+    faults: DriverFaults
+    drains: DrainWatch
+    poll_interval_s: float
+    last_step: int
+
+    # The controller's own steps these call.
+    def _drain_reports(self, timeout: float = 1.0) -> None:
+        raise NotImplementedError
+
+    def _fail(self, kind: str, message: str) -> Finished:
+        raise NotImplementedError
+
+    def _configure(
+        self,
+        mesh: MeshSpec,
+        starts: list[StartFrom],
+        *,
+        sync_replicas: bool,
+        restoring: int | None = None,
+        from_mesh: dict | None = None,
+    ) -> Configuring:
+        raise NotImplementedError
+
+    def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
+        raise NotImplementedError
+
+    def _begin_settling(
+        self,
+        state: Running,
+        purpose: SettlePurpose,
+        *,
+        lost: dict[int, Lost] | None = None,
+        draining: frozenset[int] = frozenset(),
+    ) -> Settling:
+        now = time.monotonic()
+        lost = dict(lost or {})
+        if purpose == SettlePurpose.FAILURE:
+            self.group.kill([self.group.active[rank] for rank, loss in lost.items() if loss.kind in KILLED_ON_FAILURE])
+            self._abort_generation(state, lost)
+        else:
+            self._request_pause(state, purpose, draining)
+        return Settling(
+            generation=state.generation,
+            mesh=state.mesh,
+            calls=state.calls,
+            purpose=purpose,
+            lost=lost,
+            draining=draining,
+            started_at=now,
+            deadline=now + SETTLE_TIMEOUT_S,
+        )
+
+    def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
+        """Every rank stops after the step it is in; with every replica draining, saves first."""
+        if purpose == SettlePurpose.DRAIN:
+            nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
+            self.events.emit(
+                "drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining), reason="node draining"
+            )
+        elif purpose == SettlePurpose.GROW:
+            # The grow event comes after the first step of the grown mesh; say now that one began.
+            log.info(
+                "growing: %d warm actors can join %s at the next step boundary",
+                len(self.group.warm()),
+                state.mesh.describe(),
+            )
+        everyone_leaves = (
+            purpose == SettlePurpose.DRAIN and replicas_of(state.mesh, draining) == state.mesh.dp_replicate
+        )
+        self.group.request_pause(state.generation, checkpoint=everyone_leaves)
+
+    def _abort_generation(self, state: Running | Settling, lost: dict[int, Lost]) -> None:
+        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
+        self.group.abort_step(state.generation, self.last_step + 1, survivors)
+
+    def _settle(self, state: Settling) -> State:
+        state.calls.collect(timeout=self.poll_interval_s, first=True)
+        self._drain_reports()
+        # The first diagnosis stands (a hung rank, then killed, is still hung).
+        lost = {**self.detector.losses(state.calls.results, hangs=False), **state.lost}
+        if lost and state.purpose != SettlePurpose.FAILURE:
+            # A failure during a pause: treat it as a failure from here on.
+            self._abort_generation(state, lost)
+            state = replace(state, purpose=SettlePurpose.FAILURE, lost=dict(lost))
+        waiting_for = [
+            rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results and rank not in lost
+        ]
+        if waiting_for and state.purpose == SettlePurpose.FAILURE:
+            silent = self.detector.silent_while_failing(waiting_for, since=state.started_at)
+            if silent:
+                self.group.kill([self.group.active[rank] for rank in silent])
+            lost.update(silent)
+            waiting_for = [rank for rank in waiting_for if rank not in lost]
+        if waiting_for:
+            if time.monotonic() < state.deadline:
+                return replace(state, lost=lost)
+            lost.update(self.detector.stuck(waiting_for, generation=state.generation, within_s=SETTLE_TIMEOUT_S))
+        if state.purpose == SettlePurpose.FAILURE and not lost:
+            # Every rank left and no cause is known yet: give Ray a moment to name it.
+            state = state.noting_returns(time.monotonic())
+            if time.monotonic() < max(state.started_at, state.all_returned_at or time.monotonic()) + CAUSE_GRACE_S:
+                return state
+        return self._decide(state, lost)
+
+    def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
+        self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
+        applied = [
+            r.last_step for rank, r in state.calls.results.items() if rank not in lost and isinstance(r, RunOutcome)
+        ]
+        resume_step = min(applied) if applied else self.last_step
+        self.router.flush(resume_step)
+        self.last_step = max(self.last_step, resume_step)
+        if state.purpose == SettlePurpose.FAILURE and not lost:
+            # Every rank left without a cause being found (all echoes): the whole generation
+            # counts as lost rather than retrying blindly.
+            lost = {
+                rank: Lost(LossKind.RANK_ERROR, "left the generation without a cause")
+                for rank in range(state.mesh.world_size)
+            }
+        if lost:
+            self.events.emit("failure", **failure_fields(lost))
+            # Faults fired in this generation are consumed: a redo of the step must not fire them again.
+            self.faults.consume_after_failure(self.router.last_emitted_step)
+        warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(state.mesh, lost, state.draining)
+        status = GroupStatus(
+            mesh=state.mesh,
+            lost_ranks=frozenset(lost),
+            draining_ranks=state.draining,
+            warm_actors=warm,
+            checkpoint_step=self.checkpoints.latest_step(),
+            time=time.monotonic(),
+        )
+        if state.purpose == SettlePurpose.GROW:
+            decision = self.scaling_policy.decide(
+                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits
+            )
+        else:
+            # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
+            decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
+        return self._carry_out(decision, state, lost, resume_step)
+
+    def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> State:
+        if isinstance(decision, Fail):
+            return self._fail("policy", decision.reason)
+        if isinstance(decision, RestoreFromCheckpoint):
+            return self._begin_restore(decision, state, lost, resume_step)
+        if isinstance(decision, Continue):
+            decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
+        if isinstance(decision, Shrink):
+            kept, joining = self.replicas.shrink(
+                state.mesh, lost, state.draining, drop=decision.drop, refill=decision.refill
+            )
+            kind = TransitionKind.RECOVERED
+        elif isinstance(decision, Grow):
+            kept, joining = self.replicas.grow(state.mesh, add=decision.add)
+            kind = TransitionKind.GROW
+        else:
+            return self._fail("policy", f"cannot carry out {decision!r}")
+        return self._change_mesh(state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step)
+
+    def _change_mesh(
+        self,
+        state: Settling,
+        new_mesh: MeshSpec,
+        kept: list[Slot],
+        joining: list[Slot],
+        *,
+        kind: TransitionKind,
+        resume_step: int,
+    ) -> Configuring:
+        """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
+        surviving replica (every rank then syncs replicas)."""
+        self.group.set_active(kept + joining)
+        starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
+        self.transitions.begin(
+            kind,
+            began_at=state.started_at,
+            old_mesh=state.mesh,
+            new_mesh=new_mesh,
+            resume_step=resume_step,
+            lost_steps=max(0, self.router.last_emitted_step - resume_step),
+            added_ranks=tuple(range(len(kept), len(kept) + len(joining))),
+            cause=state.purpose,
+        )
+        self.drains.clear()
+        return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0)
+
+    def _begin_restore(
+        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
+    ) -> State:
+        """No complete replica survived: every healthy actor drops its state and waits for a restore."""
+        step = decision.step if decision.step is not None else self.checkpoints.latest_step()
+        if step is None:
+            return self._fail("restore", "no committed checkpoint to restore")
+        self.replicas.release(lost, state.draining)
+        log.warning(
+            "no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
+            step,
+            resume_step - step,
+        )
+        return AwaitingActors(
+            step=step,
+            mesh=state.mesh,
+            began_at=state.started_at,
+            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
+            lost_steps=max(0, resume_step - step),
+        )
+
+    def _await_actors(self, state: AwaitingActors) -> State:
+        """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
+        warm, target = self.replicas.gather(state.mesh)
+        out_of_time = time.monotonic() > state.deadline
+        if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
+            if out_of_time:
+                return self._fail(
+                    "restore",
+                    "no capacity to restore the checkpoint onto within "
+                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
+                )
+            time.sleep(self.poll_interval_s)
+            return state
+        self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
+        self.transitions.begin(
+            TransitionKind.RECOVERED,
+            began_at=state.began_at,
+            old_mesh=state.mesh,
+            new_mesh=target,
+            resume_step=state.step,
+            lost_steps=state.lost_steps,
+            cause="restore",
+        )
+        self.last_step = state.step
+        return self._restore(target, state.step)
