@@ -30,7 +30,7 @@ from pathlib import Path
 from orchestrator.errors import UserError
 
 FORMAT = "meshpilot-bench-figures/1"
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "bench" / "results" / "latest.json"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "bench" / "results" / "latest.json"
 FIGURES: dict[str, str] = {
     "checkpoint_stall_s": "time a checkpoint blocks the training loop (copy to host)",
     "checkpoint_upload_s": "time from the end of the stall until the checkpoint is committed",

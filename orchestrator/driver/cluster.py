@@ -21,7 +21,7 @@ log = logging.getLogger("meshpilot")
 
 # The directory holding orchestrator/, workers/, checkpointing/, elastic/: Ray workers of an
 # embedded cluster import exactly the code the driver runs, installed or not.
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 
