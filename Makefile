@@ -1,6 +1,7 @@
 # meshpilot — the README's two commands:
 #   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
-#   make test   install if needed, then the whole test suite
+#   make test   install if needed, then lint (ruff, mypy) and the whole test suite
+#   make lint   ruff check, ruff format --check, mypy
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.meshpilot-installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -25,11 +26,16 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/meshpilot demo
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

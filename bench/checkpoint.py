@@ -28,7 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -91,6 +93,7 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     from torch.distributed.tensor import DTensor
 
     from checkpointing.reader import load_manifest, restore
+    from checkpointing.spec import FailureReport, ShardReport
     from checkpointing.storage import open_storage
     from checkpointing.writer import CheckpointWriter
     from elastic.spec import MeshSpec
@@ -114,12 +117,14 @@ def _rank_main(rank: int, args: dict, results) -> dict:
             "restore_pp2",
         )
     }
-    # The reports' upload_s comes back through the driver's queue; keep our own copy too.
-    writer = CheckpointWriter(
-        storage,
-        rank=rank,
-        report=lambda r: (results.put(("report", rank, r)), figures["ours_upload_s"].append(r.get("upload_s", 0))),
-    )
+
+    def deliver(report: ShardReport | FailureReport) -> None:
+        """Runs on the writer's upload thread: the report goes to the parent's commit coordinator."""
+        results.put(("report", rank, report))
+        # The reports' upload_s comes back through the driver's queue; keep our own copy too.
+        figures["ours_upload_s"].append(report.upload_s if isinstance(report, ShardReport) else 0.0)
+
+    writer = CheckpointWriter(storage, rank=rank, report=deliver)
     client = boto3.client(
         "s3",
         endpoint_url=args["endpoint_url"],
@@ -147,6 +152,8 @@ def _rank_main(rank: int, args: dict, results) -> dict:
         started = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=os.path.join(dcp_dir, str(round_number)))
         figures["dcp"].append(time.perf_counter() - started)
+        # Without an async_stager, DCP stages synchronously and hands back the upload's Future.
+        assert isinstance(future, Future)
         future.result()
         dist.barrier()
         # (b) the same bytes our writer just uploaded, through boto3's own managed transfer.
@@ -190,7 +197,7 @@ def run(quick: bool) -> dict:
     with LocalS3Server() as server, tempfile.TemporaryDirectory() as work:
         server.create_bucket("bench")
         os.environ.update(server.env())
-        args = {
+        args: dict[str, Any] = {
             "quick": quick,
             "uri": "s3://bench/run",
             "endpoint_url": server.endpoint_url,
@@ -206,7 +213,7 @@ def run(quick: bool) -> dict:
         ranks = [context.Process(target=rank_main, args=(rank, args, results), daemon=True) for rank in range(2)]
         for process in ranks:
             process.start()
-        outcomes = {}
+        outcomes: dict[int, dict[str, Any]] = {}
         try:
             while len(outcomes) < 2:
                 kind, rank, payload = results.get(timeout=600)

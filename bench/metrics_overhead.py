@@ -42,7 +42,7 @@ from orchestrator.observe.metrics import MetricsExporter  # noqa: E402
 
 DEFAULT_STEPS = 160
 QUICK_STEPS = 24
-DEFAULT_JOB = {
+DEFAULT_JOB: dict[str, Any] = {
     "name": "metrics-overhead",
     "data": {"source": "synthetic"},
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1},

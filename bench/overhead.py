@@ -87,7 +87,10 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 2)
     config = Path(args.config)
     world = load_config(config).mesh.world_size
-    ours_steps, reference_steps, ours_starts, reference_starts = [], [], [], []
+    ours_steps: list[float] = []
+    reference_steps: list[float] = []
+    ours_starts: list[float] = []
+    reference_starts: list[float] = []
     phases: dict[str, list[dict[str, float]]] = {"meshpilot": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):

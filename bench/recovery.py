@@ -255,7 +255,9 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
         "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
         "from_previous_step_s": change.first_step_at - previous_step_at,
         "kill_seen": fault_at == watch.died_at,
-        "kill_window_s": None if watch.died_at is None else watch.seen_dead_at - watch.died_at,
+        "kill_window_s": (
+            None if watch.died_at is None or watch.seen_dead_at is None else watch.seen_dead_at - watch.died_at
+        ),
         "losses": _losses(events, upto=FAULT_STEP - 1),
     }
 
@@ -361,10 +363,12 @@ def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = No
     from orchestrator.driver.train_spec import data_bytes, train_spec
 
     config = job_config(steps)
+    data = data_bytes(config)
+    assert data is not None  # the benchmark's job trains on text, which the reference's TextSource needs
     return run_reference(
         spec=train_spec(config, backend="gloo"),
         mesh=MESH,
-        data=data_bytes(config),
+        data=data,
         workdir=workdir,
         checkpoint_every=CHECKPOINT_EVERY,
         kill=kill,
@@ -471,7 +475,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         values = [r[key] for r in results[name] if r.get(key) is not None]
         return max(values) if values else None
 
-    kill = {
+    kill: dict[str, Any] = {
         "ours_s": mid("meshpilot_kill", "fault_to_step_s"),
         "ours_lost_steps": worst("meshpilot_kill", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_kill", "mttr_s"),
@@ -482,7 +486,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "reference_to_new_progress_s": mid("reference_kill", "to_new_progress_s"),
         "goal_s": GOALS["kill_s"],
     }
-    node = {
+    node: dict[str, Any] = {
         "ours_s": mid("meshpilot_node", "fault_to_step_s"),
         "ours_lost_steps": worst("meshpilot_node", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_node", "mttr_s"),
@@ -492,7 +496,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"),
         "goal_s": GOALS["node_s"],
     }
-    drain = {
+    drain: dict[str, Any] = {
         "ours_pause_s": mid("meshpilot_drain", "pause_s"),
         "ours_idle_s": mid("meshpilot_drain", "idle_s"),
         "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
@@ -500,7 +504,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"),
         "goal_pause_s": GOALS["drain_pause_s"],
     }
-    grow = {
+    grow: dict[str, Any] = {
         "ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"),
         "ours_join_s": mid("meshpilot_grow", "join_s"),
         "ours_add_node_s": mid("meshpilot_grow", "add_node_s"),

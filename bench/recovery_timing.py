@@ -15,7 +15,7 @@ new mesh, and "steps lost" counts steps completed before the fault that had to b
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,7 @@ def mesh_change(
     new_mesh = transition["new_mesh"]
     steps = [(i, e) for i, e in enumerate(events) if e.get("event") == "step"]
     first_index, first = next(((i, e) for i, e in steps if i > marker and e["mesh"] == new_mesh), (None, None))
-    if first is None:
+    if first is None or first_index is None:
         raise ValueError(f"no step completed on the new mesh {new_mesh} after the {after_event!r} event")
     before = [e for i, e in steps if i < first_index]
     last = before[-1] if before else None
@@ -176,7 +176,7 @@ def ratio(reference: float | None, ours: float | None) -> float | None:
     return reference / ours
 
 
-def table(rows: list[tuple[str, ...]]) -> str:
+def table(rows: Sequence[tuple[str, ...]]) -> str:
     """Plain aligned columns; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

@@ -10,6 +10,7 @@ the name exists, which makes it the atomic, no-replace commit.
 
 from __future__ import annotations
 
+import builtins  # in the class body below, `list` is the method: later annotations say builtins.list
 import errno
 import os
 import re
@@ -139,10 +140,10 @@ class LocalStorage:
                 found.append(ObjectInfo(key=key, size=path.stat().st_size))
         return sorted(found, key=lambda info: info.key)
 
-    def _walk(self) -> list[Path]:
+    def _walk(self) -> builtins.list[Path]:
         if not self.root.is_dir():
             return []
-        found = []
+        found: builtins.list[Path] = []
         for directory, _, names in os.walk(self.root):
             found.extend(Path(directory, name) for name in names)
         return found
@@ -162,7 +163,7 @@ class LocalStorage:
                     break
                 directory = directory.parent
 
-    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+    def list_pending_uploads(self, prefix: str = "") -> builtins.list[PendingUpload]:
         pending = []
         for path in self._walk():
             match = _PARTIAL.match(path.name)

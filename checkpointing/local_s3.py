@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from checkpointing.errors import CheckpointError
 
@@ -88,7 +89,7 @@ class LocalS3Server:
         self.memory_limit = memory_limit
         self.ports: dict[str, int] = {}
         self._process: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def endpoint_url(self) -> str:
@@ -191,12 +192,12 @@ class LocalS3Server:
         from botocore.exceptions import BotoCoreError, ClientError
 
         deadline = time.monotonic() + self.start_timeout_s
+        process = self._process
+        assert process is not None, "_launch started weed just before"
         client = None
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise CheckpointError(
-                    f"weed exited with code {self._process.returncode}; see {self.data_dir / 'weed.log'}"
-                )
+            if process.poll() is not None:
+                raise CheckpointError(f"weed exited with code {process.returncode}; see {self.data_dir / 'weed.log'}")
             try:
                 client = client or self.client()
                 bucket = "meshpilot-ready"

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from checkpointing.errors import CorruptCheckpointError, ManifestVersionError
 from checkpointing.spec import (
@@ -378,7 +378,7 @@ class _Checker:
         return value
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -98,7 +99,7 @@ def _check_destinations(manifest: Manifest, tensors: dict[str, torch.Tensor], ur
 
 def manifest_metadata(manifest: Manifest, fqns: set[str] | None = None) -> Metadata:
     """DCP ``Metadata`` for (some of) the manifest's tensors; ``storage_data`` maps chunks to entries."""
-    state_dict_metadata = {}
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage_data = {}
     for fqn, index in manifest.tensors.items():
         if fqns is not None and fqn not in fqns:
@@ -205,10 +206,14 @@ class ManifestStorageReader(StorageReader):
                 raise CheckpointError(
                     f"checkpoint entry {item.dest_index.fqn!r} is not a tensor; meshpilot checkpoints hold tensors only"
                 )
-            by_chunk[(item.storage_index.fqn, tuple(item.storage_index.offset))].append(item)
+            offset = item.storage_index.offset
+            assert offset is not None, "DCP indexes a tensor's read item by its chunk's offset"
+            by_chunk[(item.storage_index.fqn, tuple(offset))].append(item)
+        metadata = self._metadata
+        assert metadata is not None, "DCP calls set_up_storage_reader before read_data"
         needs = []
         for (fqn, offsets), items in by_chunk.items():
-            chunk = self._metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
+            chunk = metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
             if not chunk.sizes:
                 needs.append(_Need(chunk=chunk, first_block=0, last_block=1, items=items))
                 continue

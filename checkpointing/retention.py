@@ -57,14 +57,17 @@ def apply_retention(storage: StorageBackend, *, keep_last: int, keep_every: int 
     orphans = [
         info.key
         for info in objects
-        if (step := step_of_key(info.key)) is not None and step < newest and step not in live and step not in doomed
+        if (object_step := step_of_key(info.key)) is not None
+        and object_step < newest
+        and object_step not in live
+        and object_step not in doomed
     ]
     if orphans:
         storage.delete(orphans)
         result.orphan_objects.extend(orphans)
     for upload in storage.list_pending_uploads("step-"):
-        step = step_of_key(upload.key)
-        if step is not None and step <= newest:
+        upload_step = step_of_key(upload.key)
+        if upload_step is not None and upload_step <= newest:
             storage.abort_pending_upload(upload)
             result.aborted_uploads.append(upload.key)
     if doomed or orphans or result.aborted_uploads:

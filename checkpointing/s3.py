@@ -11,6 +11,7 @@ conditional complete leaves the upload open, so it is aborted (FACTS.md).
 
 from __future__ import annotations
 
+import builtins  # in the class body below, `list` is the method: later annotations say builtins.list
 import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -229,7 +230,7 @@ class S3Storage:
                     f"{first.get('Code')} {first.get('Message')}"
                 )
 
-    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+    def list_pending_uploads(self, prefix: str = "") -> builtins.list[PendingUpload]:
         full_prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
         pending = []
         paginator = self._client.get_paginator("list_multipart_uploads")

@@ -199,7 +199,7 @@ class LayoutCache:
         from torch.distributed.tensor import DTensor
 
         key = layout_key(tensors, owns_plain_tensors)
-        if key == self._key and all(ref() is not None for ref in self._meshes):
+        if key == self._key and self._layout is not None and all(ref() is not None for ref in self._meshes):
             return self._layout
         layout = plan_layout(tensors, rank=rank, owns_plain_tensors=owns_plain_tensors, placement=placement)
         meshes = {id(t.device_mesh): t.device_mesh for t in tensors.values() if isinstance(t, DTensor)}
@@ -282,4 +282,5 @@ class HostBuffer:
             torch.cuda.synchronize()  # non-blocking copies must land before the optimizer moves on
 
     def memoryview(self) -> memoryview:
-        return memoryview(self.storage.numpy()).cast("B")
+        # numpy declares ndarray.__buffer__ only for Python >= 3.12; every ndarray has the buffer protocol.
+        return memoryview(self.storage.numpy()).cast("B")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ Semantics every backend keeps:
 
 from __future__ import annotations
 
+import builtins  # in the class body below, `list` is the method: later annotations say builtins.list
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -78,7 +79,7 @@ class StorageBackend(Protocol):
     def delete(self, keys: Iterable[str]) -> None:
         """Remove objects; keys that do not exist are ignored."""
 
-    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+    def list_pending_uploads(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Uploads started under ``prefix`` and never completed nor aborted."""
 
     def abort_pending_upload(self, upload: PendingUpload) -> None:

@@ -266,6 +266,7 @@ class CheckpointWriter:
         return FailureReport(step=job.step, rank=self.rank, error=error_text, attempts=self._attempts)
 
     def _upload(self, job: _Job) -> tuple[tuple[FileEntry, ...], tuple[ChunkEntry, ...]]:
+        assert job.buffer is not None, "a job without a buffer has nothing to upload (_upload_with_retries)"
         layout = job.layout
         key = f"{step_prefix(job.step)}rank-{self.rank:05d}-{secrets.token_hex(4)}.safetensors"
         digests: list[str] = []

@@ -281,13 +281,7 @@ def estimate(
     output_layers = output_s / layer_s
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
-    if pp == 1:
-        compute_s = m * (model.n_layers * (layer_s + tp_layer_s) + output_s)
-        rank_microbatch_s = compute_s / m
-    else:
-        chunk_s = load * (layer_s + tp_layer_s) + p2p_s
-        compute_s = (m * v + pp - 1) * chunk_s
-        rank_microbatch_s = v * chunk_s
+    compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s + tp_layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v)
 
     dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
@@ -316,6 +310,23 @@ def estimate(
         mfu=model_flops / (cluster.gpus * cluster.gpu.peak_flops * step_s),
         tokens_per_s_per_gpu=workload.tokens_per_step / (step_s * cluster.gpus),
     )
+
+
+def _compute_seconds(
+    layout: Layout, n_layers: int, load: float, layer_s: float, output_s: float, p2p_s: float
+) -> tuple[float, float]:
+    """The step's compute time and one microbatch's time on a rank: (step seconds, microbatch seconds).
+
+    ``layer_s`` includes the layer's tensor-parallel collectives. Without a pipeline every
+    microbatch runs all layers and the output; with one the slowest chunk (``load`` layers plus its
+    send) paces m x v chunk slots and the pp - 1 slots of fill and drain.
+    """
+    pp, v, m = layout.mesh.pp, layout.virtual_stages, layout.microbatches
+    if pp == 1:
+        compute_s = m * (n_layers * layer_s + output_s)
+        return compute_s, compute_s / m
+    chunk_s = load * layer_s + p2p_s
+    return (m * v + pp - 1) * chunk_s, v * chunk_s
 
 
 def _layer_seconds(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 GB = 1e9  # memory and bandwidth in decimal gigabytes, as the datasheets and the ZeRO paper count
 
@@ -81,7 +82,9 @@ def gpu_spec(kind: str = "h100-80g", **overrides: float | None) -> GpuSpec:
     """A known kind with any non-None field replaced (a custom GPU starts from the nearest kind)."""
     if kind not in GPU_KINDS:
         raise KeyError(kind)
-    changes = {key: value for key, value in overrides.items() if value is not None}
+    # Any: the overrides are float fields named at run time, so only replace() itself can check
+    # the names (an unknown one raises TypeError); mypy would match them against ``name: str``.
+    changes: dict[str, Any] = {key: value for key, value in overrides.items() if value is not None}
     spec = dataclasses.replace(GPU_KINDS[kind], **changes)
     if changes:
         spec = dataclasses.replace(spec, name=f"{kind} (custom)")

@@ -183,8 +183,8 @@ def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> I
     per_rank = samples_per_rank(workload.global_batch, mesh.dp)
     for checkpointing in constraints.activation_checkpointing:
         if mesh.pp == 1:
-            for microbatches in _divisors(per_rank):
-                yield Layout(mesh, "none", 1, microbatches, checkpointing)
+            for microbatch_count in _divisors(per_rank):
+                yield Layout(mesh, "none", 1, microbatch_count, checkpointing)
             continue
         for schedule in constraints.schedules:
             microbatches = _pipeline_microbatches(per_rank, mesh.pp, schedule)

@@ -329,6 +329,11 @@ def simulate(
         heapq.heappush(queue, (time_ + inputs.replace_s, order, "grow", 0.0, 0.0, run.generation))
         order += 1
     run.advance(inputs.horizon_s)
+    return _result(run, inputs, policy)
+
+
+def _result(run: _Run, inputs: SimulationInputs, policy: str) -> SimulationResult:
+    """What a run that reached the horizon adds up to."""
     counters = run.counters
     return SimulationResult(
         policy=policy,

@@ -3,8 +3,8 @@
 Runs on the driver. ``load_config(path, overrides)`` is the only way in: it reads YAML (safe
 loader only), applies ``--set dotted.key=value`` overrides, checks every key and type
 generically (unknown keys get a "did you mean"), then checks the values against each other
-(mesh degrees against heads, layers and batch). Every problem found is reported at once in a
-``ConfigError`` naming the key path, the value and the reason.
+(mesh degrees against heads, layers and batch; those rules live in ``config_checks``). Every
+problem found is reported at once in a ``ConfigError`` naming the key path, the value and the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from elastic.spec import MeshSpec
+from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
 from workers.spec import PRESETS, ModelSpec, model_spec
 from workers.spec.train import OptimizerSpec
@@ -308,7 +309,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         if key not in raw:
             continue
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             values[f.name] = _build(kind, raw[key], f"{prefix}{key}.", problems)
         else:
             values[f.name] = _check_value(f"{prefix}{key}", raw[key], kind, f.metadata.get("choices"), problems)
@@ -371,164 +372,3 @@ def _to_dict(value: Any) -> Any:
             if not f.metadata.get("internal")
         }
     return value
-
-
-# --------------------------------------------------------------------------- checking
-def validate(config: JobConfig) -> list[str]:
-    """Cross-field checks; returns sentences naming key, value and reason."""
-    problems: list[str] = []
-    _positive(
-        problems,
-        config,
-        [
-            "parallelism.dp_replicate",
-            "parallelism.dp_shard",
-            "parallelism.tp",
-            "parallelism.pp",
-            "parallelism.microbatches",
-            "training.steps",
-            "training.global_batch",
-            "training.seq_len",
-            "checkpoint.interval_steps",
-            "checkpoint.keep_last",
-            "checkpoint.part_size_mb",
-            "checkpoint.upload_concurrency",
-            "checkpoint.max_in_flight",
-            "elastic.min_replicas",
-        ],
-    )
-    _non_negative(
-        problems,
-        config,
-        [
-            "training.lr",
-            "training.warmup_steps",
-            "training.weight_decay",
-            "training.grad_clip",
-            "training.seed",
-            "checkpoint.keep_every",
-            "elastic.spare_actors",
-            "runtime.cpus_per_rank",
-            "runtime.gpus_per_rank",
-        ],
-    )
-    if problems:
-        return problems
-    model = config.model_spec
-    problems.extend(model.problems())
-    problems.extend(_parallelism_problems(config, model, check_mesh=not problems))
-    par, train = config.parallelism, config.training
-    if train.seq_len > model.max_seq_len:
-        problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-    if not 0.0 <= train.min_lr_ratio <= 1.0:
-        problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
-    if config.data.source == "text":
-        if model.vocab_size < 256:
-            problems.append(
-                f"model.vocab_size={model.vocab_size} must be >= 256 for data.source=text (byte-level tokens)"
-            )
-        if resolve_data_path(config) is None:
-            problems.append(
-                f"data.path={config.data.path!r}: no such file (looked in the current directory"
-                + (f" and {config.source_dir}" if config.source_dir else "")
-                + ")"
-            )
-    el = config.elastic
-    if el.max_replicas is not None and el.max_replicas < par.dp_replicate:
-        problems.append(f"elastic.max_replicas={el.max_replicas} is below parallelism.dp_replicate={par.dp_replicate}")
-    if el.min_replicas > par.dp_replicate:
-        problems.append(f"elastic.min_replicas={el.min_replicas} exceeds parallelism.dp_replicate={par.dp_replicate}")
-    for key in (
-        "heartbeat_timeout_s",
-        "hang_timeout_s",
-        "collective_timeout_s",
-        "failure_window_s",
-        "instance_action_poll_s",
-    ):
-        if getattr(el, key) <= 0:
-            problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
-    if not 0 <= config.metrics.port <= 65535:
-        problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
-    if config.runtime.backend == "nccl" and config.runtime.gpus_per_rank <= 0:
-        problems.append("runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs)")
-    if config.checkpoint.uri is not None:
-        problems.extend(_check_uri(config.checkpoint.uri))
-    return problems
-
-
-def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bool) -> list[str]:
-    """The schedule's own rules, then the mesh against model and batch (when ``check_mesh`` and the
-    rules hold: a mesh checked against a broken model or schedule only repeats the same problem)."""
-    par, train = config.parallelism, config.training
-    problems: list[str] = []
-    if par.stages_per_rank is not None and par.stages_per_rank < 1:
-        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
-    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
-        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
-    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
-        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
-    if par.pp > 1 and par.microbatches < par.pp:
-        problems.append(
-            f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} so that every pipeline stage has work"
-        )
-    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
-        problems.append(
-            f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
-            "for pp_schedule=interleaved_1f1b"
-        )
-    if check_mesh and not problems:
-        problems.extend(
-            "parallelism: " + p
-            for p in config.mesh.check_divides(
-                n_heads=model.n_heads,
-                n_kv_heads=model.n_kv_heads,
-                n_layers=model.n_layers,
-                ffn_dim=model.ffn_dim,
-                global_batch=train.global_batch,
-                microbatches=par.microbatches,
-                seq_len=train.seq_len,
-                stages_per_rank=par.virtual_stages,
-            )
-        )
-    return problems
-
-
-def resolve_data_path(config: JobConfig) -> Path | None:
-    candidates = [Path(config.data.path)]
-    if config.source_dir and not Path(config.data.path).is_absolute():
-        candidates.append(Path(config.source_dir) / config.data.path)
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
-
-
-def _check_uri(uri: str) -> list[str]:
-    if uri.startswith("s3://"):
-        bucket = uri[len("s3://") :].split("/", 1)[0]
-        if not bucket:
-            return [f"checkpoint.uri={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
-        return []
-    if "://" in uri and not uri.startswith("file://"):
-        scheme = uri.split("://", 1)[0]
-        return [f"checkpoint.uri={uri!r}: scheme {scheme!r} is not supported; use s3://, file:// or a directory"]
-    return []
-
-
-def _lookup(config: JobConfig, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(config, section), key)
-
-
-def _positive(problems: list[str], config: JobConfig, keys: list[str]) -> None:
-    for key in keys:
-        value = _lookup(config, key)
-        if value is not None and value < 1:
-            problems.append(f"{key}={value} must be >= 1")
-
-
-def _non_negative(problems: list[str], config: JobConfig, keys: list[str]) -> None:
-    for key in keys:
-        value = _lookup(config, key)
-        if value is not None and value < 0:
-            problems.append(f"{key}={value} must be >= 0")

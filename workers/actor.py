@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.spec import MeshSpec
 from workers.faults import FaultInjector, FaultSpec
@@ -47,6 +47,14 @@ from workers.spec.messages import (
     StartMode,
     failure_kind_of,
 )
+
+if TYPE_CHECKING:  # for annotations only: the actor's process imports these inside the methods
+    import torch
+    import torch.distributed as dist
+
+    from workers.checkpoints import NoCheckpoints, RankCheckpoints
+    from workers.rendezvous import StepCommitter
+    from workers.trainer import Trainer
 
 log = logging.getLogger("meshpilot.rank")
 
@@ -77,12 +85,12 @@ class RankActor:
         self.rank = -1
         self.generation = -1
         self.mesh: MeshSpec | None = None
-        self.trainer = None
-        self.checkpoints = None
-        self.store = None
-        self.committer = None
+        self.trainer: Trainer | None = None
+        self.checkpoints: RankCheckpoints | NoCheckpoints | None = None
+        self.store: dist.Store | None = None
+        self.committer: StepCommitter | None = None
         self.last_step = 0
-        self._kept_shards: dict | None = None
+        self._kept_shards: dict[str, torch.Tensor] | None = None
         self._stop = threading.Event()
         # Set when the driver aborted this generation's groups: any error the loop sees after
         # that is a consequence of another rank's failure, whatever torch's message says.
@@ -149,11 +157,8 @@ class RankActor:
         faults: tuple[FaultSpec, ...] = (),
     ) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
-        from workers.checkpoints import NoCheckpoints, RankCheckpoints
         from workers.parallelize import forget_old_meshes
-        from workers.rendezvous import StepCommitter, connect_store
-        from workers.runtime import init_generation, make_source, pick_device
-        from workers.trainer import Trainer
+        from workers.rendezvous import connect_store
 
         self._set_phase(Phase.CONFIGURING)
         if self.trainer is not None:  # still in an earlier generation (a retried configure)
@@ -165,55 +170,78 @@ class RankActor:
         forget_old_meshes()
         if self.store is None:
             self.store = connect_store(*store_address)
+        trainer, checkpoints = self._join_generation(
+            store=self.store, generation=generation, rank=rank, mesh=mesh, faults=faults
+        )
+        self._fill_state(start, trainer, checkpoints)
+        if sync_replicas:
+            trainer.sync_from_first_replica()
+        self._set_phase(Phase.READY)
+        return self.last_step
+
+    def _join_generation(
+        self, *, store: dist.Store, generation: int, rank: int, mesh: MeshSpec, faults: tuple[FaultSpec, ...]
+    ) -> tuple[Trainer, RankCheckpoints | NoCheckpoints]:
+        """Inside ``configure``, collective: join the generation's process group, then build and
+        keep its committer, trainer, fault injector and checkpoints (an empty trainer: nothing
+        is initialised, restored or rebound yet)."""
+        from workers.checkpoints import NoCheckpoints, RankCheckpoints
+        from workers.rendezvous import StepCommitter
+        from workers.runtime import init_generation, make_source, pick_device
+        from workers.trainer import Trainer
+
         sockets_before = socket_inodes()
         init_generation(
-            store=self.store,
+            store=store,
             generation=generation,
             rank=rank,
             world_size=mesh.world_size,
             backend=self.spec.backend,
             timeout_s=self.spec.collective_timeout_s,
         )
-        self.committer = StepCommitter(
-            self.store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
+        committer = StepCommitter(
+            store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
         )
-        self.trainer = Trainer(
+        self.committer = committer
+        trainer = Trainer(
             self.spec,
             mesh,
             rank,
             device=pick_device(self.spec.backend),
             source=make_source(self.spec, self.data),
-            committer=self.committer,
+            committer=committer,
         )
+        self.trainer = trainer
         self._group_sockets = socket_inodes() - sockets_before
         self.faults = FaultInjector(
             faults, rank=rank, on_fire=lambda f: log.warning("firing injected fault %s", f.describe())
         )
-        self.checkpoints = (
-            RankCheckpoints(
-                self.spec, self.trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down
-            )
+        checkpoints = (
+            RankCheckpoints(self.spec, trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down)
             if self.spec.checkpoint
             else NoCheckpoints()
         )
+        self.checkpoints = checkpoints
+        return trainer, checkpoints
+
+    def _fill_state(self, start: StartFrom, trainer: Trainer, checkpoints: RankCheckpoints | NoCheckpoints) -> None:
+        """Inside ``configure``: fill the new generation's trainer as ``start`` says (the kept
+        slices, a fresh initialisation, a peer's step or a checkpoint) and set ``last_step``.
+        Collective where the trainer's calls are (a restore reshards)."""
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
-            self.trainer.load_local_shards(self._kept_shards)
+            trainer.load_local_shards(self._kept_shards)
         elif start.mode == StartMode.FRESH:
-            self.trainer.init_weights()
+            trainer.init_weights()
             self.last_step = 0
         elif start.mode == StartMode.PEER:
-            self.trainer.ensure_optimizer_state()
+            trainer.ensure_optimizer_state()
             self.last_step = start.step
         elif start.mode == StartMode.CHECKPOINT:
-            self.checkpoints.restore(start.step)
+            checkpoints.restore(start.step)
             self.last_step = start.step
         else:
-            raise ValueError(f"cannot start from {start!r} on rank {rank}")
+            raise ValueError(f"cannot start from {start!r} on rank {self.rank}")
         self._kept_shards = None
-        if sync_replicas:
-            self.trainer.sync_from_first_replica()
-        self._set_phase(Phase.READY)
-        return self.last_step
 
     def run(self, *, last_step: int) -> RunOutcome:
         """The training loop, from the step after ``self.last_step`` to ``last_step``.
@@ -249,6 +277,7 @@ class RankActor:
 
     def _loop(self, last_step: int) -> RunOutcome:
         trainer = self.trainer
+        assert trainer is not None, "run follows a configure"
         while self.last_step < last_step:
             if self._stop.is_set():
                 return RunOutcome(RunStatus.STOPPED, self.last_step)
@@ -258,7 +287,7 @@ class RankActor:
             result = trainer.train_step(step)
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
-            stall = self.checkpoints.after_step(
+            stall = self._live_checkpoints().after_step(
                 step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
             )
             self.channel.step(
@@ -272,10 +301,17 @@ class RankActor:
                 checkpoint_stall_s=stall,
             )
             if result.pause:
-                self.checkpoints.close(wait=True)  # uploads of this generation are reported before it ends
+                self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends
                 return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())
-        self.checkpoints.close(wait=True)
+        self._live_checkpoints().close(wait=True)
         return RunOutcome(RunStatus.FINISHED, self.last_step, state_digest=trainer.state_digest())
+
+    def _live_checkpoints(self) -> RankCheckpoints | NoCheckpoints:
+        """Loop thread: the generation's checkpoints, read from the actor at each use rather than
+        held, because ``shutdown`` (another thread) may drop them while the loop runs."""
+        checkpoints = self.checkpoints
+        assert checkpoints is not None, "the rank left its generation while the loop ran"
+        return checkpoints
 
     def shutdown(self) -> None:
         self._drop_process_groups(keep_shards=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpointing.catalog import load_manifest
 from checkpointing.errors import StorageUnreachableError
@@ -19,7 +19,10 @@ from checkpointing.reader import restore
 from checkpointing.storage import StorageBackend, open_storage
 from checkpointing.writer import CheckpointWriter
 from workers.reporting import ReportChannel
-from workers.spec import CheckpointTarget, TrainSpec
+from workers.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from workers.trainer import Trainer
 
 
 class NoCheckpoints:
@@ -37,13 +40,14 @@ class RankCheckpoints:
     def __init__(
         self,
         spec: TrainSpec,
-        trainer,
+        trainer: Trainer,
         *,
         rank: int,
         channel: ReportChannel,
         storage_down: Callable[[], bool] = lambda: False,
     ) -> None:
-        target: CheckpointTarget = spec.checkpoint
+        target = spec.checkpoint
+        assert target is not None, "built only for a job with checkpoint.uri (else NoCheckpoints)"
         self.spec = spec
         self.target = target
         self.trainer = trainer

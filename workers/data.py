@@ -46,6 +46,7 @@ class TextSource:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._order = torch.randperm(self.windows, generator=generator)
             self._epoch = epoch
+        assert self._order is not None, "drawn whenever _epoch is set"
         return self._order
 
 

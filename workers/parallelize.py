@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -26,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from checkpointing.torch_compat import clear_dtensor_caches, local_shape_and_offset
 from elastic.spec import DIM_ORDER, MeshSpec
-from workers.model import Transformer, init_std
+from workers.model import Transformer, TransformerBlock, init_std
 from workers.spec import ModelSpec
 
 
@@ -82,7 +83,7 @@ def build_stage_module(model: ModelSpec, plan: StagePlan) -> Transformer:
 
 def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence."""
-    top_plan = {}
+    top_plan: dict[str, ParallelStyle] = {}
     if module.embed_tokens is not None:
         top_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if module.norm is not None:
@@ -112,6 +113,7 @@ def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
 
 def apply_activation_checkpointing(module: Transformer) -> None:
     for block in module.layers.values():
+        assert isinstance(block, TransformerBlock), "layers holds only transformer blocks"
         block.activation_checkpointing = True
 
 

@@ -78,7 +78,7 @@ def _resolve(path: str) -> Any | None:
     parts = path.split(".")
     for split in range(len(parts), 0, -1):
         try:
-            target = importlib.import_module(".".join(parts[:split]))
+            target: Any = importlib.import_module(".".join(parts[:split]))
         except ImportError:
             continue
         for attribute in parts[split:]:
@@ -102,5 +102,7 @@ def drain_node_for_preemption(node_id: str, message: str, *, deadline_s: float =
     from ray.core.generated import autoscaler_pb2
 
     deadline_ms = int((time.time() + deadline_s) * 1000)
-    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-    worker.global_worker.gcs_client.drain_node(node_id, reason, message, deadline_ms)
+    # Neither name is visible to a type checker: protobuf builds the enum from a descriptor at
+    # import, and Ray sets the GCS client on the worker when it connects.
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+    worker.global_worker.gcs_client.drain_node(node_id, reason, message, deadline_ms)  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch
+from workers.model import Transformer
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 
 
@@ -109,7 +110,7 @@ class Trainer:
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
 
     # ------------------------------------------------------------------ building
-    def _build_module(self, plan: par.StagePlan) -> torch.nn.Module:
+    def _build_module(self, plan: par.StagePlan) -> Transformer:
         module = par.build_stage_module(self.spec.model, plan)
         if self.mesh.tp > 1:
             par.apply_tensor_parallel(module, self.world_mesh["tp"])
@@ -208,7 +209,8 @@ class Trainer:
     def _clip_gradients(self) -> torch.Tensor:
         """Collective: the global gradient norm over every dimension, pipeline stages included."""
         params = [p for module in self.modules for p in module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        grads = cast(list[torch.Tensor], [p.grad for p in params])  # params keeps only those with a grad
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         if self.mesh.pp > 1:
@@ -319,5 +321,7 @@ class Trainer:
         """Drop every object that holds a process group, so that destroying them frees their sockets."""
         self.schedule = None
         self.modules = []
-        self.optimizer = None
-        self.world_mesh = None
+        # Dropped rather than set to None: a closed trainer is never used again, and the types
+        # stay those of a live one; popping keeps a second close() harmless.
+        self.__dict__.pop("optimizer", None)
+        self.__dict__.pop("world_mesh", None)

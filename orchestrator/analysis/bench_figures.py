@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import UserError
 
@@ -105,7 +106,7 @@ def record_figure(
         raise ValueError(f"unknown figure {name!r}; known: {', '.join(FIGURES)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"format": FORMAT, "figures": {}}
+    document: dict[str, Any] = {"format": FORMAT, "figures": {}}
     if path.is_file():
         try:
             loaded = json.loads(path.read_text(encoding="utf-8"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from orchestrator.errors import user_error_types
 from orchestrator.observe.redact import redact_text
@@ -30,7 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line naming the flag, like every other user error."""
 
-    def error(self, message: str) -> None:  # noqa: D401 - argparse hook
+    def error(self, message: str) -> NoReturn:  # noqa: D401 - argparse hook
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

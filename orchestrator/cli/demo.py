@@ -17,7 +17,8 @@ from pathlib import Path
 from checkpointing.catalog import list_committed
 from checkpointing.local_s3 import LocalS3Server
 from checkpointing.storage import open_storage
-from orchestrator.analysis.timeline import format_summary, load_events, render_timeline, summarize
+from orchestrator.analysis.timeline import format_summary, load_events, summarize
+from orchestrator.analysis.timeline_plot import render_timeline
 from orchestrator.config import load_config
 from orchestrator.observe.progress import ProgressView
 from orchestrator.observe.redact import register_secret

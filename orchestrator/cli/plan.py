@@ -57,6 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_search_flags(parser)
+    _add_assumption_flags(parser)
+    parser.set_defaults(handler=run_plan)
+
+    from orchestrator.cli import simulate as simulate_cli
+
+    simulate_cli.register(subparsers)
+
+
+def _add_search_flags(parser: argparse.ArgumentParser) -> None:
+    """What the search may choose: fixed degrees, replica floor, tp placement, stages, schedules."""
     for dim in ("dp_replicate", "dp_shard", "tp", "pp"):
         parser.add_argument(
             f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim, help=f"fix {dim} to this degree"
@@ -86,6 +97,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: whichever fits and is faster",
     )
+
+
+def _add_assumption_flags(parser: argparse.ArgumentParser) -> None:
+    """The cost model's efficiency and memory-reserve fractions (defaults: ``Assumptions``)."""
     parser.add_argument(
         "--compute-efficiency",
         type=float,
@@ -104,11 +119,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=Assumptions.memory_reserve,
         help="fraction of GPU memory kept free for CUDA context, NCCL, fragmentation (default %(default)s)",
     )
-    parser.set_defaults(handler=run_plan)
-
-    from orchestrator.cli import simulate as simulate_cli
-
-    simulate_cli.register(subparsers)
 
 
 def add_hardware_flags(parser: argparse.ArgumentParser) -> None:
@@ -296,6 +306,7 @@ def _no_layout_message(name: str, result: PlanResult) -> str:
     memory = [r for r in result.rejections if r.kind == "memory" and r.needs_gb is not None]
     if memory:
         closest = min(memory, key=lambda r: r.needs_gb or 0.0)
+        assert closest.needs_gb is not None  # memory holds only rejections that carry a figure
         usable = cluster.gpu.memory_gb * (1 - result.assumptions.memory_reserve)
         return (
             f"no layout of {name} fits on {where}: the smallest ({closest.layout}) needs "

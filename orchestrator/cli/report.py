@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.analysis.timeline import format_summary, load_events, render_timeline, summarize
+from orchestrator.analysis.timeline import format_summary, load_events, summarize
+from orchestrator.analysis.timeline_plot import render_timeline
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

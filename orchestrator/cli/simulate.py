@@ -62,6 +62,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "checkpoints and recoveries; prints the effective-training-time ratio per policy and the "
         "best checkpoint interval next to Young/Daly's.",
     )
+    _add_failure_rate_flags(parser)
+    _add_timing_flags(parser)
+    _add_job_shape_flags(parser)
+    parser.add_argument(
+        "--policy", action="append", choices=POLICIES, default=None, help="policies to simulate (repeat; default all)"
+    )
+    parser.add_argument("--trials", type=int, default=5, help="runs averaged per point (default 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bench-results",
+        default=str(DEFAULT_PATH),
+        help="measured figures (JSON); 'none' to use only flags and defaults",
+    )
+    parser.add_argument("--plot", default=None, metavar="OUT.png", help="write goodput vs checkpoint interval")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run_simulate)
+
+
+def _add_failure_rate_flags(parser: argparse.ArgumentParser) -> None:
+    """The job's size, how often it fails (one of three ways to say it), and the simulated span."""
     parser.add_argument("--gpus", type=int, default=16384, help="GPUs in the job (default 16384)")
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument("--mttf-hours", type=float, default=None, help="mean time between failures of the whole job")
@@ -83,6 +103,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"simulated wall time, and the window of --interruptions (default {DEFAULT_DAYS:g})",
     )
+
+
+def _add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint interval and every duration; a ``TIMINGS`` flag left out takes the measured figure or default."""
     parser.add_argument(
         "--checkpoint-interval-min",
         type=float,
@@ -104,6 +128,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="minutes until a replacement node joins a shrunk job (default 15)",
     )
     parser.add_argument("--step-s", type=float, default=10.0, help="seconds per training step (default 10)")
+
+
+def _add_job_shape_flags(parser: argparse.ArgumentParser) -> None:
+    """Replica groups and spot preemption notices: what an in-place recovery can drop and when."""
     parser.add_argument(
         "--replica-gpus",
         type=int,
@@ -114,19 +142,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups to train on")
     parser.add_argument("--preemptions-per-day", type=float, default=0.0, help="spot preemption notices per day")
     parser.add_argument("--notice-s", type=float, default=120.0, help="seconds between a notice and the node leaving")
-    parser.add_argument(
-        "--policy", action="append", choices=POLICIES, default=None, help="policies to simulate (repeat; default all)"
-    )
-    parser.add_argument("--trials", type=int, default=5, help="runs averaged per point (default 5)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--bench-results",
-        default=str(DEFAULT_PATH),
-        help="measured figures (JSON); 'none' to use only flags and defaults",
-    )
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="write goodput vs checkpoint interval")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run_simulate)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -265,12 +280,12 @@ def format_simulation(result: Sweep, sources: dict[str, str], failure_source: st
             f"{curve.at_young_daly.goodput:>7.2%}   {'':21}{best.restores:>8} {_duration(best.lost_work_s):>10} "
             f"{_duration(best.paused_s):>9} {_duration(best.checkpoint_stall_s):>10} {_duration(best.shrunk_loss_s):>9}"
         )
-    requested = [curve for curve in result.curves if curve.at_requested is not None]
+    requested = [(curve.policy, curve.at_requested) for curve in result.curves if curve.at_requested is not None]
     if requested:
-        interval = requested[0].at_requested.checkpoint_interval_s
+        interval = requested[0][1].checkpoint_interval_s
         lines.append(
             f"at a {_duration(interval)} interval: "
-            + ", ".join(f"{curve.policy} {curve.at_requested.goodput:.2%}" for curve in requested)
+            + ", ".join(f"{policy} {point.goodput:.2%}" for policy, point in requested)
         )
     lines.append(
         "goodput = effective training time / wall time (lost work, pauses, stalls and missing capacity excluded)"

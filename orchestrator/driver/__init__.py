@@ -9,7 +9,7 @@
     rank_reports.py     rank reports -> the run's events (step, log, checkpoint, drain notice)
     train_spec.py       the job config -> what every rank is sent (TrainSpec)
 
-May import ``orchestrator.observe``, ``orchestrator.config``/``errors``, ``elastic``,
+May import ``orchestrator.observe``, ``orchestrator.config``/``config_checks``/``errors``, ``elastic``,
 ``workers.spec`` (and ``workers.actor`` for the class handle), ``checkpointing``'s torch-free
 modules. Never ``torch``; Ray's private APIs only through its one compat module.
 """

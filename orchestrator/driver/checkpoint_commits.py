@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Set as AbstractSet
 
 from checkpointing.catalog import choose_restore, latest_committed
 from checkpointing.commit import CommitCoordinator
@@ -39,7 +40,7 @@ class NoCheckpoints:
     def latest_step(self) -> int | None:
         return None
 
-    def choose_resume(self, skip_steps: set[int] = frozenset()) -> Manifest | None:
+    def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> Manifest | None:
         return None
 
 
@@ -48,6 +49,7 @@ class DriverCheckpoints:
 
     def __init__(self, config: JobConfig, events: EventLog, *, mesh: MeshSpec) -> None:
         target = config.checkpoint
+        assert target.uri is not None  # driver_checkpoints builds this only when checkpoint.uri is set
         self.events = events
         self.model = dataclasses.asdict(config.model_spec)
         self.config_hash = config.config_hash()
@@ -96,7 +98,7 @@ class DriverCheckpoints:
             log.warning("cannot list checkpoints under %s: %s", self.uri, error)
             return None
 
-    def choose_resume(self, skip_steps: set[int] = frozenset()) -> Manifest | None:
+    def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> Manifest | None:
         """The newest intact, compatible checkpoint (falls back past corrupt ones with a warning)."""
         return choose_restore(
             self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps, warn=log.warning

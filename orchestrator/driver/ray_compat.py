@@ -64,7 +64,8 @@ def draining_node_ids() -> set[str]:
 def auth_token_header() -> dict[str, str]:
     """The HTTP header carrying the cluster's auth token, found the way Ray's own clients find it;
     {} when there is none. The caller registers the value for redaction."""
-    from ray._raylet import AuthenticationTokenLoader
+    # Ray's _raylet.pyi stub lists only part of the compiled module; the class exists at run time.
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
 
     loader = AuthenticationTokenLoader.instance()
     if not loader.has_token(ignore_auth_mode=True):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator.config import JobConfig, resolve_data_path
+from orchestrator.config import JobConfig
+from orchestrator.config_checks import resolve_data_path
 from workers.spec.train import BatchPlan, CheckpointTarget, OptimizerSpec, TrainSpec
 
 

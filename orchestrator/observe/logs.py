@@ -60,8 +60,10 @@ class JsonLinesFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if getattr(record, "rank", None) is not None:
-            line["rank"] = record.rank
+        # ``rank`` is not a LogRecord attribute: it arrives through ``extra=`` or a filter, when at all.
+        rank = getattr(record, "rank", None)
+        if rank is not None:
+            line["rank"] = rank
         return json.dumps(line)
 
 

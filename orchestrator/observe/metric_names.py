@@ -53,6 +53,7 @@ class MetricSpec:
             return Counter(self.name, self.help, self.labels, registry=registry)
         if self.kind == "gauge":
             return Gauge(self.name, self.help, self.labels, registry=registry)
+        assert self.buckets is not None  # every histogram is declared through _histogram, with its buckets
         return Histogram(self.name, self.help, self.labels, registry=registry, buckets=self.buckets)
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_wsgi_server
@@ -81,7 +82,7 @@ class MetricsExporter:
         self._run_name = run_name
         self._targets_dir = Path(targets_dir) if targets_dir else None
         self._targets_file: Path | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         # Scrape-time state (plain floats, written whole by on_event).
@@ -306,6 +307,8 @@ class MetricsExporter:
             for gone in [label for label in children if label not in shown]:
                 gauge.remove(gone)
                 del children[gone]
+        # Step times are >= 0, so the first rank already beat -1.0.
+        assert slowest_rank is not None
         median = statistics.median(rank_times.values())
         self.m.straggler_ratio.set(slowest / median if median > 0 else 1.0)
         self.m.slowest_rank.set(int(slowest_rank) if slowest_rank.isdigit() else -1)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 
 class ProgressView:
@@ -20,7 +20,7 @@ class ProgressView:
         self.console = console or Console(stderr=True)
         self.plain = force_plain or not self.console.is_terminal
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         self._total = 0
         self._tokens_per_s = 0.0
         self._last_plain = 0.0
@@ -58,6 +58,7 @@ class ProgressView:
             self._tokens_per_s = event["tokens"] / event["step_time_s"]
         rate = f"{self._tokens_per_s:,.0f}"
         if self._progress is not None:
+            assert self._task is not None  # _begin adds the task as it starts the bar
             self._progress.update(self._task, completed=event["step"], loss=loss, rate=rate)
             return
         now = time.monotonic()

@@ -10,8 +10,8 @@ Ray's Job Submission SDK.
                    one-line UserErrors, following logs and waiting for a job to end
     auth.py        the bearer token of a token-protected cluster, registered for redaction
 
-May import ``orchestrator.config``, ``orchestrator.errors``, ``orchestrator.observe.redact`` and the
-driver's Ray fence (``orchestrator.driver.ray_compat``, for the token loader); never the
-controller, the worker group or anything that starts Ray. Ray, its SDK and ``requests`` are
-imported inside the functions that need them, so the CLI starts without them.
+May import ``orchestrator.config``/``config_checks``, ``orchestrator.errors``,
+``orchestrator.observe.redact`` and the driver's Ray fence (``orchestrator.driver.ray_compat``,
+for the token loader); never the controller, the worker group or anything that starts Ray. Ray,
+its SDK and ``requests`` are imported inside the functions that need them, so the CLI starts without them.
 """

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import JobConfig, load_config, resolve_data_path
+from orchestrator.config import JobConfig, load_config
+from orchestrator.config_checks import resolve_data_path
 from orchestrator.errors import UserError
 
 # Never shipped to the cluster: environments, outputs, VCS data and caches.

@@ -16,6 +16,7 @@ import torch
 from checkpointing.catalog import list_committed
 from checkpointing.commit import CommitCoordinator
 from checkpointing.reader import latest_committed, load_manifest, restore
+from checkpointing.spec import FailureReport, ShardReport
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 
@@ -39,7 +40,11 @@ def rank_and_driver(uri: str, endpoint_url: str, messages) -> None:
     torch.set_num_threads(1)
     storage = open_storage(uri, endpoint_url=endpoint_url, part_size=PART, concurrency=1)
     coordinator = CommitCoordinator(storage, world_size=1, mesh={"dp_shard": 1}, config_hash="h", model={}, keep_last=3)
-    writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
+
+    def commit(report: ShardReport | FailureReport) -> None:
+        coordinator.on_report(report)  # the writer wants no answer; commits show in the coordinator
+
+    writer = CheckpointWriter(storage, rank=0, report=commit)
     writer.save_sync(10, small_state(), extra={"cursor": 10}, owns_plain_tensors=True)
     messages.put(coordinator.committed_steps)
     writer.save(20, big_state(), extra={"cursor": 20}, owns_plain_tensors=True)

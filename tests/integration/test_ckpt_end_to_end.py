@@ -15,6 +15,7 @@ from checkpointing.catalog import choose_restore
 from checkpointing.commit import CommitCoordinator
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.reader import latest_committed, load_manifest, restore
+from checkpointing.spec import FailureReport, ShardReport
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from orchestrator.cli import main
@@ -32,8 +33,8 @@ def trained_state(seed: int) -> tuple[Transformer, dict[str, torch.Tensor]]:
     tokens = torch.randint(0, SPEC.vocab_size, (2, 16))
     model(tokens).float().logsumexp(-1).mean().backward()
     optimizer.step()
-    state = dict(model.named_parameters())
-    names = {param: name for name, param in model.named_parameters()}
+    state: dict[str, torch.Tensor] = dict(model.named_parameters())
+    names: dict[torch.Tensor, str] = {param: name for name, param in model.named_parameters()}  # optimizer.state's keys
     for param, values in optimizer.state.items():
         for key, value in values.items():
             state[f"optim.{names[param]}.{key}"] = value
@@ -44,7 +45,11 @@ def save_steps(storage, steps_and_states) -> CommitCoordinator:
     coordinator = CommitCoordinator(
         storage, world_size=1, mesh={"dp_shard": 1}, config_hash="c0ffee", model=MODEL, keep_last=5
     )
-    writer = CheckpointWriter(storage, rank=0, report=coordinator.on_report)
+
+    def commit(report: ShardReport | FailureReport) -> None:
+        coordinator.on_report(report)  # the writer wants no answer; commits show in the coordinator
+
+    writer = CheckpointWriter(storage, rank=0, report=commit)
     for step, state in steps_and_states:
         writer.save(
             step, {k: v.detach() for k, v in state.items()}, extra={"data_cursor": step * 32}, owns_plain_tensors=True

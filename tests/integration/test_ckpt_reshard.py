@@ -39,10 +39,11 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(MODEL["vocab"], MODEL["dim"])
+        # None on the pipeline stages that do not hold them (build_state drops them there).
+        self.embed: nn.Embedding | None = nn.Embedding(MODEL["vocab"], MODEL["dim"])
         self.layers = nn.ModuleDict({str(i): Block() for i in range(MODEL["layers"])})
-        self.norm = nn.RMSNorm(MODEL["dim"])
-        self.head = nn.Linear(MODEL["dim"], MODEL["vocab"], bias=False)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(MODEL["dim"])
+        self.head: nn.Linear | None = nn.Linear(MODEL["dim"], MODEL["vocab"], bias=False)
 
 
 def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.Tensor], bool, object]:
@@ -61,7 +62,9 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
         world *= size
     if world > 1:
         mesh = init_device_mesh("cpu", tuple(mesh_shape[d] for d in DIMS), mesh_dim_names=DIMS)
-        coords = dict(zip(DIMS, mesh.get_coordinate()))
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "every rank of the world is in the mesh it built"
+        coords = dict(zip(DIMS, coordinate))
         stage, stages = coords["pp"], mesh_shape["pp"]
         per_stage = MODEL["layers"] // stages
         for index in list(model.layers):  # a pipeline stage keeps only its layers, names unchanged
@@ -90,10 +93,10 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
         parameter.grad = parameter.detach() * 0.5 + 0.25  # same per element whatever the mesh
     optimizer.step()
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    names = {parameter: name for name, parameter in model.named_parameters()}
-    for parameter, values in optimizer.state.items():
+    names: dict[torch.Tensor, str] = {parameter: name for name, parameter in model.named_parameters()}
+    for optimized, values in optimizer.state.items():  # keyed by the parameters, typed as plain tensors
         for key, value in values.items():
-            state[f"optim.{names[parameter]}.{key}"] = value
+            state[f"optim.{names[optimized]}.{key}"] = value
     return state, owns_plain, mesh
 
 

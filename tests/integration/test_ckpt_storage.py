@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,7 +16,7 @@ PART = 5 << 20
 
 
 @pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path) -> StorageBackend:
+def storage(request, tmp_path) -> Iterator[StorageBackend]:
     if request.param == "local":
         backend = open_storage(str(tmp_path / "ckpt"), part_size=PART)
     else:

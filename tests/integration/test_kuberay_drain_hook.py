@@ -33,15 +33,20 @@ def cluster(ray_cluster):
         ray_cluster.remove_node(node, allow_graceful=False)
 
 
-@ray.remote(num_cpus=1, resources={"spot": 1})
 class Rank:
+    @ray.method  # no options: types node() as an actor method, with .remote()
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
 
+# ray.remote applied as a call, not as a class decorator: mypy keeps a decorated class's own type, so it would
+# not see the ActorClass that ray.remote returns (and its .remote()).
+RemoteRank = ray.remote(num_cpus=1, resources={"spot": 1})(Rank)
+
+
 def _worker_with_rank(cluster) -> tuple[str, object]:
     node = cluster.add_node(num_cpus=1, resources={"spot": 1})
-    rank = Rank.remote()
+    rank = RemoteRank.remote()
     assert ray.get(rank.node.remote()) == node.node_id
     return node.node_id, rank
 

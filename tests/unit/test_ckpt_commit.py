@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from checkpointing.catalog import list_committed
 from checkpointing.commit import CommitCoordinator
 from checkpointing.local import LocalStorage
 from checkpointing.retention import steps_to_delete
-from checkpointing.spec import manifest_key
+from checkpointing.spec import FailureReport, ShardReport, manifest_key
+from checkpointing.storage import StorageBackend
 from checkpointing.writer import CheckpointWriter
 
 
-def shard_reports(storage, step: int, states: list[dict], owners: list[bool]) -> list[dict]:
-    reports = []
+def shard_reports(
+    storage: StorageBackend, step: int, states: list[dict], owners: list[bool]
+) -> list[ShardReport | FailureReport]:
+    reports: list[ShardReport | FailureReport] = []
     for rank, (state, owns) in enumerate(zip(states, owners)):
         writer = CheckpointWriter(storage, rank=rank, report=reports.append)
         writer.save(step, state, extra={"step": step}, owns_plain_tensors=owns)
@@ -21,10 +26,24 @@ def shard_reports(storage, step: int, states: list[dict], owners: list[bool]) ->
     return reports
 
 
-def coordinator(storage, **kwargs) -> CommitCoordinator:
-    settings = dict(world_size=2, mesh={"dp_shard": 2}, config_hash="h", model={"dim": 2}, keep_last=2)
-    settings.update(kwargs)
-    return CommitCoordinator(storage, **settings)
+def coordinator(
+    storage: StorageBackend,
+    *,
+    world_size: int = 2,
+    keep_last: int = 2,
+    keep_every: int = 0,
+    on_failure: Callable[[int, str, str], None] | None = None,
+) -> CommitCoordinator:
+    return CommitCoordinator(
+        storage,
+        world_size=world_size,
+        mesh={"dp_shard": 2},
+        config_hash="h",
+        model={"dim": 2},
+        keep_last=keep_last,
+        keep_every=keep_every,
+        on_failure=on_failure,
+    )
 
 
 def test_commits_only_when_every_rank_reported(tmp_path):

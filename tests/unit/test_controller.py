@@ -70,7 +70,7 @@ class FakeGroup:
     def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float) -> None:
         self.spec = spec
         self.active: list[FakeSlot] = []
-        self.queued: dict[int, list[dict[str, Any]]] = {}
+        self.queued: dict[int, list[StepReport]] = {}
         self.configured: list[dict[str, Any]] = []
         self.aborted: list[tuple[int, int]] = []
         self.killed: list[int] = []
@@ -171,7 +171,7 @@ class FakeGroup:
 
 
 # The type checker holds the fake to the protocol the controller is written against.
-FAKE_GROUP_CLASS: type[WorkerGroupProtocol[Any]] = FakeGroup
+FAKE_GROUP_CLASS: type[WorkerGroupProtocol[FakeSlot]] = FakeGroup
 FAKE_SLOT: type[Slot] = FakeSlot
 
 

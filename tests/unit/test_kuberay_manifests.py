@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -33,7 +34,7 @@ _DURATION = {
     "type": "string",
     "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
 }
-PODMONITOR_SCHEMA = {
+PODMONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -93,7 +94,7 @@ PODMONITOR_SCHEMA = {
         },
     },
 }
-PRIORITYCLASS_SCHEMA = {
+PRIORITYCLASS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": ["apiVersion", "kind", "metadata", "value"],

@@ -10,16 +10,14 @@ import pytest
 from matplotlib.image import imread
 
 import orchestrator.cli as cli
-from orchestrator.analysis.timeline import (
+from orchestrator.analysis.timeline import format_summary, load_events, summarize
+from orchestrator.analysis.timeline_plot import (
     MARKERS,
     PARTIAL_LOSS_COLOUR,
     STARTUP_ALPHA,
     STARTUP_COLOUR,
     _marker_text,
-    format_summary,
-    load_events,
     render_timeline,
-    summarize,
 )
 from tests.fixtures.synthetic_events import START_TIME, synthetic_run, write_events
 

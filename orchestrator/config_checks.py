@@ -1,0 +1,188 @@
+"""The checks of a built job config against itself and the filesystem.
+
+Runs on the driver. ``orchestrator.config`` builds a ``JobConfig`` with every key and type
+checked generically, then calls ``validate`` here for the rules that relate values to each
+other: signs and ranges, the model's shape against the mesh and schedule, the batch against
+the pipeline, the elastic bounds, and the checkpoint URI. ``resolve_data_path`` lives here
+because ``data.path`` is checked against the disk, and the config hash reads the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # Only for annotations: ``orchestrator.config`` imports this module to run ``validate``.
+    from orchestrator.config import JobConfig
+    from workers.spec import ModelSpec
+
+_POSITIVE_KEYS = (
+    "parallelism.dp_replicate",
+    "parallelism.dp_shard",
+    "parallelism.tp",
+    "parallelism.pp",
+    "parallelism.microbatches",
+    "training.steps",
+    "training.global_batch",
+    "training.seq_len",
+    "checkpoint.interval_steps",
+    "checkpoint.keep_last",
+    "checkpoint.part_size_mb",
+    "checkpoint.upload_concurrency",
+    "checkpoint.max_in_flight",
+    "elastic.min_replicas",
+)
+_NON_NEGATIVE_KEYS = (
+    "training.lr",
+    "training.warmup_steps",
+    "training.weight_decay",
+    "training.grad_clip",
+    "training.seed",
+    "checkpoint.keep_every",
+    "elastic.spare_actors",
+    "runtime.cpus_per_rank",
+    "runtime.gpus_per_rank",
+)
+_ELASTIC_DURATION_KEYS = (
+    "heartbeat_timeout_s",
+    "hang_timeout_s",
+    "collective_timeout_s",
+    "failure_window_s",
+    "instance_action_poll_s",
+)
+
+
+def validate(config: JobConfig) -> list[str]:
+    """Cross-field checks; returns sentences naming key, value and reason."""
+    problems: list[str] = []
+    _positive(problems, config, _POSITIVE_KEYS)
+    _non_negative(problems, config, _NON_NEGATIVE_KEYS)
+    if problems:
+        return problems
+    model = config.model_spec
+    problems.extend(model.problems())
+    problems.extend(_parallelism_problems(config, model, check_mesh=not problems))
+    problems.extend(_training_and_data_problems(config, model))
+    problems.extend(_elastic_problems(config))
+    if not 0 <= config.metrics.port <= 65535:
+        problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
+    if config.runtime.backend == "nccl" and config.runtime.gpus_per_rank <= 0:
+        problems.append("runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs)")
+    if config.checkpoint.uri is not None:
+        problems.extend(_check_uri(config.checkpoint.uri))
+    return problems
+
+
+def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str]:
+    """The sequence and schedule against the model, and the data source against the vocabulary and disk."""
+    train = config.training
+    problems: list[str] = []
+    if train.seq_len > model.max_seq_len:
+        problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
+    if not 0.0 <= train.min_lr_ratio <= 1.0:
+        problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
+    if config.data.source == "text":
+        if model.vocab_size < 256:
+            problems.append(
+                f"model.vocab_size={model.vocab_size} must be >= 256 for data.source=text (byte-level tokens)"
+            )
+        if resolve_data_path(config) is None:
+            problems.append(
+                f"data.path={config.data.path!r}: no such file (looked in the current directory"
+                + (f" and {config.source_dir}" if config.source_dir else "")
+                + ")"
+            )
+    return problems
+
+
+def _elastic_problems(config: JobConfig) -> list[str]:
+    """The replica bounds against the starting mesh, and every elastic duration > 0."""
+    par, el = config.parallelism, config.elastic
+    problems: list[str] = []
+    if el.max_replicas is not None and el.max_replicas < par.dp_replicate:
+        problems.append(f"elastic.max_replicas={el.max_replicas} is below parallelism.dp_replicate={par.dp_replicate}")
+    if el.min_replicas > par.dp_replicate:
+        problems.append(f"elastic.min_replicas={el.min_replicas} exceeds parallelism.dp_replicate={par.dp_replicate}")
+    for key in _ELASTIC_DURATION_KEYS:
+        if getattr(el, key) <= 0:
+            problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
+    return problems
+
+
+def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bool) -> list[str]:
+    """The schedule's own rules, then the mesh against model and batch (when ``check_mesh`` and the
+    rules hold: a mesh checked against a broken model or schedule only repeats the same problem)."""
+    par, train = config.parallelism, config.training
+    problems: list[str] = []
+    if par.stages_per_rank is not None and par.stages_per_rank < 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
+    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
+    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
+        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
+    if par.pp > 1 and par.microbatches < par.pp:
+        problems.append(
+            f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} so that every pipeline stage has work"
+        )
+    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
+        problems.append(
+            f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
+            "for pp_schedule=interleaved_1f1b"
+        )
+    if check_mesh and not problems:
+        problems.extend(
+            "parallelism: " + p
+            for p in config.mesh.check_divides(
+                n_heads=model.n_heads,
+                n_kv_heads=model.n_kv_heads,
+                n_layers=model.n_layers,
+                ffn_dim=model.ffn_dim,
+                global_batch=train.global_batch,
+                microbatches=par.microbatches,
+                seq_len=train.seq_len,
+                stages_per_rank=par.virtual_stages,
+            )
+        )
+    return problems
+
+
+def resolve_data_path(config: JobConfig) -> Path | None:
+    candidates = [Path(config.data.path)]
+    if config.source_dir and not Path(config.data.path).is_absolute():
+        candidates.append(Path(config.source_dir) / config.data.path)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def _check_uri(uri: str) -> list[str]:
+    if uri.startswith("s3://"):
+        bucket = uri[len("s3://") :].split("/", 1)[0]
+        if not bucket:
+            return [f"checkpoint.uri={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
+        return []
+    if "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        return [f"checkpoint.uri={uri!r}: scheme {scheme!r} is not supported; use s3://, file:// or a directory"]
+    return []
+
+
+def _lookup(config: JobConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _positive(problems: list[str], config: JobConfig, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = _lookup(config, key)
+        if value is not None and value < 1:
+            problems.append(f"{key}={value} must be >= 1")
+
+
+def _non_negative(problems: list[str], config: JobConfig, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = _lookup(config, key)
+        if value is not None and value < 0:
+            problems.append(f"{key}={value} must be >= 0")
