@@ -54,15 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit  # noqa: E402
-from bench.recovery_timing import (  # noqa: E402
-    median,
-    mesh_change,
-    of_kind,
-    ratio,
-    restart_from_records,
-    step_completed_at,
-    table,
-)
+from bench.recovery_timing import median, mesh_change, of_kind, ratio, restart_from_records, step_completed_at, table  # noqa: E402
 from tests.fixtures.worker_nodes import NODE_RESOURCE, WorkerNodes  # noqa: E402
 
 BENCH = "bench/recovery.py"
