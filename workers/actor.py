@@ -32,10 +32,11 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from elastic.spec import MeshSpec
+from workers.device import PeerWaitMarker
 from workers.faults import FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.reporting import RankLogHandler, ReportChannel
-from workers.sockets import shutdown_sockets, socket_inodes
+from workers.sockets import GroupSockets, shutdown_sockets
 from workers.spec import TrainSpec
 from workers.spec.messages import (
     FailureKind,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
     import torch.distributed as dist
 
     from workers.checkpoints import NoCheckpoints, RankCheckpoints
+    from workers.device import RankDevice
     from workers.rendezvous import StepCommitter
     from workers.trainer import Trainer
 
@@ -97,6 +99,10 @@ class RankActor:
         self._aborted = threading.Event()
         self._phase = (Phase.STARTING, time.monotonic())
         self._loop_thread: int | None = None
+        # Where the loop waits for its peers, marked by the trainer (hang blame reads it).
+        self._peer_waits = PeerWaitMarker()
+        # The device of the current (or last) generation: synced and emptied after leaving one.
+        self.device: RankDevice | None = None
         self._drain_reported = False
         watch_sigterm(self._drain_notice)
         self._instance_watcher = None
@@ -190,7 +196,9 @@ class RankActor:
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
 
-        sockets_before = socket_inodes()
+        device = pick_device(self.spec.backend)
+        self.device = device
+        group_sockets = GroupSockets(self.spec.backend)
         init_generation(
             store=store,
             generation=generation,
@@ -198,6 +206,7 @@ class RankActor:
             world_size=mesh.world_size,
             backend=self.spec.backend,
             timeout_s=self.spec.collective_timeout_s,
+            device=device,
         )
         committer = StepCommitter(
             store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
@@ -207,12 +216,13 @@ class RankActor:
             self.spec,
             mesh,
             rank,
-            device=pick_device(self.spec.backend),
+            device=device,
             source=make_source(self.spec, self.data),
             committer=committer,
+            peer_waits=self._peer_waits,
         )
         self.trainer = trainer
-        self._group_sockets = socket_inodes() - sockets_before
+        self._group_sockets = group_sockets.opened()
         self.faults = FaultInjector(
             faults, rank=rank, on_fire=lambda f: log.warning("firing injected fault %s", f.describe())
         )
@@ -321,11 +331,14 @@ class RankActor:
     def abort_collectives(self, generation: int) -> None:
         """Control thread, any time: abort every process group of this rank in ``generation``.
 
-        Shuts the rank's process-group connections down, so its own blocked collective fails
-        at once and so do peers blocked on it, instead of waiting for the collective timeout.
-        The driver calls it on every survivor when a generation fails: the whole generation
-        unblocks in well under a second. A call that arrives late, once the rank has moved on
-        to a later generation, is ignored.
+        With gloo, shuts the rank's process-group connections down, so its own blocked
+        collective fails at once and so do peers blocked on it, instead of waiting for the
+        collective timeout; with NCCL, aborting the communicators releases the kernels queued
+        on them. The driver calls it on every survivor when a generation fails: the whole
+        generation unblocks in well under a second. A call that arrives late, once the rank
+        has moved on to a later generation, is ignored. The device is synced and emptied by
+        the loop thread as it leaves the generation (``_drop_process_groups``), not here: this
+        answers on a control thread and must return at once.
         """
         if generation != self.generation:
             return
@@ -338,7 +351,10 @@ class RankActor:
         process group, shut the groups' connections down, then abort and destroy the groups.
         Destroying (or aborting) alone does not close gloo's connections while FSDP2 and
         DeviceMesh internals still hold the backends; without the shutdown, peers blocked on
-        this rank would wait for the collective timeout."""
+        this rank would wait for the collective timeout (NCCL's abort needs no shutdown: no
+        sockets are noted for it). Last, the device: synced, so that nothing of the aborted
+        work still runs, and emptied, so that the next generation's communicators and trainer
+        find its memory."""
         import torch.distributed as dist
 
         if self.checkpoints is not None:
@@ -359,16 +375,39 @@ class RankActor:
             except Exception as error:  # noqa: BLE001 - an aborted group may refuse a clean destroy
                 log.debug("destroy_process_group after abort: %s", error)
         gc.collect()
+        self._settle_device()
+
+    def _settle_device(self) -> None:
+        """After the groups are aborted: wait for the device, then empty its cache. An aborted
+        NCCL communicator may leave a CUDA error behind for the sync to raise; by now the rank
+        has left the generation, so the error changes nothing and is only logged."""
+        if self.device is None:
+            return
+        for settle in (self.device.sync, self.device.empty_cache):
+            try:
+                settle()
+            except Exception as error:  # noqa: BLE001 - an aborted NCCL context may raise here
+                log.debug("device %s after leaving generation %s: %s", settle.__name__, self.generation, error)
 
     def _set_phase(self, phase: Phase) -> None:
         self._phase = (phase, time.monotonic())
 
     def _loop_position(self) -> tuple[bool | None, str | None]:
-        """Where the loop thread is now: (waiting on peers?, innermost frame as file:line)."""
-        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread else None
-        if frame is None:
+        """Control thread: where the loop thread is now, as (waiting on peers?, where).
+
+        The trainer's mark comes first (a device sync, the commit vote, a ``.item()``): on a
+        GPU a rank waiting for its peers sits in those, not in ``torch/distributed``. Without
+        a mark, the innermost frame decides: a collective or the store's vote is waiting.
+        ``where`` is the innermost frame as file:line, after the mark's name when marked.
+        """
+        loop_thread = self._loop_thread
+        frame = sys._current_frames().get(loop_thread) if loop_thread else None
+        if loop_thread is None or frame is None:
             return None, None
         where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        marked = self._peer_waits.of(loop_thread)
+        if marked is not None:
+            return True, f"{marked} ({where})"
         path = frame.f_code.co_filename.replace(os.sep, "/")
         waiting = "torch/distributed/" in path or path.endswith("workers/rendezvous.py")
         return waiting, where

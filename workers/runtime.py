@@ -5,25 +5,74 @@ Runs on every rank (actor or torchrun script).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkpointing.torch_compat import set_group_name_base
 from workers.data import SampleSource, SyntheticSource, TextSource
+from workers.device import RankDevice
 from workers.spec import TrainSpec
 
 # Process-group names one generation may use (a mesh creates a few per dimension).
 GROUP_NAMES_PER_GENERATION = 100_000
 
+# ProcessGroupNCCL's environment, as (every name torch reads for the variable, our value).
+# torch reads these when it builds a process group, so they must be set before the first one.
+NCCL_ENVIRONMENT: tuple[tuple[tuple[str, ...], str], ...] = (
+    # The driver owns timeouts and aborts the generation's groups itself; torch's default (3)
+    # would tear a healthy survivor down on the first NCCL error or timeout it sees, and
+    # torch's own abort of a process group asks for 0 in its docstring.
+    (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"), "0"),
+    # A CUDA error seen by the watchdog after an abort must not be rethrown into the process.
+    (("TORCH_NCCL_RETHROW_CUDA_ERRORS",), "0"),
+    # NVLink SHARP: NVIDIA's in-process restart guide turns it off (its buffers do not
+    # survive an abort), and its AllGather/ReduceScatter misorder when rank and GPU order differ.
+    (("NCCL_NVLS_ENABLE",), "0"),
+    # The flight recorder: the last collectives of every group, dumped when one times out,
+    # so a hang can be traced to the collective and the rank that never joined it.
+    (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+)
 
-def pick_device(backend: str) -> torch.device:
+
+def pick_device(backend: str) -> RankDevice:
+    """Rank side, once per generation: the device this rank trains on (CUDA for nccl)."""
     if backend == "nccl":
         # Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES, so the device is always index 0.
         torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
+        return RankDevice(torch.device("cuda", 0))
+    return RankDevice(torch.device("cpu"))
+
+
+def process_group_environment(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """Rank side, before any process group: the variables to set for ``backend`` (none for gloo).
+
+    A variable the user set explicitly (under any of the names torch reads for it, e.g.
+    ``NCCL_ASYNC_ERROR_HANDLING`` for ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) is never
+    overridden: it is left out of the result.
+    """
+    if backend != "nccl":
+        return {}
+    return {names[0]: value for names, value in NCCL_ENVIRONMENT if not any(name in environ for name in names)}
+
+
+def process_group_options(backend: str, device: RankDevice | None) -> dict[str, Any]:
+    """Rank side: the keyword arguments of ``init_process_group`` that depend on the backend.
+
+    For nccl, ``device_id`` binds the group to this rank's GPU, so torch creates the NCCL
+    communicators eagerly inside ``init_process_group`` (and splits sub-groups from them)
+    instead of lazily at the first collective, where a peer dying during the
+    initialisation would leave survivors hung out of reach of an abort. gloo needs nothing.
+    """
+    if backend != "nccl":
+        return {}
+    index = device.torch_device.index if device is not None else None
+    return {"device_id": torch.device("cuda", index if index is not None else 0)}
 
 
 def make_source(spec: TrainSpec, data: bytes | None) -> SampleSource:
@@ -35,13 +84,22 @@ def make_source(spec: TrainSpec, data: bytes | None) -> SampleSource:
 
 
 def init_generation(
-    *, store: dist.Store, generation: int, rank: int, world_size: int, backend: str, timeout_s: float
+    *,
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    device: RankDevice | None = None,
 ) -> None:
     """Collective over the new world: join generation ``generation``'s default process group.
 
     Every generation gets a fresh key prefix on the long-lived store, so keys of an aborted
-    generation can never be mistaken for this one's.
+    generation can never be mistaken for this one's. For nccl, the NCCL environment
+    (``process_group_environment``) is set first and the group is bound to ``device``.
     """
+    os.environ.update(process_group_environment(backend, os.environ))
     prefixed = dist.PrefixStore(f"gen{generation}/pg/", store)
     # Destroying the world resets torch's counter of process-group names to 0, so the next
     # generation's groups would reuse the names of the last one's: a stale mesh that escaped
@@ -50,5 +108,10 @@ def init_generation(
     # instead. Every rank of a generation sets the same base, so the names still agree.
     set_group_name_base(generation * GROUP_NAMES_PER_GENERATION)
     dist.init_process_group(
-        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend,
+        store=prefixed,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **process_group_options(backend, device),
     )

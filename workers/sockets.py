@@ -6,6 +6,10 @@ internals do), so peers blocked on this rank wait for the whole collective timeo
 therefore notes which sockets appeared while it joined a generation and, when it leaves or
 the driver aborts the generation, shuts them down: every peer blocked on it fails at once.
 Linux only (/proc); elsewhere these are no-ops and the collective timeout applies.
+
+gloo only: NCCL's own abort releases work blocked on a dead peer, and the sockets of an
+NCCL group (its bootstrap and proxy connections) are NCCL's to close, so for any other
+backend ``GroupSockets`` notes nothing and shuts nothing down.
 """
 
 from __future__ import annotations
@@ -15,6 +19,27 @@ import socket
 from pathlib import Path
 
 _FD_DIR = Path("/proc/self/fd")
+
+# The backends whose process groups are closed for certain by shutting their sockets down.
+SOCKET_SHUTDOWN_BACKENDS = frozenset({"gloo"})
+
+
+class GroupSockets:
+    """Rank side, around joining a generation: the sockets its process groups opened.
+
+    ``watch = GroupSockets(backend)`` before ``init_process_group`` (and whatever builds the
+    generation's sub-groups), ``watch.opened()`` after: the sockets to shut down when the
+    rank leaves or the driver aborts the generation. Empty for a backend not in
+    ``SOCKET_SHUTDOWN_BACKENDS``.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.tracked = backend in SOCKET_SHUTDOWN_BACKENDS
+        self._before = socket_inodes() if self.tracked else set()
+
+    def opened(self) -> set[str]:
+        """Sockets opened since construction (none when the backend's are not tracked)."""
+        return socket_inodes() - self._before if self.tracked else set()
 
 
 def socket_inodes() -> set[str]:

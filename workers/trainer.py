@@ -6,9 +6,10 @@ current process group builds its Trainer at the same time); so is ``train_step``
 
 A step is: take this data-parallel slice of the step's samples, run forward/backward over
 ``microbatches x accumulation`` microbatches (through the pipeline schedule when pp > 1),
-compute the global gradient norm and clip, ask the committer whether the step may be applied
-(the one place where a failure elsewhere can veto it, so that every survivor of a failure is
-left at the same step), then apply the optimizer step with the scheduled learning rate.
+compute the global gradient norm and clip, wait until the device has run all of that, ask the
+committer whether the step may be applied (the one place where a failure elsewhere can veto
+it, so that every survivor of a failure is left at the same step), then apply the optimizer
+step with the scheduled learning rate.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch
+from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.model import Transformer
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 
@@ -80,19 +82,24 @@ class Trainer:
         mesh: MeshSpec,
         rank: int,
         *,
-        device: torch.device,
+        device: torch.device | RankDevice,
         source: SampleSource,
         committer: Committer | None = None,
+        peer_waits: PeerWaitMarker | None = None,
     ) -> None:
         self.spec = spec
         self.mesh = mesh
         self.rank = rank
-        self.device = device
+        # rank_device syncs and empties the device; device is the torch device tensors go to.
+        self.rank_device = RankDevice.of(device)
+        self.device = self.rank_device.torch_device
         self.source = source
         self.committer = committer or AlwaysCommit()
+        # Marks where the step waits for its peers (read by the actor's hang blame).
+        self.peer_waits = peer_waits or PeerWaitMarker()
         self.coords = mesh.coords(rank)
         self.dp_rank = mesh.dp_rank(rank)
-        self.world_mesh = par.build_world_mesh(mesh, device.type)
+        self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         self.plans = par.stage_plans(
             spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
         )
@@ -153,7 +160,12 @@ class Trainer:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / scale
 
     def train_step(self, step: int) -> StepResult:
-        """Collective: every rank of the mesh runs the same step."""
+        """Collective: every rank of the mesh runs the same step.
+
+        The commit vote follows a device sync (``RankDevice.sync``), so every rank votes on
+        gradients its device has finished reducing and clipping; a vetoed step raises
+        StepAborted after that sync, with nothing of it applied.
+        """
         started = time.perf_counter()
         batch = local_batch(
             self.source, step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
@@ -167,7 +179,12 @@ class Trainer:
             loss_sum += self._forward_backward(inputs[rows], labels[rows])
         computed = time.perf_counter()
         grad_norm = self._clip_gradients()
-        decision = self.committer.vote(step)
+        # NCCL only enqueues the reductions and the clip: vote once the device has run them, so
+        # a peer dying meanwhile is seen before this rank votes COMMIT on partial gradients.
+        with self.peer_waits.waiting(PeerWait.DEVICE_SYNC):
+            self.rank_device.sync()
+        with self.peer_waits.waiting(PeerWait.COMMIT_VOTE):
+            decision = self.committer.vote(step)
         voted = time.perf_counter()
         if decision == ABORT:
             raise StepAborted(step)
@@ -176,12 +193,14 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         # .item() is a device sync point: once per step, after the update has been queued.
-        loss = float(loss_sum.item()) if self.reports_loss else None
+        with self.peer_waits.waiting(PeerWait.RESULT_READ):
+            loss = float(loss_sum.item()) if self.reports_loss else None
+            grad_norm_value = float(grad_norm)
         finished = time.perf_counter()
         return StepResult(
             step=step,
             loss=loss,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm_value,
             lr=lr,
             step_time_s=finished - started,
             pause=decision in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT),
