@@ -5,7 +5,7 @@ pageable memory).
     make test-gpu        # or: python -m pytest tests/gpu/test_checkpoint_stall.py -s
 
 A real job (two ranks, FSDP over dp_shard=2, a ~135M-parameter model so that a stall is
-milliseconds, not noise) saves every other step; its ``checkpoint_staged`` events carry the
+milliseconds, not noise) saves every 10 steps; its ``checkpoint_staged`` events carry the
 slowest rank's stall. The plain copy is timed afterwards in this process on one GPU, for the
 same per-rank tensors (parameters and both AdamW moments, float32, half of each).
 """
@@ -22,7 +22,10 @@ from tests.faults.harness import of_kind
 from tests.gpu.layouts import ON_GPUS
 from tests.jobs import DEMO_CONFIG, train
 
-STEPS = 12
+STEPS = 50
+# Saves far enough apart, with room for two in flight, that no save waits on the last upload
+# (back-pressure is a stall of its own, not the staging copy measured here).
+INTERVAL_STEPS = 10
 MODEL = ("model.dim=1024", "model.n_layers=8", "model.ffn_dim=4096")
 LAYOUT = ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=1", "parallelism.pp=1")
 # Pinned staging may be at most this much slower than the plain copy before the test fails;
@@ -63,7 +66,8 @@ def test_pinned_staging_stalls_no_longer_than_a_plain_copy(ray_cluster, tmp_path
         *overrides,
         f"training.steps={STEPS}",
         f"checkpoint.uri={tmp_path / 'ckpt'}",
-        "checkpoint.interval_steps=2",
+        f"checkpoint.interval_steps={INTERVAL_STEPS}",
+        "checkpoint.max_in_flight=2",
         "checkpoint.keep_last=1",
     )
     assert result.exit_code == 0, result.reason
