@@ -2,9 +2,14 @@
 
     torchrun --nproc-per-node 8 bench/torchrun_reference.py configs/tiny-3d.yaml --steps 20 --out losses.json
     torchrun --nproc-per-node 8 bench/torchrun_reference.py configs/tiny-3d.yaml --quick   # 5 steps
+    torchrun --nproc-per-node 2 bench/torchrun_reference.py configs/tiny-3d.yaml --quick \
+        --set runtime.gpus_per_rank=1 --set parallelism.pp=1 --set parallelism.tp=1   # on 2 GPUs, NCCL
 
 No Ray, no controller, no reporting: ``torch.distributed`` started by torchrun, then this
 repository's Trainer (the same model, parallelisation and step as the rank actors run).
+The backend and dtype are the job's, resolved as the driver resolves them (nccl and
+bfloat16 with ``runtime.gpus_per_rank=1``, gloo and float32 without); with NCCL each
+process drives the GPU of its ``LOCAL_RANK``, as TorchTitan's launcher sets it.
 Rank 0 writes per-step losses and step times to ``--out`` as JSON (bench/overhead.py reads
 them), and prints a summary as one JSON object, its last stdout line.
 """
@@ -13,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import cast
@@ -28,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from bench.common import emit  # noqa: E402
 from orchestrator.config import load_config  # noqa: E402
 from orchestrator.driver.train_spec import data_bytes, train_spec  # noqa: E402
-from workers.runtime import make_source, pick_device  # noqa: E402
+from workers.runtime import make_source  # noqa: E402
 from workers.trainer import Trainer  # noqa: E402
 
 QUICK_STEPS = 5
@@ -45,11 +52,18 @@ def main() -> None:
     steps = args.steps or (QUICK_STEPS if args.quick else None)
     overrides = list(args.overrides) + ([f"training.steps={steps}"] if steps else [])
     config = load_config(args.config, overrides)
-    spec = train_spec(config, backend="gloo")
+    spec = train_spec(config)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
+    device = rank_device(spec.backend, os.environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        spec.backend,
+        timeout=timedelta(seconds=spec.collective_timeout_s),
+        # Bound to its GPU, NCCL creates the communicator now rather than at the first collective.
+        device_id=device if device.type == "cuda" else None,
+    )
     rank = dist.get_rank()
-    device = pick_device(spec.backend)
     source = make_source(spec, data_bytes(config))
     trainer = Trainer(spec, config.mesh, rank, device=device, source=source)
     trainer.init_weights()
@@ -85,6 +99,16 @@ def main() -> None:
             }
         )
     dist.destroy_process_group()
+
+
+def rank_device(backend: str, environ: Mapping[str, str]) -> torch.device:
+    """This process's device (every rank, before the process group): with NCCL, the GPU of
+    torchrun's ``LOCAL_RANK`` (torchrun leaves every GPU of the node visible, unlike Ray, which
+    gives each rank actor its own as device 0); with gloo, the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = int(environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank)
 
 
 def summarize_steps(gathered: list[list[dict]]) -> list[dict]:

@@ -42,7 +42,6 @@ _NON_NEGATIVE_KEYS = (
     "checkpoint.keep_every",
     "elastic.spare_actors",
     "runtime.cpus_per_rank",
-    "runtime.gpus_per_rank",
 )
 _ELASTIC_DURATION_KEYS = (
     "heartbeat_timeout_s",
@@ -67,11 +66,30 @@ def validate(config: JobConfig) -> list[str]:
     problems.extend(_elastic_problems(config))
     if not 0 <= config.metrics.port <= 65535:
         problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
-    if config.runtime.backend == "nccl" and config.runtime.gpus_per_rank <= 0:
-        problems.append("runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs)")
+    problems.extend(_gpus_per_rank_problems(config))
     if config.checkpoint.uri is not None:
         problems.extend(_check_uri(config.checkpoint.uri))
     return problems
+
+
+def _gpus_per_rank_problems(config: JobConfig) -> list[str]:
+    """A rank drives no GPU (gloo) or exactly one (NCCL): the only layouts the ranks support.
+
+    NCCL refuses two ranks of one communicator on the same GPU, so a fraction fails at the
+    first collective; tensor parallelism is laid out one rank per GPU, so a rank given two
+    leaves one idle. Both are caught here, before any actor is placed.
+    """
+    runtime = config.runtime
+    gpus = runtime.gpus_per_rank
+    if gpus not in (0, 1):
+        return [
+            f"runtime.gpus_per_rank={gpus:g} must be 0 (CPU ranks, gloo) or 1 (one GPU per rank, NCCL): "
+            "NCCL refuses two ranks on one GPU, and a rank drives exactly one GPU (more GPUs: more ranks, "
+            "e.g. a larger parallelism.tp or dp_shard); set runtime.gpus_per_rank=1"
+        ]
+    if runtime.backend == "nccl" and gpus == 0:
+        return ["runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs): set runtime.gpus_per_rank=1"]
+    return []
 
 
 def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str]:

@@ -35,6 +35,16 @@ CASES = [
     ),
     (["--set", "runtime.backend=nccl"], "runtime.backend=nccl needs runtime.gpus_per_rank > 0"),
     (
+        ["--set", "runtime.gpus_per_rank=0.5"],
+        "runtime.gpus_per_rank=0.5 must be 0 (CPU ranks, gloo) or 1 (one GPU per rank, NCCL): "
+        "NCCL refuses two ranks on one GPU",
+    ),
+    (
+        ["--set", "runtime.gpus_per_rank=2"],
+        "runtime.gpus_per_rank=2 must be 0 (CPU ranks, gloo) or 1 (one GPU per rank, NCCL)",
+    ),
+    (["--set", "runtime.gpus_per_rank=-1"], "runtime.gpus_per_rank=-1 must be 0 (CPU ranks, gloo) or 1"),
+    (
         ["--set", "parallelism.microbatches=1"],
         "parallelism.microbatches=1 must be >= pp=2 so that every pipeline stage has work",
     ),
@@ -57,6 +67,16 @@ def test_bad_value_gets_one_clear_error(argv, message, capsys, monkeypatch):
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0.5", "2"])
+def test_gpus_per_rank_other_than_0_or_1_is_one_error_with_the_fix(value, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code = main(["train", str(DEMO_CONFIG), "--set", f"runtime.gpus_per_rank={value}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.count("runtime.gpus_per_rank") == 2  # the key in the problem, and again in its fix
+    assert f"runtime.gpus_per_rank={value} must be 0" in err and "set runtime.gpus_per_rank=1" in err
 
 
 def test_missing_config_file(capsys):

@@ -109,3 +109,16 @@ def test_constraints_pin_every_runtime_dependency_within_pyproject():
             continue
         assert name in pinned, dependency
         assert dependency.specifier.contains(pinned[name], prereleases=True), (dependency, pinned[name])
+
+
+def test_rdma_userspace_is_opt_in_and_every_variant_is_handled():
+    steps = instructions()
+    args = dict(arg.split("=", 1) for op, arg in steps if op == "ARG")
+    assert args["RDMA"] == "none"  # the default image is the one without RDMA libraries
+    (rdma_run,) = [arg for op, arg in steps if op == "RUN" and '"${RDMA}"' in arg]
+    assert "none) ;;" in rdma_run  # the default installs nothing
+    assert '"libibverbs1=${RDMA_CORE_VERSION}"' in rdma_run and '"ibverbs-providers=' in rdma_run
+    assert "efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify" in rdma_run
+    assert "libnccl-net" in rdma_run and "ldconfig" in rdma_run  # the aws-ofi-nccl plugin is found by NCCL
+    assert 'expected none, infiniband or efa" >&2; exit 1' in rdma_run  # a typo fails the build
+    assert (REPO_ROOT / "deploy" / "RDMA.md").is_file()
