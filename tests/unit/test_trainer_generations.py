@@ -9,6 +9,7 @@ which none of our code starts; here a long-lived second thread runs the backward
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def forward_loss(trainer: Trainer) -> torch.Tensor:
 def backward_then_reduce(loss: torch.Tensor, dp_mesh) -> torch.Tensor:
     """On the backward thread: the backward, then a DTensor op and a reduction over its mesh."""
     loss.backward()
-    gradient = DTensor.from_local(torch.full((4,), 2.0), dp_mesh, [Partial()]) * 3
+    gradient = cast(DTensor, DTensor.from_local(torch.full((4,), 2.0), dp_mesh, [Partial()]) * 3)
     reduced = gradient.to_local().clone()
     dist.all_reduce(reduced, group=gradient.device_mesh.get_group())
     return reduced
