@@ -35,6 +35,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor:DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear",
     "torch:_C._clear_DTensor_sharding_propagator_cache",
     "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
+    "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear",
     "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
 )
@@ -73,7 +74,7 @@ check_torch_internals()
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor._collective_utils import MeshTopoInfo  # noqa: E402
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache  # noqa: E402
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 
@@ -103,15 +104,33 @@ def chunk_list(tensor: torch.Tensor) -> list[Any]:
     return _create_chunk_list(tensor)
 
 
-def clear_dtensor_caches() -> None:
-    """Clear DTensor's caches keyed by mesh: sharding propagation (the Python one of this
-    thread and the C++ fast path's), redistribute planners and mesh topology infos."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
+def clear_thread_dtensor_caches() -> None:
+    """Clear the DTensor caches keyed by mesh that belong to the CALLING thread only.
+
+    In torch 2.13 two caches are per thread: the Python sharding-propagation LRU
+    (``ShardingPropagator.propagate_op_sharding`` is a ``LocalLRUCache``, a ``threading.local``)
+    and the C++ dispatch fast path's (a ``thread_local`` in ``python_variable.cpp``;
+    ``_clear_DTensor_sharding_propagator_cache`` resets only the calling thread's). Another
+    thread that ran DTensor ops (autograd's device thread in a CUDA backward) keeps its own.
+    """
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def clear_shared_dtensor_caches() -> None:
+    """Clear the process-wide DTensor caches keyed by mesh (one call clears them for every
+    thread): tensor-meta propagation, redistribute planners and transform plans (which hold
+    flattened meshes), mesh topology infos."""
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
     clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def clear_dtensor_caches() -> None:
+    """Clear every DTensor cache keyed by mesh: the shared ones and the calling thread's."""
+    clear_shared_dtensor_caches()
+    clear_thread_dtensor_caches()
 
 
 # --------------------------------------------------------------------- errors

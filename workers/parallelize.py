@@ -8,8 +8,11 @@ materialise and initialise. Every function here is collective-free except where 
 
 from __future__ import annotations
 
+import itertools
+import threading
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from checkpointing.torch_compat import clear_dtensor_caches, local_shape_and_offset
+from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, local_shape_and_offset
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.model import Transformer, TransformerBlock, init_std
 from workers.spec import ModelSpec
@@ -171,13 +174,61 @@ def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def forget_old_meshes() -> None:
     """Drop DTensor's caches that remember meshes of an earlier generation.
 
-    Call in every thread, at the start of every generation, before it runs DTensor ops.
+    Runs on every rank, at the start of every generation, on the thread that joins it (before
+    it runs DTensor ops): clears the process-wide caches and this thread's own. Other threads
+    that run DTensor ops clear theirs through ``ensure_fresh_caches`` (hooks that
+    ``register_fresh_cache_hooks`` installs).
     A DeviceMesh compares equal to one of an earlier generation with the same layout (names,
     shape, thread), so a sharding-propagation cache would hand back output specs that hold
     the old mesh object, whose process-group names no longer resolve ("Could not resolve the
     process group registered under the name 8") once a shrink, a drain or a grow brings the
-    same layout back. There are two such caches: the Python one (per thread) and the C++
-    dispatch fast path's, which answers first; missing the second made a drained run fail
-    steps after it resumed. The redistribute planners and topology infos are keyed by mesh too.
+    same layout back. The Python cache and the C++ dispatch fast path's (which answers first)
+    are per thread; missing the second made a drained run fail steps after it resumed. The
+    redistribute planners, transform plans and topology infos are keyed by mesh too.
     """
     clear_dtensor_caches()
+
+
+# Which cache generation each thread's per-thread DTensor caches were last cleared for.
+_thread_caches = threading.local()
+_cache_generations = itertools.count(1)
+
+
+def new_cache_generation() -> int:
+    """A stamp no earlier call returned: one per set of meshes (one per Trainer)."""
+    return next(_cache_generations)
+
+
+def ensure_fresh_caches(generation: int) -> None:
+    """Clear the calling thread's DTensor caches the first time it runs in ``generation``.
+
+    Runs on any thread of a rank that runs DTensor ops (the loop thread in forward, autograd's
+    device thread in a CUDA backward, which no code of ours starts); costs one thread-local
+    compare once the thread is fresh.
+    """
+    if getattr(_thread_caches, "generation", None) != generation:
+        clear_thread_dtensor_caches()
+        _thread_caches.generation = generation
+
+
+def register_fresh_cache_hooks(module: nn.Module, generation: int) -> None:
+    """Make every thread that runs ``module``'s forward or backward clear its stale caches.
+
+    Runs on every rank, at Trainer construction. A forward-pre-hook covers the thread that
+    calls forward; a hook on the output's gradient runs on the thread autograd's engine picks
+    for the backward (on CUDA its long-lived device thread), before any of the module's own
+    backward ops (activation-checkpoint recomputation included).
+    """
+
+    def before_forward(_module: nn.Module, _args: Any) -> None:
+        ensure_fresh_caches(generation)
+
+    def before_backward(grad: torch.Tensor) -> None:
+        ensure_fresh_caches(generation)
+
+    def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(before_backward)
+
+    module.register_forward_pre_hook(before_forward, prepend=True)
+    module.register_forward_hook(after_forward)

@@ -70,6 +70,10 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+# Largest single broadcast of ``sync_from_first_replica``: bounds the staging buffer it
+# allocates next to the live state (a whole stage's state at once would not fit beside it).
+SYNC_CHUNK_BYTES = 64 * 2**20
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
@@ -104,6 +108,11 @@ class Trainer:
             spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
         )
         self.modules = [self._build_module(plan) for plan in self.plans]
+        # Every thread that runs these modules (autograd's device thread too) drops DTensor
+        # caches that still hold an earlier generation's meshes before its first op.
+        cache_generation = par.new_cache_generation()
+        for module in self.modules:
+            par.register_fresh_cache_hooks(module, cache_generation)
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
         # The loss is reported once per data-parallel slice: by tp rank 0 of the last stage.
@@ -176,7 +185,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for index in range(self.accumulation):
             rows = slice(index * per_round, (index + 1) * per_round)
-            loss_sum += self._forward_backward(inputs[rows], labels[rows])
+            loss_sum += self._forward_backward(inputs[rows], labels[rows], last_round=index == self.accumulation - 1)
         computed = time.perf_counter()
         grad_norm = self._clip_gradients()
         # NCCL only enqueues the reductions and the clip: vote once the device has run them, so
@@ -208,7 +217,12 @@ class Trainer:
             phases={"compute_s": computed - started, "sync_s": voted - computed, "optimizer_s": finished - voted},
         )
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, last_round: bool = True) -> torch.Tensor:
+        """Forward and backward of one accumulation round; ``last_round``: the step's last.
+
+        Without pipelining, only the step's last microbatch reduces gradients across replica
+        groups; the schedule does the same for its own microbatches when pp > 1.
+        """
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
@@ -219,16 +233,48 @@ class Trainer:
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
         module = self.modules[0]
         total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)):
+        microbatches = list(zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)))
+        for index, (x, y) in enumerate(microbatches):
+            self._set_replica_reduction(last_round and index == len(microbatches) - 1)
             loss = self._loss_fn(module(x), y)
             loss.backward()
             total += loss.detach()
         return total
 
+    def _set_replica_reduction(self, enabled: bool) -> None:
+        """Whether the next backward all-reduces gradients across replica groups (HSDP).
+
+        Skipped on all but the step's last microbatch: FSDP2 keeps the reduce-scattered
+        partial sum and all-reduces it once. The reduce-scatter within a replica group still
+        runs each time, so gradients stay sharded (skipping it too would hold a whole stage's
+        unsharded gradients per rank).
+        """
+        if self.mesh.dp_replicate == 1:
+            return
+        for module in self.modules:
+            cast(FSDPModule, module).set_requires_all_reduce(enabled)
+
     def _clip_gradients(self) -> torch.Tensor:
-        """Collective: the global gradient norm over every dimension, pipeline stages included."""
+        """Collective: the global gradient norm over every dimension, then clip by it.
+
+        Each replica group reduces its norm on its own communicators; a different summation
+        order (NCCL picks its algorithm per communicator) could give replicas clip factors
+        that differ in the last bit, and replicas that drift apart. So every replica applies
+        replica group 0's norm, broadcast over the replica dimension (one scalar).
+        """
         params = [p for module in self.modules for p in module.parameters() if p.grad is not None]
         grads = cast(list[torch.Tensor], [p.grad for p in params])  # params keeps only those with a grad
+        norm = self._replica_group_grad_norm(grads)
+        if self.mesh.dp_replicate > 1:
+            group = self.world_mesh["dp_replicate"].get_group()
+            dist.broadcast(norm, src=dist.get_global_rank(group, 0), group=group)
+        if self.spec.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm, foreach=True)
+        return norm
+
+    def _replica_group_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Collective within this replica group: the 2-norm of all gradients, every stage's
+        included (a plain tensor on this rank's device)."""
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -236,9 +282,7 @@ class Trainer:
             squared = norm.pow(2)
             dist.all_reduce(squared, group=self.world_mesh["pp"].get_group())
             norm = squared.sqrt()
-        if self.spec.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm, foreach=True)
-        return norm
+        return norm.contiguous()
 
     # --------------------------------------------------------------------- state
     def named_state(self) -> dict[str, torch.Tensor]:
@@ -295,9 +339,23 @@ class Trainer:
                     submodule.reshard()
         return self.named_state()
 
+    @torch.no_grad()
     def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's slices of the whole training state, as plain tensors (no mesh attached)."""
-        return {name: par.local_slice(value) for name, value in self.checkpoint_state().items()}
+        """This rank's slices of the whole training state, as host copies (no mesh attached).
+
+        Runs on one rank, no collective (the rank leaving a generation keeps its state). The
+        copies share no storage with this trainer, so once it is closed its device memory can
+        be freed before the next generation's trainer allocates its own. Pinned host memory
+        when the state is on a GPU: the copies back to it are then plain DMA.
+        """
+        shards: dict[str, torch.Tensor] = {}
+        for name, value in self.checkpoint_state().items():
+            local = par.local_slice(value).detach()
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+            shards[name] = host.copy_(local, non_blocking=local.is_cuda)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the non-blocking copies have landed
+        return shards
 
     @torch.no_grad()
     def load_local_shards(self, shards: dict[str, torch.Tensor]) -> None:
@@ -315,26 +373,31 @@ class Trainer:
         """Collective over the replica dimension: copy replica group 0's state to every other.
 
         How a grown or refilled replica gets its shards: peer to peer from the matching rank
-        of a healthy replica, no storage round trip. One broadcast per dtype of a flattened
-        buffer, so the cost is a few large messages, not one per tensor.
+        of a healthy replica, no storage round trip. Tensors of one dtype are packed into
+        buffers of at most ``SYNC_CHUNK_BYTES`` (a large tensor spans several), so the cost is
+        a few large messages, not one per tensor, and the extra memory stays bounded.
         """
         if self.mesh.dp_replicate == 1:
             return
         self.ensure_optimizer_state()
         group = self.world_mesh["dp_replicate"].get_group()
         source = dist.get_global_rank(group, 0)
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        receiving = dist.get_rank(group) != 0
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for _, value in sorted(self.named_state().items()):
             local = par.local_slice(value)
-            buckets.setdefault((local.device, local.dtype), []).append(local)
-        for tensors in buckets.values():
-            # Optimizer step counters live on the CPU even in GPU runs; NCCL sends device memory.
-            flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device)
-            dist.broadcast(flat, src=source, group=group)
-            offset = 0
-            for tensor in tensors:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for dtype, tensors in by_dtype.items():
+            max_elements = max(1, SYNC_CHUNK_BYTES // dtype.itemsize)
+            for pieces in _chunks(tensors, max_elements):
+                size = sum(stop - start for _, start, stop in pieces)
+                if receiving:
+                    flat = torch.empty(size, dtype=dtype, device=self.device)
+                else:  # step counters live on the CPU even in GPU runs; NCCL sends device memory
+                    flat = torch.cat([t.reshape(-1)[start:stop] for t, start, stop in pieces]).to(self.device)
+                dist.broadcast(flat, src=source, group=group)
+                if receiving:
+                    _scatter_back(flat, pieces)
 
     def close(self) -> None:
         """Drop every object that holds a process group, so that destroying them frees their sockets."""
@@ -344,3 +407,32 @@ class Trainer:
         # stay those of a live one; popping keeps a second close() harmless.
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
+
+
+# One slice [start, stop) of a tensor's flattened elements.
+_Piece = tuple[torch.Tensor, int, int]
+
+
+def _chunks(tensors: list[torch.Tensor], max_elements: int) -> list[list[_Piece]]:
+    """Pack the tensors' elements, in order, into chunks of at most ``max_elements``."""
+    chunks: list[list[_Piece]] = [[]]
+    room = max_elements
+    for tensor in tensors:
+        start = 0
+        while start < tensor.numel():
+            if room == 0:
+                chunks.append([])
+                room = max_elements
+            stop = min(tensor.numel(), start + room)
+            chunks[-1].append((tensor, start, stop))
+            room -= stop - start
+            start = stop
+    return [chunk for chunk in chunks if chunk]
+
+
+def _scatter_back(flat: torch.Tensor, pieces: list[_Piece]) -> None:
+    """Copy a received chunk into the tensor slices it was packed from (contiguous shards)."""
+    offset = 0
+    for tensor, start, stop in pieces:
+        tensor.view(-1)[start:stop].copy_(flat[offset : offset + stop - start])
+        offset += stop - start
