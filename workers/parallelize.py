@@ -98,9 +98,7 @@ def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
         top_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if module.norm is not None:
         top_plan["norm"] = SequenceParallel()
-        top_plan["lm_head"] = ColwiseParallel(
-            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-        )
+        top_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     if top_plan:
         parallelize_module(module, tp_mesh, top_plan)
     for block in module.layers.values():

@@ -49,4 +49,6 @@ def test_each_rank_gets_its_shard_of_the_replicated_gradient(ranks):
     for rank in (0, 1):
         _, _, _, _, _, grad, reference_grad = ranks[rank]
         half = slice(rank * VOCAB // 2, (rank + 1) * VOCAB // 2)
-        torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(reference_grad[..., half]), atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.from_numpy(grad), torch.from_numpy(reference_grad[..., half]), atol=1e-7, rtol=1e-5
+        )
