@@ -85,13 +85,20 @@ def build_stage_module(model: ModelSpec, plan: StagePlan) -> Transformer:
 
 
 def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence."""
+    """Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence.
+
+    The last stage's logits stay sharded over the vocabulary: ``lm_head`` returns a DTensor
+    placed ``Shard(-1)`` on ``tp_mesh`` (each rank holds vocab/tp columns), and the loss is
+    computed on the shards under ``loss_parallel`` (``vocab_parallel_cross_entropy``).
+    Gathering them would hold the whole (tokens x vocab) logits, and their float32 upcast, on
+    every TP rank.
+    """
     top_plan: dict[str, ParallelStyle] = {}
     if module.embed_tokens is not None:
         top_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if module.norm is not None:
         top_plan["norm"] = SequenceParallel()
-        top_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        top_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     if top_plan:
         parallelize_module(module, tp_mesh, top_plan)
     for block in module.layers.values():

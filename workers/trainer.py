@@ -14,8 +14,10 @@ step with the scheduled learning rate.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from elastic.spec import MeshSpec
 from workers import parallelize as par
@@ -163,10 +166,35 @@ class Trainer:
         return self.spec.batch.accumulation(self.mesh.dp)
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The microbatch's mean token cross entropy, in float32, as a plain scalar tensor.
+
+        With tp > 1 the logits are sharded over the vocabulary (a DTensor, see
+        ``apply_tensor_parallel``): each rank upcasts only its shard, and ``loss_parallel``
+        (entered by ``_loss_parallel`` around forward and backward) reduces the softmax's max
+        and sum over the TP group instead of gathering the logits. The replicated result is
+        returned as this rank's local scalar, so the schedule and the step see plain tensors.
+        """
         # Each microbatch's mean is divided by the microbatch count of the whole step, so the
         # summed gradients equal those of the mean over the global batch (scale_grads=False).
         scale = self.spec.microbatches * self.accumulation
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / scale
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        if isinstance(loss, DTensor):
+            loss = loss.to_local()
+        return loss / scale
+
+    @contextlib.contextmanager
+    def _loss_parallel(self) -> Iterator[None]:
+        """Around forward and backward (the whole schedule step with pp > 1): the vocabulary-
+        parallel cross entropy for the sharded logits when tp > 1, nothing otherwise.
+
+        The loss's backward runs the same custom ops, so it must be inside too; the toggle is
+        process-wide (DTensor's dispatcher), so autograd's device thread sees it as well.
+        """
+        if self.mesh.tp == 1 or not self.holds_last_stage:
+            yield
+            return
+        with loss_parallel():
+            yield
 
     def train_step(self, step: int) -> StepResult:
         """Collective: every rank of the mesh runs the same step.
@@ -226,18 +254,20 @@ class Trainer:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
-            if self.holds_first_stage:
-                self.schedule.step(inputs, **kwargs)
-            else:
-                self.schedule.step(**kwargs)
+            with self._loss_parallel():
+                if self.holds_first_stage:
+                    self.schedule.step(inputs, **kwargs)
+                else:
+                    self.schedule.step(**kwargs)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
         module = self.modules[0]
         total = torch.zeros((), device=self.device)
         microbatches = list(zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)))
         for index, (x, y) in enumerate(microbatches):
             self._set_replica_reduction(last_round and index == len(microbatches) - 1)
-            loss = self._loss_fn(module(x), y)
-            loss.backward()
+            with self._loss_parallel():
+                loss = self._loss_fn(module(x), y)
+                loss.backward()
             total += loss.detach()
         return total
 

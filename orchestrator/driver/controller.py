@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.placement import RankResources
-from elastic.policy import FailurePolicy, Grow, ScalingPolicy
+from elastic.policy import Fail, FailurePolicy, GroupStatus, Grow, ScalingPolicy
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
 from orchestrator.driver.checkpoint_commits import driver_checkpoints
-from orchestrator.driver.detector import Detector, DrainWatch, group_errors
+from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
 from orchestrator.driver.mesh_change import MeshChanges
 from orchestrator.driver.rank_reports import ReportRouter
@@ -256,6 +256,9 @@ class Controller(MeshChanges):
         corrupt = [f for f in failed.values() if f.failure_kind == FailureKind.CORRUPT_CHECKPOINT]
         if corrupt and state.restoring is not None:
             return self._restore_around_corruption(state, state.restoring, corrupt[0])
+        out_of_memory = {rank: f for rank, f in failed.items() if f.failure_kind == FailureKind.OUT_OF_MEMORY}
+        if out_of_memory:
+            return self._replace_out_of_memory(state, out_of_memory)
         if failed:
             return self._fail("configuration", group_errors({r: f.message for r, f in failed.items()}))
         if not state.calls.done:
@@ -280,6 +283,47 @@ class Controller(MeshChanges):
             )
         self.detector.reset(state.mesh.world_size, self.last_step)
         return Running(generation=state.generation, mesh=state.mesh, calls=self.group.run(last_step=self.spec.steps))
+
+    def _replace_out_of_memory(self, state: Configuring, out_of_memory: dict[int, CallFailed]) -> State:
+        """Ranks ran out of device memory while configuring: within the failure budget, their
+        actors are replaced (removed; ``AwaitingActors`` starts new ones) and every rank restores
+        the latest committed checkpoint. Without one the run fails, saying why.
+
+        Not an in-place shrink or refill: every other rank of the generation holds a trainer
+        whose state was never filled, and a retried configure with ``StartMode.KEPT`` would keep
+        that trainer's slices as if they were the previous generation's.
+        """
+        message = group_errors({rank: f.message for rank, f in out_of_memory.items()})
+        step = state.restoring if state.restoring is not None else self.checkpoints.latest_step()
+        if step is None:
+            return self._fail("configuration", f"out of device memory, no committed checkpoint to restore: {message}")
+        lost = {
+            rank: Lost(LossKind.RANK_ERROR, f.message, self.replicas.node_of(rank)) for rank, f in out_of_memory.items()
+        }
+        status = GroupStatus(
+            mesh=state.mesh,
+            lost_ranks=frozenset(lost),
+            draining_ranks=frozenset(),
+            warm_actors=0,
+            checkpoint_step=step,
+            time=time.monotonic(),
+        )
+        decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
+        if isinstance(decision, Fail):
+            return self._fail("policy", f"{decision.reason}; last: out of device memory: {message}")
+        log.warning("out of device memory while configuring (%s): new actors restore step %s", message, step)
+        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
+        self.group.abort_step(state.generation, self.last_step + 1, survivors)  # frees ranks blocked on them
+        state.calls.collect(timeout=self.config.runtime.start_timeout_s)
+        self.events.emit("failure", **failure_fields(lost))
+        self.replicas.release(lost, ())
+        return AwaitingActors(
+            step=step,
+            mesh=state.mesh,
+            began_at=state.started_at,
+            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
+            lost_steps=max(0, self.last_step - step),
+        )
 
     def _restore_around_corruption(self, state: Configuring, step: int, corrupt: CallFailed) -> State:
         """A rank found a checksum mismatch restoring ``step``: fall back to the previous committed step."""

@@ -8,6 +8,7 @@ events and logs written with them read as before.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -37,7 +38,8 @@ class FailureKind(StrEnum):
     """Why a rank-side call failed; set where the failure is raised or first caught."""
 
     PEER_FAILURE = "peer_failure"  # a consequence of another rank's failure (its connection closed)
-    OWN_ERROR = "own_error"  # this rank's own error (a bug, a bad input, an OOM)
+    OWN_ERROR = "own_error"  # this rank's own error (a bug, a bad input)
+    OUT_OF_MEMORY = "out_of_memory"  # this rank's device ran out of memory (torch.OutOfMemoryError)
     TIMEOUT = "timeout"  # this rank's own wait (a collective, the commit vote) timed out
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # a checksum mismatch while restoring
     STORAGE = "storage"  # object storage refused or could not be reached
@@ -61,14 +63,21 @@ class Phase(StrEnum):
 
 
 def failure_kind_of(error: BaseException) -> FailureKind:
-    """The kind an exception class declares (``failure_kind = FailureKind.X``), else OWN_ERROR.
+    """The kind an exception class declares (``failure_kind = FailureKind.X``), else
+    OUT_OF_MEMORY for torch's ``OutOfMemoryError``, else OWN_ERROR.
 
-    ``checkpointing/`` cannot import this module (imports go workers -> checkpointing), so its
-    errors declare the kind's string value; it is read here as the member of that value.
+    Runs on the driver (a remote call's exception, unpickled) and on ranks. ``checkpointing/``
+    cannot import this module (imports go workers -> checkpointing), so its errors declare the
+    kind's string value; it is read here as the member of that value. torch's OOM declares
+    nothing; it is recognised by type, through ``sys.modules`` so that this module stays
+    importable without torch (an OOM exists only where torch is already loaded).
     """
     kind = getattr(error, "failure_kind", None)
     if isinstance(kind, str) and kind in FailureKind._value2member_map_:
         return FailureKind(kind)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, torch.OutOfMemoryError):
+        return FailureKind.OUT_OF_MEMORY
     return FailureKind.OWN_ERROR
 
 
