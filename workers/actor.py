@@ -433,7 +433,7 @@ def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:
     kind the exception declares (``failure_kind``: checkpoint errors, injected faults, the
     commit vote's timeout), else what torch's error says (``checkpointing/torch_compat.py``):
     a closed or reset connection to a peer is PEER_FAILURE, this rank's own wait running past
-    its timeout is TIMEOUT; anything else is the rank's OWN_ERROR.
+    its timeout is TIMEOUT; an out-of-memory error is OUT_OF_MEMORY; anything else is OWN_ERROR.
     """
     from checkpointing.torch_compat import collective_failure
 
@@ -442,7 +442,8 @@ def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:
     if getattr(error, "failure_kind", None) is not None:
         return failure_kind_of(error)
     torch_says = collective_failure(error)
-    return FailureKind(torch_says) if torch_says is not None else FailureKind.OWN_ERROR
+    # Else the kind the error's type maps to (an out-of-memory error), or the rank's own error.
+    return FailureKind(torch_says) if torch_says is not None else failure_kind_of(error)
 
 
 def _describe(error: BaseException) -> str:
