@@ -182,7 +182,6 @@ def init_tile_grid(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(-(-size // edge) for size in shape)
 
 
-@functools.cache
 def init_tile_numbers(spec: ModelSpec) -> tuple[dict[str, int], int]:
     """Each parameter's first tile number in the whole model, and the model's tile count.
 
@@ -190,6 +189,12 @@ def init_tile_numbers(spec: ModelSpec) -> tuple[dict[str, int], int]:
     its generator's seed, is the same whatever the pipeline split and the mesh; numbering instead
     of hashing makes every tile's seed distinct within a run.
     """
+    return _tile_numbers(spec, INIT_TILE_BITS)
+
+
+@functools.cache
+def _tile_numbers(spec: ModelSpec, _tile_bits: int) -> tuple[dict[str, int], int]:
+    """``init_tile_numbers``, remembered per model and tile size (the numbering depends on both)."""
     with torch.device("meta"):
         full = Transformer(spec)
     first: dict[str, int] = {}
