@@ -15,11 +15,6 @@ tensor parallelism each rank holds ``n_heads / tp`` heads.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -161,91 +156,3 @@ def init_std(fqn: str, spec: ModelSpec) -> float | None:
     if fqn.endswith(("o_proj.weight", "down_proj.weight")):
         return 0.02 / (2 * spec.n_layers) ** 0.5
     return 0.02
-
-
-# Initial values are drawn in fixed tiles of the full parameter, each from its own generator, so
-# a rank draws only the tiles its slice overlaps and every mesh gets the same values. A tile holds
-# at most 2 ** INIT_TILE_BITS elements: 1024 x 1024 for a matrix (4 MB of float32).
-INIT_TILE_BITS = 20
-# torch's CPU generator keeps only the low 32 bits of a seed (mt19937).
-_SEED_SPACE = 1 << 32
-
-
-def init_tile_edge(ndim: int) -> int:
-    """Edge length, along every dim, of the initialisation tiles of an ``ndim``-dim parameter."""
-    return 1 << (INIT_TILE_BITS // max(ndim, 1))
-
-
-def init_tile_grid(shape: Sequence[int]) -> tuple[int, ...]:
-    """How many tiles a parameter of ``shape`` has along each dim (the last ones may be partial)."""
-    edge = init_tile_edge(len(shape))
-    return tuple(-(-size // edge) for size in shape)
-
-
-def init_tile_numbers(spec: ModelSpec) -> tuple[dict[str, int], int]:
-    """Each parameter's first tile number in the whole model, and the model's tile count.
-
-    Counted over the full model (on the meta device: no memory), so a tile's number, and with it
-    its generator's seed, is the same whatever the pipeline split and the mesh; numbering instead
-    of hashing makes every tile's seed distinct within a run.
-    """
-    return _tile_numbers(spec, INIT_TILE_BITS)
-
-
-@functools.cache
-def _tile_numbers(spec: ModelSpec, _tile_bits: int) -> tuple[dict[str, int], int]:
-    """``init_tile_numbers``, remembered per model and tile size (the numbering depends on both)."""
-    with torch.device("meta"):
-        full = Transformer(spec)
-    first: dict[str, int] = {}
-    total = 0
-    for fqn, param in full.named_parameters():
-        first[fqn] = total
-        total += math.prod(init_tile_grid(param.shape))
-    return first, total
-
-
-def init_slice(
-    out: torch.Tensor, fqn: str, *, full_shape: Sequence[int], offset: Sequence[int], spec: ModelSpec, seed: int
-) -> int:
-    """Fill ``out``, the box of parameter ``fqn`` that starts at ``offset``, with its initial values.
-
-    Runs on any rank, for its own slice (or in one process, for the whole parameter). Only the
-    tiles overlapping the box are drawn, one at a time: at most the box plus one tile edge on each
-    side along each dim, whichever dims the mesh shards. Returns how many values it drew.
-    """
-    std = init_std(fqn, spec)
-    if std is None:
-        out.fill_(1.0)
-        return 0
-    if out.numel() == 0:
-        return 0
-    first, total = init_tile_numbers(spec)
-    edge, grid = init_tile_edge(len(full_shape)), init_tile_grid(full_shape)
-    spans = [range(start // edge, -(-(start + length) // edge)) for start, length in zip(offset, out.shape)]
-    drawn = 0
-    for tile in itertools.product(*spans):
-        tile_start = [index * edge for index in tile]
-        tile_shape = [min(edge, size - start) for start, size in zip(tile_start, full_shape)]
-        number = first[fqn] + _row_major_index(tile, grid)
-        generator = torch.Generator().manual_seed((seed * total + number) % _SEED_SPACE)
-        values = torch.empty(tile_shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-        drawn += values.numel()
-        _copy_overlap(out, offset, values, tile_start)
-    return drawn
-
-
-def _row_major_index(tile: Sequence[int], grid: Sequence[int]) -> int:
-    index = 0
-    for position, count in zip(tile, grid):
-        index = index * count + position
-    return index
-
-
-def _copy_overlap(out: torch.Tensor, offset: Sequence[int], tile: torch.Tensor, tile_start: Sequence[int]) -> None:
-    """Copy the part of ``tile`` (at ``tile_start`` in the full parameter) that ``out`` (at ``offset``) covers."""
-    low = [max(a, b) for a, b in zip(tile_start, offset)]
-    high = [min(a + n, b + m) for a, n, b, m in zip(tile_start, tile.shape, offset, out.shape)]
-    into = tuple(slice(lo - at, hi - at) for lo, hi, at in zip(low, high, offset))
-    source = tuple(slice(lo - at, hi - at) for lo, hi, at in zip(low, high, tile_start))
-    out[into].copy_(tile[source])

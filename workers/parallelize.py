@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, local_shape_and_offset
 from elastic.spec import DIM_ORDER, MeshSpec
-from workers.model import Transformer, TransformerBlock, init_slice
+from workers.model import Transformer, TransformerBlock, init_std
 from workers.spec import ModelSpec
 
 
@@ -146,18 +147,21 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def init_weights(module: Transformer, model: ModelSpec, *, seed: int) -> None:
-    """Initialise this rank's slice of every parameter exactly as a single-process run with the same seed would.
+    """Initialise every parameter exactly as a single-process run with the same seed would.
 
-    Runs on every rank, collective-free. Each parameter is drawn in fixed tiles of the full
-    tensor, each tile from a generator seeded by (seed, its number in the model); this rank
-    draws only the tiles its slice overlaps (``workers.model.init_slice``), so the initial model
-    is identical whatever the mesh (the loss-parity tests rely on that) while a rank's work and
-    host memory follow its slice, not the full parameter.
+    Each full parameter is drawn from a generator seeded by (seed, parameter name) on the CPU
+    and this rank copies its own slice, so the initial model is identical whatever the mesh
+    (the loss-parity tests rely on that). Costs one full parameter of host memory at a time.
     """
     for fqn, param in module.named_parameters():
-        init_slice(
-            local_slice(param), fqn, full_shape=tuple(param.shape), offset=slice_offset(param), spec=model, seed=seed
-        )
+        full = torch.empty(param.shape, dtype=torch.float32)
+        std = init_std(fqn, model)
+        if std is None:
+            full.fill_(1.0)
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            full.normal_(0.0, std, generator=generator)
+        local_slice(param).copy_(slice_of(full, param))
 
 
 def local_slice(param: torch.Tensor) -> torch.Tensor:
@@ -165,12 +169,13 @@ def local_slice(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param.data
 
 
-def slice_offset(param: torch.Tensor) -> tuple[int, ...]:
-    """Where this rank's slice of ``param`` starts in the full tensor (uneven shards too)."""
+def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of the full tensor that this rank's shard of ``param`` holds (uneven shards too)."""
     if not isinstance(param, DTensor):
-        return (0,) * param.dim()
-    _shape, offset = local_shape_and_offset(param)
-    return offset
+        return full
+    shape, offset = local_shape_and_offset(param)
+    index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
+    return full[index]
 
 
 def forget_old_meshes() -> None:
