@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.unit.spawned_ranks import spawn_ranks
 from tests.unit.tp_ranks import SPEC, run_rank
 
 VOCAB = SPEC.model.vocab_size
@@ -19,16 +19,7 @@ VOCAB = SPEC.model.vocab_size
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, tuple[Any, ...]]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    store_path = str(tmp_path_factory.mktemp("store") / "store")
-    processes = [context.Process(target=run_rank, args=(rank, store_path, results), daemon=True) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcomes = [results.get(timeout=180) for _ in processes]
-    for process in processes:
-        process.join(timeout=30)
-    return {outcome[0]: outcome[1:] for outcome in outcomes}
+    return spawn_ranks(run_rank, world_size=2, store_path=str(tmp_path_factory.mktemp("store") / "store"))
 
 
 def test_each_tp_rank_holds_only_its_half_of_the_vocabulary(ranks):

@@ -11,23 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.unit.replica_ranks import SPEC, SYNC_CAP_BYTES, run_rank
+from tests.unit.spawned_ranks import spawn_ranks
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, tuple[Any, ...]]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    store_path = str(tmp_path_factory.mktemp("store") / "store")
-    processes = [context.Process(target=run_rank, args=(rank, store_path, results), daemon=True) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcomes = [results.get(timeout=180) for _ in processes]
-    for process in processes:
-        process.join(timeout=30)
-    return {outcome[0]: outcome[1:] for outcome in outcomes}
+    return spawn_ranks(run_rank, world_size=2, store_path=str(tmp_path_factory.mktemp("store") / "store"))
 
 
 def assert_equal_states(left: dict[str, Any], right: dict[str, Any]) -> None:

@@ -1,0 +1,30 @@
+"""Run a rank function in spawned processes and collect what each one reports (no Ray).
+
+    outcomes = spawn_ranks(run_rank, world_size=2, store_path=str(tmp / "store"))
+
+``run_rank(rank, store_path, results)`` puts one tuple ``(rank, *values)`` on ``results``;
+the answer maps each rank to its values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(
+    run_rank: Callable[[int, str, Any], None], *, world_size: int, store_path: str, timeout_s: float = 180.0
+) -> dict[int, tuple[Any, ...]]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=run_rank, args=(rank, store_path, results), daemon=True) for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=timeout_s) for _ in processes]
+    for process in processes:
+        process.join(timeout=30)
+    return {outcome[0]: outcome[1:] for outcome in outcomes}
