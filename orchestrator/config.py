@@ -9,6 +9,7 @@ problem found is reported at once in a ``ConfigError`` naming the key path, the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -281,10 +282,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
-def config_from_dict(raw: dict[str, Any]) -> JobConfig:
-    """Build and validate a config from a mapping (tests, the job-submission entrypoint)."""
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Build and validate a config from a mapping (the Python API, tests, the job-submission
+    entrypoint), with ``--set``-style overrides applied to a copy of it."""
+    raw = copy.deepcopy(raw)
     problems: list[str] = []
-    config = _build(JobConfig, raw, "", problems)
+    for override in overrides:
+        _apply_override(raw, override, problems)
+    config = _build(JobConfig, raw, "", problems) if not problems else JobConfig()
     if not problems:
         problems.extend(resolve_model(config))
     if not problems:

@@ -272,6 +272,27 @@ class Trainer:
             total += loss.detach()
         return total
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
+
+        Collective: every rank of the mesh calls it with the same tokens (with pp > 1 the batch
+        must divide into ``microbatches``). Returns the whole logits, gathered over tensor
+        parallelism, on the ranks that hold the last stage; None elsewhere.
+        """
+        tokens = tokens.to(self.device)
+        if self.schedule is not None:
+            output = self.schedule.eval(tokens) if self.holds_first_stage else self.schedule.eval()
+        else:
+            output = self.modules[0](tokens)
+        for module in self.modules:  # pipelined stages stay gathered after a forward
+            for submodule in module.modules():
+                if isinstance(submodule, FSDPModule):
+                    submodule.reshard()
+        if not self.holds_last_stage:
+            return None
+        return output.full_tensor() if isinstance(output, DTensor) else output
+
     def _set_replica_reduction(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients across replica groups (HSDP).
 
