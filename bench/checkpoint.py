@@ -51,15 +51,17 @@ def model_spec(quick: bool):
 def build_state(spec, mesh_spec, rank: int) -> dict[str, torch.Tensor]:
     """Model parameters (DTensors) and AdamW state as the trainer names them."""
     from workers import parallelize as par
+    from workers.models import resolve_family
 
+    family = resolve_family(spec.family)
     world_mesh = par.build_world_mesh(mesh_spec, "cpu")
     plan = par.stage_plans(spec, pp=mesh_spec.pp, pp_rank=mesh_spec.coords(rank).pp, stages_per_rank=1)[0]
-    module = par.build_stage_module(spec, plan)
+    module = par.build_stage_module(family, spec, plan)
     if mesh_spec.tp > 1:
-        par.apply_tensor_parallel(module, world_mesh["tp"])
+        par.apply_tensor_parallel(module, family, spec, world_mesh["tp"])
     par.apply_fsdp(module, par.data_parallel_mesh(world_mesh, mesh_spec), param_dtype=torch.float32, pipelined=False)
     par.materialize(module, torch.device("cpu"))
-    par.init_weights(module, spec, seed=0)
+    par.init_weights(module, family, spec, seed=0)
     state: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         state[name] = param.detach()

@@ -9,6 +9,7 @@ problem found is reported at once in a ``ConfigError`` naming the key path, the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -24,6 +25,7 @@ import yaml
 from elastic.spec import MeshSpec
 from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
+from orchestrator.model_source import resolve_model
 from workers.spec import PRESETS, ModelSpec, model_spec
 from workers.spec.train import OptimizerSpec
 
@@ -39,9 +41,18 @@ def _choices(*values: str) -> dict[str, Any]:
 
 @dataclass
 class ModelConfig:
-    """A preset shape, any field of which may be overridden."""
+    """The model: a family, its shape (a preset, or a Hugging Face config.json), any field of
+    which may be overridden, and optionally the released weights it starts from."""
 
+    # A registered family (llama) or your own: package.module:Class (a ModelFamily subclass).
+    family: str = "llama"
     preset: str = field(default="debug", metadata=_choices(*PRESETS))
+    # A Hugging Face config.json (file, directory or s3:// prefix) that gives every shape field.
+    hf_config: str | None = None
+    # A Hugging Face model directory or s3:// prefix (config.json + safetensors): a fresh run
+    # starts from these weights (its config.json gives the shape unless hf_config is set).
+    # A checkpoint under checkpoint.uri takes precedence once one exists.
+    init_from: str | None = None
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -50,10 +61,24 @@ class ModelConfig:
     ffn_dim: int | None = None
     norm_eps: float | None = None
     rope_theta: float | None = None
+    max_seq_len: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool | None = None
+    tie_embeddings: bool | None = None
+    # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.
+    resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
+
+    def overrides(self) -> dict[str, Any]:
+        """Shape fields set explicitly, under ModelSpec's names."""
+        shape_keys = {f.name for f in dataclasses.fields(ModelSpec)} | {"head_dim"}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in shape_keys}
+        values["attention_head_dim"] = values.pop("head_dim")
+        return {key: value for key, value in values.items() if value is not None and key != "family"}
 
     def spec(self) -> ModelSpec:
-        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "preset"}
-        return model_spec(self.preset, **overrides)
+        if self.resolved is not None:
+            return self.resolved
+        return dataclasses.replace(model_spec(self.preset, **self.overrides()), family=self.family)
 
 
 @dataclass
@@ -205,7 +230,9 @@ class JobConfig:
         metrics and checkpoint settings are left out on purpose, and so is training.steps (a
         run may be extended).
         """
-        decisive = {key: self.to_dict()[key] for key in ("model", "training", "data")}
+        decisive = {key: self.to_dict()[key] for key in ("training", "data")}
+        # The shape, not where it was read from (init_from only matters before a checkpoint exists).
+        decisive["model"] = self.model_spec.to_dict()
         decisive["training"] = {k: v for k, v in decisive["training"].items() if k != "steps"}
         # The text itself, not where it lies: the same file under another path is the same job.
         data_path = resolve_data_path(self) if self.data.source == "text" else None
@@ -246,16 +273,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if problems:
         raise ConfigError(problems)
     config.source_dir = source_dir
+    problems.extend(resolve_model(config))
+    if problems:
+        raise ConfigError(problems)
     problems.extend(validate(config))
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def config_from_dict(raw: dict[str, Any]) -> JobConfig:
-    """Build and validate a config from a mapping (tests, the job-submission entrypoint)."""
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Build and validate a config from a mapping (the Python API, tests, the job-submission
+    entrypoint), with ``--set``-style overrides applied to a copy of it."""
+    raw = copy.deepcopy(raw)
     problems: list[str] = []
-    config = _build(JobConfig, raw, "", problems)
+    for override in overrides:
+        _apply_override(raw, override, problems)
+    config = _build(JobConfig, raw, "", problems) if not problems else JobConfig()
+    if not problems:
+        problems.extend(resolve_model(config))
     if not problems:
         problems.extend(validate(config))
     if problems:

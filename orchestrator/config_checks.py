@@ -98,6 +98,11 @@ def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str
     problems: list[str] = []
     if train.seq_len > model.max_seq_len:
         problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
+    if model.sliding_window is not None and train.seq_len > model.sliding_window:
+        problems.append(
+            f"training.seq_len={train.seq_len} exceeds the model's sliding_window={model.sliding_window}: meshpilot "
+            "attends to every earlier position, the same model only within the window; lower training.seq_len"
+        )
     if not 0.0 <= train.min_lr_ratio <= 1.0:
         problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
     if config.data.source == "text":
@@ -149,8 +154,10 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             "for pp_schedule=interleaved_1f1b"
         )
     if check_mesh and not problems:
+        shape_from = config.model.hf_config or config.model.init_from
+        prefix = f"parallelism (model shape from {shape_from}): " if shape_from else "parallelism: "
         problems.extend(
-            "parallelism: " + p
+            prefix + p
             for p in config.mesh.check_divides(
                 n_heads=model.n_heads,
                 n_kv_heads=model.n_kv_heads,

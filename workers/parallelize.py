@@ -18,19 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, local_shape_and_offset
 from elastic.spec import DIM_ORDER, MeshSpec
-from workers.model import Transformer, TransformerBlock, init_std
+from workers.models import ModelFamily, StageModel
 from workers.spec import ModelSpec
 
 
@@ -77,57 +71,53 @@ def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
     return world_mesh["dp_shard"]
 
 
-def build_stage_module(model: ModelSpec, plan: StagePlan) -> Transformer:
+def build_stage_module(family: ModelFamily, model: ModelSpec, plan: StagePlan) -> StageModel:
     """The stage's module on the meta device: shapes only, no memory, no initialisation yet."""
     with torch.device("meta"):
-        module = Transformer(model)
+        module = family.build(model)
     return module.keep_only(plan.layer_ids, first=plan.first, last=plan.last)
 
 
-def apply_tensor_parallel(module: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence.
+def apply_tensor_parallel(module: StageModel, family: ModelFamily, model: ModelSpec, tp_mesh: DeviceMesh) -> None:
+    """The family's tensor-parallel plan, for the parts of it this stage holds."""
+    plan = family.tensor_parallel_plan(model)
+    top = {name: style for name, style in plan.top.items() if _holds(module, name)}
+    if top:
+        parallelize_module(module, tp_mesh, top)
+    for layer in module.layers.values():
+        parallelize_module(layer, tp_mesh, {name: style for name, style in plan.layer.items() if _holds(layer, name)})
 
-    The last stage's logits stay sharded over the vocabulary: ``lm_head`` returns a DTensor
-    placed ``Shard(-1)`` on ``tp_mesh`` (each rank holds vocab/tp columns), and the loss is
-    computed on the shards under ``loss_parallel`` (``vocab_parallel_cross_entropy``).
-    Gathering them would hold the whole (tokens x vocab) logits, and their float32 upcast, on
-    every TP rank.
+
+def _holds(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` has the submodule ``name`` (dotted; a stage's dropped parts are None)."""
+    found: Any = module
+    for part in name.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return False
+    return True
+
+
+def apply_activation_checkpointing(module: StageModel) -> None:
+    """Recompute each layer's activations in the backward pass instead of keeping them.
+
+    The layer's ``forward`` is wrapped on the instance, so parameter names do not change
+    (a wrapper module would add a level to every name, and checkpoints would not match).
     """
-    top_plan: dict[str, ParallelStyle] = {}
-    if module.embed_tokens is not None:
-        top_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if module.norm is not None:
-        top_plan["norm"] = SequenceParallel()
-        top_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-    if top_plan:
-        parallelize_module(module, tp_mesh, top_plan)
-    for block in module.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "input_layernorm": SequenceParallel(),
-                "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "post_attention_layernorm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+    for layer in module.layers.values():
+        layer.forward = _checkpointed(layer.forward)
 
 
-def apply_activation_checkpointing(module: Transformer) -> None:
-    for block in module.layers.values():
-        assert isinstance(block, TransformerBlock), "layers holds only transformer blocks"
-        block.activation_checkpointing = True
+def _checkpointed(forward: Any) -> Any:
+    def run(*args: Any) -> Any:
+        if torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False)
+        return forward(*args)
+
+    return run
 
 
-def apply_fsdp(module: Transformer, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+def apply_fsdp(module: StageModel, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
     """FSDP2 per transformer block, then the stage root.
 
     With pipelining, parameters stay gathered between the microbatches of a step
@@ -146,7 +136,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def init_weights(module: Transformer, model: ModelSpec, *, seed: int) -> None:
+def init_weights(module: StageModel, family: ModelFamily, model: ModelSpec, *, seed: int) -> None:
     """Initialise every parameter exactly as a single-process run with the same seed would.
 
     Each full parameter is drawn from a generator seeded by (seed, parameter name) on the CPU
@@ -155,12 +145,12 @@ def init_weights(module: Transformer, model: ModelSpec, *, seed: int) -> None:
     """
     for fqn, param in module.named_parameters():
         full = torch.empty(param.shape, dtype=torch.float32)
-        std = init_std(fqn, model)
-        if std is None:
-            full.fill_(1.0)
+        rule = family.init_rule(fqn, model)
+        if rule.std is None:
+            full.fill_(rule.value)
         else:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            full.normal_(0.0, std, generator=generator)
+            full.normal_(0.0, rule.std, generator=generator)
         local_slice(param).copy_(slice_of(full, param))
 
 

@@ -33,7 +33,7 @@ from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
-from workers.model import Transformer
+from workers.models import StageModel, resolve_family
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 
 
@@ -106,6 +106,7 @@ class Trainer:
         self.peer_waits = peer_waits or PeerWaitMarker()
         self.coords = mesh.coords(rank)
         self.dp_rank = mesh.dp_rank(rank)
+        self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         self.plans = par.stage_plans(
             spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
@@ -129,10 +130,10 @@ class Trainer:
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
 
     # ------------------------------------------------------------------ building
-    def _build_module(self, plan: par.StagePlan) -> Transformer:
-        module = par.build_stage_module(self.spec.model, plan)
+    def _build_module(self, plan: par.StagePlan) -> StageModel:
+        module = par.build_stage_module(self.family, self.spec.model, plan)
         if self.mesh.tp > 1:
-            par.apply_tensor_parallel(module, self.world_mesh["tp"])
+            par.apply_tensor_parallel(module, self.family, self.spec.model, self.world_mesh["tp"])
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
@@ -158,7 +159,7 @@ class Trainer:
     def init_weights(self) -> None:
         """Fresh start: the same initial model as a single process with the same seed."""
         for module in self.modules:
-            par.init_weights(module, self.spec.model, seed=self.spec.seed)
+            par.init_weights(module, self.family, self.spec.model, seed=self.spec.seed)
 
     # ---------------------------------------------------------------------- step
     @property
@@ -270,6 +271,27 @@ class Trainer:
                 loss.backward()
             total += loss.detach()
         return total
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
+
+        Collective: every rank of the mesh calls it with the same tokens (with pp > 1 the batch
+        must divide into ``microbatches``). Returns the whole logits, gathered over tensor
+        parallelism, on the ranks that hold the last stage; None elsewhere.
+        """
+        tokens = tokens.to(self.device)
+        if self.schedule is not None:
+            output = self.schedule.eval(tokens) if self.holds_first_stage else self.schedule.eval()
+        else:
+            output = self.modules[0](tokens)
+        for module in self.modules:  # pipelined stages stay gathered after a forward
+            for submodule in module.modules():
+                if isinstance(submodule, FSDPModule):
+                    submodule.reshard()
+        if not self.holds_last_stage:
+            return None
+        return output.full_tensor() if isinstance(output, DTensor) else output
 
     def _set_replica_reduction(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients across replica groups (HSDP).

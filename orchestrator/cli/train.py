@@ -1,13 +1,15 @@
-"""``meshpilot train CONFIG``: train a job on an embedded or existing Ray cluster (driver)."""
+"""``meshpilot train CONFIG``: train a job on an embedded or existing Ray cluster (driver).
+
+A layer over ``meshpilot.train`` (``orchestrator/api``): arguments in, the run directory out.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from orchestrator.config import load_config
-from orchestrator.errors import UserError
-from orchestrator.observe.progress import ProgressView
-from workers.faults import FaultSpec
+from rich.console import Console
+
+from orchestrator.api.training import train
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,33 +49,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
-    faults = []
-    for text in texts:
-        try:
-            fault = FaultSpec.parse(text)
-        except ValueError as error:
-            raise UserError(str(error)) from None
-        if fault.kind == "node":
-            raise UserError(
-                f"--inject {text!r}: node faults need a multi-node test cluster "
-                "(ray.cluster_utils.Cluster); use the pytest fault harness"
-            )
-        faults.append(fault)
-    return tuple(faults)
-
-
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
-
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"runtime.address={args.address}")
-    config = load_config(args.config, overrides)
-    faults = parse_faults(args.inject)
-    view = ProgressView(force_plain=args.plain)
-    result = run_training(
-        config, args.run_dir, subscribers=[view], console=view.console, faults=faults, handle_signals=True
+    result = train(
+        args.config,
+        overrides=overrides,
+        run_dir=args.run_dir,
+        inject=args.inject,
+        progress=True,
+        plain_progress=args.plain,
+        handle_signals=True,
     )
-    view.console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
+    Console().print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
     return result.exit_code

@@ -4,9 +4,9 @@ Runs on the driver, called by the controller with every batch of reports it poll
 reports of ``workers/spec/messages.py``, dispatched on their ``ReportKind``). Per-rank
 ``StepReport``s are joined into one ``step`` event once every rank of the mesh has reported
 that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
-``LogReport``s become ``log`` events. Other kinds are handed to the handlers registered for
-them (checkpoint coordination registers its own for ``CHECKPOINT_UPLOAD``, the controller one
-for ``DRAIN_NOTICE``).
+``LogReport``s become ``log`` events, ``PretrainedLoadReport``s ``pretrained_loaded`` events.
+Other kinds are handed to the handlers registered for them (checkpoint coordination registers
+its own for ``CHECKPOINT_UPLOAD``, the controller one for ``DRAIN_NOTICE``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from elastic.spec import MeshSpec
 from orchestrator.observe.events import EventLog
-from workers.spec.messages import LogReport, RankReport, ReportKind, StepReport
+from workers.spec.messages import LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
 
 Handler = Callable[[Any], None]  # called with the report of the kind it was registered for
 
@@ -26,7 +26,11 @@ class ReportRouter:
         self.events = events
         self.tokens_per_step = tokens_per_step
         self.mesh = mesh
-        self.handlers: dict[ReportKind, Handler] = {ReportKind.STEP: self._on_step, ReportKind.LOG: self._on_log}
+        self.handlers: dict[ReportKind, Handler] = {
+            ReportKind.STEP: self._on_step,
+            ReportKind.LOG: self._on_log,
+            ReportKind.PRETRAINED_LOAD: self._on_pretrained_load,
+        }
         self._pending: dict[int, dict[int, StepReport]] = {}
         self.last_emitted_step = 0
         self.last_step_time_s: float | None = None
@@ -61,6 +65,16 @@ class ReportRouter:
 
     def _on_log(self, report: LogReport) -> None:
         self.events.emit("log", rank=report.rank, level=report.level, message=report.message, logger=report.logger)
+
+    def _on_pretrained_load(self, report: PretrainedLoadReport) -> None:
+        self.events.emit(
+            "pretrained_loaded",
+            rank=report.rank,
+            uri=report.uri,
+            bytes_read=report.bytes_read,
+            bytes_total=report.bytes_total,
+            seconds=round(report.seconds, 3),
+        )
 
     def _on_step(self, report: StepReport) -> None:
         step = report.step

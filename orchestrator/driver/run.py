@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from rich.console import Console
@@ -18,7 +19,7 @@ from rich.console import Console
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.controller import Controller
-from orchestrator.observe.events import EventLog
+from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.observe.metrics import build_metrics
 from workers.faults import FaultSpec
@@ -26,10 +27,21 @@ from workers.faults import FaultSpec
 
 @dataclass(frozen=True)
 class RunResult:
+    """How a run ended, and where its record is (``events.jsonl``, ``config.yaml``, rank logs)."""
+
     run_dir: Path
     status: str
-    exit_code: int
+    exit_code: int  # 0 when the run finished its steps
     reason: str | None = None
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event of the run, in order (read from RUN_DIR/events.jsonl)."""
+        return read_events(self.run_dir / "events.jsonl")
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """The training loss of every step the run took: step -> mean loss over the global batch."""
+        return {e["step"]: e["loss"] for e in self.events() if e["event"] == "step" and e.get("loss") is not None}
 
 
 def default_run_dir(config: JobConfig) -> Path:

@@ -13,7 +13,8 @@ from typing import Any
 
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
-from workers.spec.train import BatchPlan, CheckpointTarget, OptimizerSpec, TrainSpec
+from orchestrator.model_source import locate
+from workers.spec.train import BatchPlan, CheckpointTarget, OptimizerSpec, PretrainedSource, TrainSpec
 
 
 def resolve_backend(config: JobConfig) -> str:
@@ -50,9 +51,18 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         backend=backend,
         collective_timeout_s=config.elastic.collective_timeout_s,
         checkpoint=checkpoint_target(config),
+        init_from=pretrained_source(config),
         instance_action_url=config.elastic.instance_action_url,
         instance_action_poll_s=config.elastic.instance_action_poll_s,
     )
+
+
+def pretrained_source(config: JobConfig) -> PretrainedSource | None:
+    """Where the ranks read released weights from; a local path made absolute (ranks share the disk)."""
+    if config.model.init_from is None:
+        return None
+    location = locate(config.model.init_from, config.source_dir)
+    return PretrainedSource(location.uri, config.checkpoint.endpoint_url, config.checkpoint.region)
 
 
 def checkpoint_target(config: JobConfig) -> CheckpointTarget | None:

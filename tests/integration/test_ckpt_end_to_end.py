@@ -19,7 +19,7 @@ from checkpointing.spec import FailureReport, ShardReport
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from orchestrator.cli import main
-from workers.model import Transformer
+from workers.models import Transformer
 from workers.spec import PRESETS
 
 SPEC = PRESETS["debug"]

@@ -134,3 +134,17 @@ def test_private_torch_only_in_its_fence() -> None:
 def test_private_ray_only_in_its_fence() -> None:
     paths = [p for p in _modules(*PACKAGES) if _relative(p) not in RAY_FENCES]
     assert _private_uses(paths, ("ray",)) == [], f"private Ray internals outside {RAY_FENCES}"
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject lists the packages (the ``meshpilot`` mapping needs a list): none may be missing."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        _relative(init.parent).replace("/", ".")
+        for package in PACKAGES
+        for init in (REPO / package).rglob("__init__.py")
+    }
+    assert on_disk - listed == set(), "add these packages to [tool.setuptools] packages in pyproject.toml"
+    assert "meshpilot" in listed

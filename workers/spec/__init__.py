@@ -15,6 +15,7 @@ from workers.spec.messages import (
     Heartbeat,
     LogReport,
     Phase,
+    PretrainedLoadReport,
     RankReport,
     ReportKind,
     RunOutcome,
@@ -25,7 +26,15 @@ from workers.spec.messages import (
     failure_kind_of,
 )
 from workers.spec.model import PRESETS, ModelSpec, model_spec
-from workers.spec.train import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, CheckpointTarget, TrainSpec
+from workers.spec.train import (
+    ABORT,
+    COMMIT,
+    COMMIT_AND_PAUSE,
+    COMMIT_PAUSE_CHECKPOINT,
+    CheckpointTarget,
+    PretrainedSource,
+    TrainSpec,
+)
 
 __all__ = [
     "ABORT",
@@ -33,6 +42,7 @@ __all__ = [
     "COMMIT_AND_PAUSE",
     "COMMIT_PAUSE_CHECKPOINT",
     "PRESETS",
+    "PretrainedSource",
     "CheckpointTarget",
     "CheckpointUploadReport",
     "DrainNoticeReport",
@@ -47,6 +57,7 @@ __all__ = [
     "RunStatus",
     "StartFrom",
     "StartMode",
+    "PretrainedLoadReport",
     "StepReport",
     "TrainSpec",
     "failure_kind_of",

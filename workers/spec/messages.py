@@ -88,6 +88,7 @@ class ReportKind(StrEnum):
     LOG = "log"  # a log record of the rank
     CHECKPOINT_UPLOAD = "checkpoint"  # one of the rank's checkpoint uploads is durable, or was given up
     DRAIN_NOTICE = "drain_notice"  # the rank's node is about to go away (spot notice, SIGTERM)
+    PRETRAINED_LOAD = "pretrained_load"  # the rank loaded its slices of released weights
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,20 @@ class DrainNoticeReport:
     kind: ReportKind = ReportKind.DRAIN_NOTICE
 
 
-RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport
+@dataclass(frozen=True)
+class PretrainedLoadReport:
+    """The rank filled its slices of the model from released weights (``model.init_from``)."""
+
+    rank: int
+    time: float
+    uri: str
+    bytes_read: int  # what this rank fetched: about its own share, not the whole files
+    bytes_total: int  # the size of every tensor the model reads, for comparison
+    seconds: float
+    kind: ReportKind = ReportKind.PRETRAINED_LOAD
+
+
+RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport | PretrainedLoadReport
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""Shapes of the Llama-style decoder: plain values shared by the driver, the planner and the ranks.
+"""Shapes of a decoder-only model: plain values shared by the driver, the planner and the ranks.
 
 No torch here: the planner sizes a 405B model from these numbers on a laptop, and the driver
-validates a config without importing the model.
+validates a config without importing the model. ``family`` names the code that builds the
+model from these shapes (``workers.models``): a registered name or ``package.module:Class``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face ``rope_scaling`` of type ``llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied output."""
+    """A decoder-only transformer's shape. The counting below is the Llama-style decoder's
+    (RMSNorm, RoPE, SwiGLU, grouped-query attention); a family with another block says so
+    through ``mlp_matrices`` and the bias flags."""
 
     dim: int
     n_layers: int
@@ -23,10 +36,37 @@ class ModelSpec:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
+    family: str = "llama"
+    # Width of one attention head when it is not dim / n_heads (Hugging Face's ``head_dim``).
+    attention_head_dim: int | None = None
+    # Biases on the q/k/v projections (Qwen2).
+    qkv_bias: bool = False
+    # The checkpoint this shape came from ties its output projection to the input embedding.
+    # Loaded untied: the output projection starts as a copy of the embedding and trains apart.
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    # Attention window of the checkpoint's architecture (Mistral): the model attends to every
+    # earlier position, which is the same model only for sequences no longer than this.
+    sliding_window: int | None = None
+    # Weight matrices per feed-forward block: 3 for SwiGLU, 2 for a plain MLP.
+    mlp_matrices: int = 3
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (checkpoint manifests record them)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelSpec:
+        """The inverse of ``to_dict``; keys this version does not know are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kept = {key: value for key, value in values.items() if key in known}
+        if isinstance(kept.get("rope_scaling"), dict):
+            kept["rope_scaling"] = RopeScaling(**kept["rope_scaling"])
+        return cls(**kept)
 
     def problems(self) -> list[str]:
         """Every inconsistency of the shape itself, as sentences naming the keys."""
@@ -36,10 +76,10 @@ class ModelSpec:
                 found.append(f"model.{name}={getattr(self, name)} must be >= 1")
         if found:
             return found
-        if self.dim % self.n_heads:
+        if self.attention_head_dim is None and self.dim % self.n_heads:
             found.append(f"model.n_heads={self.n_heads} must divide model.dim={self.dim}")
         elif self.head_dim % 2:
-            found.append(f"model.dim / model.n_heads = {self.head_dim} must be even for rotary embeddings")
+            found.append(f"the head width {self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             found.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         return found
@@ -47,10 +87,12 @@ class ModelSpec:
     # ------------------------------------------------------------ counting
     @property
     def params_per_layer(self) -> int:
-        attention = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
-        feed_forward = 3 * self.dim * self.ffn_dim
+        q_and_o = 2 * self.dim * self.n_heads * self.head_dim
+        k_and_v = 2 * self.dim * self.n_kv_heads * self.head_dim
+        biases = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+        feed_forward = self.mlp_matrices * self.dim * self.ffn_dim
         norms = 2 * self.dim
-        return attention + feed_forward + norms
+        return q_and_o + k_and_v + biases + feed_forward + norms
 
     @property
     def embedding_params(self) -> int:
@@ -58,7 +100,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """All parameters: embedding, layers, final norm, output projection (untied)."""
+        """All parameters: embedding, layers, final norm, output projection (trained untied)."""
         return 2 * self.embedding_params + self.n_layers * self.params_per_layer + self.dim
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -48,6 +48,16 @@ class CheckpointTarget:
     max_in_flight: int = 1
 
 
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Released Hugging Face weights a fresh run starts from: a directory or ``s3://`` prefix
+    holding config.json and safetensors (credentials from the AWS chain, never here)."""
+
+    uri: str
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     """AdamW with linear warmup and cosine decay: the settings, declared once.
@@ -90,6 +100,8 @@ class TrainSpec(OptimizerSpec):
     backend: str = "gloo"
     collective_timeout_s: float = 120.0
     checkpoint: CheckpointTarget | None = None
+    # A fresh start loads these weights instead of drawing random ones.
+    init_from: PretrainedSource | None = None
     # Polled by every rank for a spot / maintenance notice of its own instance; "{node_id}"
     # is replaced by the rank's Ray node id (lets a test serve notices per node on loopback).
     instance_action_url: str | None = None

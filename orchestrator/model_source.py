@@ -1,0 +1,134 @@
+"""Resolve the ``model:`` section into a family and a shape, before any worker starts.
+
+Runs on the driver, inside ``load_config``: imports the family (a registered name or the
+user's ``package.module:Class``), reads a Hugging Face ``config.json`` when ``model.hf_config``
+or ``model.init_from`` names one (a local file or directory, or an ``s3://`` prefix read with
+the checkpoint section's endpoint and the standard AWS credentials), applies the explicit
+shape keys on top, and checks that released weights match the shape. Every problem comes
+back as a sentence naming the key or file and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from checkpointing.errors import CheckpointError
+from checkpointing.storage import StorageBackend, open_storage
+from workers.spec import ModelSpec, model_spec
+from workers.spec.hf_config import LLAMA_COMPATIBLE, HfConfigError, architecture_of, llama_spec_from_hf
+
+if TYPE_CHECKING:
+    from orchestrator.config import JobConfig
+    from workers.models import ModelFamily
+
+# The shipped family, resolved without importing torch (config checks run on a laptop too).
+SHIPPED_FAMILY = "llama"
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """A Hugging Face model directory or config file: a URI storage can open, and a file in it."""
+
+    uri: str
+    filename: str = "config.json"
+
+    def describe(self) -> str:
+        return f"{self.uri.rstrip('/')}/{self.filename}"
+
+
+def resolve_model(config: JobConfig) -> list[str]:
+    """Set ``config.model.resolved``; return the problems found (none when it is set)."""
+    section = config.model
+    where = section.hf_config or section.init_from
+    try:
+        if section.family == SHIPPED_FAMILY:
+            base = llama_spec(config, where)
+        else:
+            base = user_family_spec(config, section.family, where)
+    except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
+        return [str(error)]
+    section.resolved = dataclasses.replace(base, **section.overrides())
+    return []
+
+
+def llama_spec(config: JobConfig, where: str | None) -> ModelSpec:
+    """The shipped family's shape: the preset, or what a config.json of a supported architecture says."""
+    if where is None:
+        return dataclasses.replace(model_spec(config.model.preset), family=SHIPPED_FAMILY)
+    location = locate(where, config.source_dir)
+    hf_config = read_json(location, config)
+    architecture = architecture_of(hf_config, location.describe())
+    if architecture not in LLAMA_COMPATIBLE:
+        raise HfConfigError(
+            f"{location.describe()}: architecture {architecture} is not supported; supported: "
+            f"{', '.join(sorted(LLAMA_COMPATIBLE))} (or bring your own family: model.family: package.module:Class)"
+        )
+    return llama_spec_from_hf(hf_config, location.describe(), family=SHIPPED_FAMILY)
+
+
+def user_family_spec(config: JobConfig, name: str, where: str | None) -> ModelSpec:
+    """A family the user brings: imported (with torch) to read its config or check its preset shape."""
+    family = load_family(name)
+    if where is None:
+        base = dataclasses.replace(model_spec(config.model.preset), family=name)
+    else:
+        location = locate(where, config.source_dir)
+        base = family.spec_from_hf_config(read_json(location, config), location.describe())
+    spec = dataclasses.replace(base, family=name, **config.model.overrides())
+    problems = family.problems(spec)
+    if problems:
+        raise HfConfigError("; ".join(problems))
+    return spec
+
+
+def load_family(name: str) -> ModelFamily:
+    from workers.models import resolve_family  # torch: only for a family the user brings
+
+    return resolve_family(name)
+
+
+def locate(where: str, source_dir: str | None) -> ModelLocation:
+    """Where ``where`` points: a URI, or a local path tried from here, then from the config's directory."""
+    if "://" in where:
+        if where.endswith(".json"):
+            uri, _, filename = where.rpartition("/")
+            return ModelLocation(uri, filename)
+        return ModelLocation(where)
+    candidates = [Path(where)]
+    if source_dir is not None and not Path(where).is_absolute():
+        candidates.append(Path(source_dir) / where)
+    for path in candidates:
+        if path.is_file():
+            return ModelLocation(str(path.resolve().parent), path.name)
+        if path.is_dir():
+            return ModelLocation(str(path.resolve()))
+    raise HfConfigError(f"{where}: no such file or directory; give a Hugging Face model directory or its config.json")
+
+
+def open_location(location: ModelLocation, config: JobConfig) -> StorageBackend:
+    """Storage for a model location; ``s3://`` uses the checkpoint section's endpoint and region."""
+    return open_storage(location.uri, endpoint_url=config.checkpoint.endpoint_url, region=config.checkpoint.region)
+
+
+def read_json(location: ModelLocation, config: JobConfig) -> dict[str, Any]:
+    storage = open_location(location, config)
+    try:
+        if not storage.exists(location.filename):
+            raise HfConfigError(
+                f"{location.describe()} does not exist; point model.hf_config / model.init_from at a Hugging Face "
+                "model directory (it holds config.json)"
+            )
+        raw = storage.get(location.filename)
+    finally:
+        storage.close()
+    try:
+        loaded = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise HfConfigError(f"{location.describe()} is not valid JSON ({error})") from None
+    if not isinstance(loaded, dict):
+        raise HfConfigError(f"{location.describe()} must hold a JSON object")
+    return loaded

@@ -1,0 +1,35 @@
+"""Model families: the code that builds, shards, initialises and names a model architecture.
+
+    family.py  ModelFamily (what a family provides), StageModel (what a built model must be),
+               InitRule, TensorParallelPlan, and the registry (resolve_family)
+    llama.py   the ``llama`` family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM
+
+Importing this package registers the shipped families.
+"""
+
+from workers.models.family import (
+    FamilyError,
+    InitRule,
+    ModelFamily,
+    StageModel,
+    TensorParallelPlan,
+    family_for_architecture,
+    register_family,
+    registered_families,
+    resolve_family,
+)
+from workers.models.llama import LlamaFamily, Transformer
+
+__all__ = [
+    "FamilyError",
+    "InitRule",
+    "LlamaFamily",
+    "ModelFamily",
+    "StageModel",
+    "TensorParallelPlan",
+    "Transformer",
+    "family_for_architecture",
+    "register_family",
+    "registered_families",
+    "resolve_family",
+]

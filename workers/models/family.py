@@ -1,0 +1,206 @@
+"""What a model family is, and how a family is found by name.
+
+A family is the code that turns a ``ModelSpec`` (shapes, torch-free) into modules every rank
+can split, shard and initialise, and that knows its Hugging Face names. meshpilot ships
+``llama`` (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM); a user brings an architecture by writing a
+``ModelFamily`` subclass in their own package and naming it in the config::
+
+    model:
+      family: my_pkg.models:MyFamily
+
+Used on the driver (reading a Hugging Face config, naming tensors for import and export) and
+on every rank (building its pipeline stages). A family object holds no state: ranks and the
+driver each resolve it from its name.
+
+What the rest of meshpilot relies on (``StageModel``):
+- ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index (``"0"``, ``"1"``, ...):
+  a layer is the pipeline split unit, the FSDP unit and the activation-checkpointing unit,
+  and parameter names never change with the pipeline split;
+- ``keep_only`` removes what a pipeline stage does not own; ``first_stage_modules`` are the
+  attributes only the first stage keeps (embeddings), ``last_stage_modules`` only the last
+  (final norm, output projection);
+- ``forward`` takes token ids [batch, seq] on the first stage and hidden states
+  [batch, seq, dim] after it, and returns logits [batch, seq, vocab] on the last stage.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from workers.spec import ModelSpec
+
+
+class StageModel(nn.Module):
+    """The whole model, or one pipeline stage of it once ``keep_only`` has run."""
+
+    first_stage_modules: ClassVar[tuple[str, ...]] = ()
+    last_stage_modules: ClassVar[tuple[str, ...]] = ()
+    layers: nn.ModuleDict
+
+    def keep_only(self, layer_ids: range, *, first: bool, last: bool) -> StageModel:
+        """Drop what a pipeline stage does not own; names of what stays are unchanged."""
+        for layer_id in list(self.layers.keys()):
+            if int(layer_id) not in layer_ids:
+                del self.layers[layer_id]
+        dropped = (() if first else self.first_stage_modules) + (() if last else self.last_stage_modules)
+        for name in dropped:
+            setattr(self, name, None)
+        return self
+
+    @property
+    def is_first_stage(self) -> bool:
+        return all(getattr(self, name) is not None for name in self.first_stage_modules)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return all(getattr(self, name) is not None for name in self.last_stage_modules)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> hidden states [batch, seq, dim] (first stage only)."""
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states -> logits [batch, seq, vocab] (last stage only)."""
+        raise NotImplementedError
+
+    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens_or_hidden) if self.is_first_stage else tokens_or_hidden
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h) if self.is_last_stage else h
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """How a parameter starts in a fresh run: ``normal`` with ``std``, or filled with ``value``."""
+
+    std: float | None = None
+    value: float = 0.0
+
+    @classmethod
+    def normal(cls, std: float) -> InitRule:
+        return cls(std=std)
+
+    @classmethod
+    def fill(cls, value: float) -> InitRule:
+        return cls(value=value)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Parallel styles (``parallelize_module`` plans) for the stage's own modules and per layer.
+
+    Keys name submodules relative to the stage (``top``) or to one layer (``layer``); a key
+    whose module the stage does not hold (an embedding on a middle stage) is skipped.
+    """
+
+    top: Mapping[str, ParallelStyle]
+    layer: Mapping[str, ParallelStyle]
+
+
+class ModelFamily:
+    """A model architecture meshpilot can build, shard, initialise, import and export.
+
+    Subclass it, set ``name`` and implement ``build``, ``tensor_parallel_plan`` and
+    ``init_rule``; add ``spec_from_hf_config`` / ``hf_config`` / ``hf_name`` for Hugging Face
+    import and export. Methods run on the driver and on every rank and must not keep state.
+    """
+
+    name: ClassVar[str] = ""
+    # Hugging Face ``architectures`` entries whose weights this family loads.
+    hf_architectures: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, spec: ModelSpec) -> StageModel:
+        """The whole model, constructed under ``torch.device("meta")`` by the caller."""
+        raise NotImplementedError
+
+    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
+        raise NotImplementedError
+
+    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+        """Initial values of parameter ``fqn``: identical whatever the mesh (drawn in full per name)."""
+        raise NotImplementedError
+
+    def problems(self, spec: ModelSpec) -> list[str]:
+        """Shapes this family cannot build, as sentences naming the keys (on the driver)."""
+        return spec.problems()
+
+    # ------------------------------------------------------------ Hugging Face
+    def spec_from_hf_config(self, config: dict[str, Any], source: str) -> ModelSpec:
+        """The shape a Hugging Face ``config.json`` describes (on the driver; no torch needed)."""
+        raise NotImplementedError(f"model family {self.name!r} does not read Hugging Face configs")
+
+    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+        """``config.json`` for an export of this shape."""
+        raise NotImplementedError(f"model family {self.name!r} does not export to Hugging Face")
+
+    def hf_name(self, fqn: str) -> str:
+        """The Hugging Face tensor name of parameter ``fqn`` (export, and import by default)."""
+        raise NotImplementedError(f"model family {self.name!r} has no Hugging Face names")
+
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
+        """Which Hugging Face tensor each parameter is loaded from (``available``: the file's names).
+
+        Defaults to ``hf_name``; a family overrides it where one tensor feeds two parameters
+        (tied embeddings stored once).
+        """
+        return {fqn: self.hf_name(fqn) for fqn in fqns}
+
+
+class FamilyError(ValueError):
+    """A model family that cannot be found; the message names it and the fix."""
+
+
+_REGISTRY: dict[str, type[ModelFamily]] = {}
+
+
+def register_family(family: type[ModelFamily], *aliases: str) -> type[ModelFamily]:
+    """Make ``family`` available as ``model.family: <name>`` (and each alias)."""
+    for name in (family.name, *aliases):
+        _REGISTRY[name] = family
+    return family
+
+
+def registered_families() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_family(name: str) -> ModelFamily:
+    """The family named ``name``: a registered name, or ``package.module:Class`` to import."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]()
+    if ":" not in name:
+        raise FamilyError(
+            f"model.family {name!r} is not a registered family ({', '.join(registered_families())}); "
+            "name one of those, or your own class as package.module:Class"
+        )
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise FamilyError(
+            f"model.family {name!r}: module {module_name} does not import ({error}); install the package "
+            "that holds it on every node, or fix the path"
+        ) from None
+    family = getattr(module, class_name, None)
+    if not (isinstance(family, type) and issubclass(family, ModelFamily)):
+        raise FamilyError(
+            f"model.family {name!r}: {module_name} has no ModelFamily subclass named {class_name}; "
+            "name a class that subclasses meshpilot's ModelFamily"
+        )
+    return family()
+
+
+def family_for_architecture(architecture: str) -> ModelFamily | None:
+    """The registered family that loads this Hugging Face architecture, if any."""
+    for family in dict.fromkeys(_REGISTRY.values()):
+        if architecture in family.hf_architectures:
+            return family()
+    return None

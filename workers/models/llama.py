@@ -1,0 +1,223 @@
+"""The ``llama`` family: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+Builds Llama 2/3.x (with ``rope_scaling`` of type ``llama3``), Mistral (within its sliding
+window), Qwen2/2.5 (q/k/v biases) and the SmolLM-class models, whose weights load from their
+Hugging Face directories. Runs on every rank (and on the driver for names and configs).
+
+Parameter names are those of Hugging Face's ``LlamaForCausalLM`` without its ``model.`` prefix,
+and rotary embeddings use the same rotate-half convention, so import and export are a rename
+and nothing else. A pipeline stage is this same class with the parts it does not own removed
+(``StageModel.keep_only``). Head counts are read from the projection shapes at run time
+(``-1`` in views), because under tensor parallelism each rank holds ``n_heads / tp`` heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
+from workers.spec import ModelSpec
+from workers.spec.hf_config import LLAMA_COMPATIBLE, llama_hf_config, llama_spec_from_hf
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then cast back.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+def rotary_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    """Rotary frequencies, with Llama 3.1's scaling when the spec has it (as Hugging Face computes them)."""
+    head_dim = spec.head_dim
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (spec.rope_theta**exponents)
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    spec: ModelSpec, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rotary_inv_freq(spec, device)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.head_dim = spec.head_dim
+        self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(self.spec, seq_len, x.device, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(spec.ffn_dim, spec.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.dim, spec.norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.dim, spec.norm_eps)
+        self.mlp = FeedForward(spec)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(StageModel):
+    """The whole model, or one pipeline stage of it (see ``StageModel.keep_only``)."""
+
+    first_stage_modules = ("embed_tokens",)
+    last_stage_modules = ("norm", "lm_head")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None, "only the first stage embeds"
+        return self.embed_tokens(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.norm is not None and self.lm_head is not None, "only the last stage has the head"
+        return self.lm_head(self.norm(hidden))
+
+
+# Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence.
+# The last stage's logits stay sharded over the vocabulary: ``lm_head`` returns a DTensor
+# placed ``Shard(-1)`` (each rank holds vocab/tp columns), and the trainer computes the loss
+# on the shards under ``loss_parallel``; gathering them would hold the whole (tokens x vocab)
+# logits, and their float32 upcast, on every TP rank.
+_TOP_PLAN: dict[str, ParallelStyle] = {
+    "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+}
+_LAYER_PLAN: dict[str, ParallelStyle] = {
+    "input_layernorm": SequenceParallel(),
+    "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    "post_attention_layernorm": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+class LlamaFamily(ModelFamily):
+    """Llama 2/3.x, Mistral, Qwen2/2.5 and SmolLM-class decoders (see the module docstring)."""
+
+    name = "llama"
+    hf_architectures = tuple(LLAMA_COMPATIBLE)
+
+    def build(self, spec: ModelSpec) -> Transformer:
+        return Transformer(spec)
+
+    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
+        return TensorParallelPlan(top=_TOP_PLAN, layer=_LAYER_PLAN)
+
+    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+        """Norm weights start at one and biases at zero. Output projections of each residual
+        branch are scaled down by sqrt(2 * n_layers), as in GPT-2 and Llama's reference
+        training code, so the residual stream does not grow with depth."""
+        if fqn.endswith("layernorm.weight") or fqn == "norm.weight":
+            return InitRule.fill(1.0)
+        if fqn.endswith(".bias"):
+            return InitRule.fill(0.0)
+        if fqn.endswith(("o_proj.weight", "down_proj.weight")):
+            return InitRule.normal(0.02 / (2 * spec.n_layers) ** 0.5)
+        return InitRule.normal(0.02)
+
+    def spec_from_hf_config(self, config: dict[str, Any], source: str) -> ModelSpec:
+        return llama_spec_from_hf(config, source, family=self.name)
+
+    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+        return llama_hf_config(spec, dtype=dtype)
+
+    def hf_name(self, fqn: str) -> str:
+        return fqn if fqn == "lm_head.weight" else f"model.{fqn}"
+
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
+        """A checkpoint with tied embeddings stores the embedding once: the output projection
+        (trained untied here) starts from it."""
+        names = {fqn: self.hf_name(fqn) for fqn in fqns}
+        if "lm_head.weight" in names and "lm_head.weight" not in available and spec.tie_embeddings:
+            names["lm_head.weight"] = self.hf_name("embed_tokens.weight")
+        return names
+
+
+register_family(LlamaFamily)
