@@ -208,7 +208,8 @@ def load_hf_tensors(
     return read_into(storage, hf_manifest(sources), tensors, verify=False, concurrency=concurrency)
 
 
-def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, str]) -> HfTensor:
+def find_hf_tensor(checkpoint: HfCheckpoint, fqn: str, names: Mapping[str, str]) -> HfTensor:
+    """The HF tensor parameter ``fqn`` reads; ``HfCheckpointError`` naming both when there is none."""
     name = names.get(fqn)
     if name is None:
         raise HfCheckpointError(
@@ -220,10 +221,15 @@ def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Map
             f"{checkpoint.uri} holds no tensor {name} (for parameter {fqn}; it has {len(checkpoint.tensors)} "
             f"tensors): the weights do not belong to this config.json's architecture; {_COPY_FIX} of that model"
         )
+    return found
+
+
+def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, str]) -> HfTensor:
+    found = find_hf_tensor(checkpoint, fqn, names)
     if found.shape != tuple(tensor.shape):
         raise HfCheckpointError(
-            f"{checkpoint.uri}: tensor {name} in {found.file} has shape {list(found.shape)}, the model built from "
-            f"config.json expects {list(tensor.shape)}: the weights do not belong to this config.json"
+            f"{checkpoint.uri}: tensor {found.name} in {found.file} has shape {list(found.shape)}, the model built "
+            f"from config.json expects {list(tensor.shape)}: the weights do not belong to this config.json"
         )
     return found
 
