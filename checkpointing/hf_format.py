@@ -224,13 +224,18 @@ def find_hf_tensor(checkpoint: HfCheckpoint, fqn: str, names: Mapping[str, str])
     return found
 
 
-def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, str]) -> HfTensor:
-    found = find_hf_tensor(checkpoint, fqn, names)
-    if found.shape != tuple(tensor.shape):
+def check_hf_shape(checkpoint: HfCheckpoint, found: HfTensor, shape: tuple[int, ...]) -> None:
+    """Refuse an HF tensor whose shape is not the one the model (built from config.json) expects."""
+    if found.shape != shape:
         raise HfCheckpointError(
             f"{checkpoint.uri}: tensor {found.name} in {found.file} has shape {list(found.shape)}, the model built "
-            f"from config.json expects {list(tensor.shape)}: the weights do not belong to this config.json"
+            f"from config.json expects {list(shape)}: the weights do not belong to this config.json"
         )
+
+
+def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, str]) -> HfTensor:
+    found = find_hf_tensor(checkpoint, fqn, names)
+    check_hf_shape(checkpoint, found, tuple(tensor.shape))
     return found
 
 

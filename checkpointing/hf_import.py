@@ -22,7 +22,7 @@ import torch
 
 from checkpointing.catalog import list_committed
 from checkpointing.errors import CheckpointError, CommitConflictError, HfCheckpointError
-from checkpointing.hf_format import HfCheckpoint, find_hf_tensor, load_hf_tensors, open_hf_checkpoint
+from checkpointing.hf_format import HfCheckpoint, check_hf_shape, find_hf_tensor, load_hf_tensors, open_hf_checkpoint
 from checkpointing.manifest import Manifest, build_manifest
 from checkpointing.spec import WEIGHTS_ONLY, FailureReport, ShardReport, manifest_key
 from checkpointing.storage import StorageBackend
@@ -39,11 +39,15 @@ def import_hf(
     names: Mapping[str, str],
     model: dict[str, Any],
     dtype: str | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    checkpoint: HfCheckpoint | None = None,
 ) -> Manifest:
     """Write every parameter of ``names`` (our FQN -> HF name) from ``source`` as step 0 under ``dest``.
 
     ``model`` is the manifest's model description (what a job's restore compares with its own);
-    ``dtype`` None keeps each tensor's stored dtype, else floating-point tensors are cast to it.
+    ``dtype`` None keeps each tensor's stored dtype, else floating-point tensors are cast to it;
+    ``shapes`` (FQN -> the model's parameter shape), when given, are checked before anything is
+    written; ``checkpoint`` is ``open_hf_checkpoint(source)`` when the caller already has it.
     Refuses a ``dest`` that already holds committed steps. On failure nothing is committed and
     the files written so far are deleted.
     """
@@ -58,9 +62,12 @@ def import_hf(
         )
     if not names:
         raise HfCheckpointError(f"nothing to import from {source.uri}: the name map is empty")
-    checkpoint = open_hf_checkpoint(source)
-    for fqn in names:  # every name is checked before the first byte is written
-        find_hf_tensor(checkpoint, fqn, names)
+    if checkpoint is None:
+        checkpoint = open_hf_checkpoint(source)
+    for fqn in names:  # every name and shape is checked before the first byte is written
+        found = find_hf_tensor(checkpoint, fqn, names)
+        if shapes is not None:
+            check_hf_shape(checkpoint, found, tuple(shapes[fqn]))
     extra = {WEIGHTS_ONLY: True, "imported_from": checkpoint.uri}
     reports: list[ShardReport] = []
     try:
