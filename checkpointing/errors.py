@@ -68,3 +68,9 @@ class StorageNotFoundError(StorageAccessError):
 
 class StorageUnreachableError(StorageAccessError):
     """No answer from the endpoint (wrong URL, server down, network)."""
+
+
+class HfCheckpointError(CheckpointError):
+    """A Hugging Face model directory that cannot be read, or that does not fit the model asking for it."""
+
+    failure_kind = "own_error"  # FailureKind.OWN_ERROR: the user's input is wrong, not the storage

@@ -1,11 +1,14 @@
-"""Export a committed checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+"""Export a committed checkpoint as a Hugging Face model directory (``LlamaForCausalLM`` by default).
 
 Runs in ``meshpilot ckpt export`` (one process, no process group). Writes ``config.json``,
 ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` that
-``transformers.LlamaForCausalLM.from_pretrained(DIR)`` loads offline. meshpilot's parameter names
-are Hugging Face's without the ``model.`` prefix (RoPE in the same rotate-half convention), so
-the mapping is a rename; the slices of every tensor are gathered through the same resharding
-reader as a restore, into whole tensors, one output shard at a time to bound memory.
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads offline. An ``HfNaming`` says
+which parameters are exported under which Hugging Face names, and writes config.json; the
+default, ``LlamaNaming``, is meshpilot's Llama: Hugging Face's names without the ``model.``
+prefix (RoPE in the same rotate-half convention), so the mapping is a rename. The slices of
+every tensor are gathered through the same resharding reader as a restore, into whole tensors,
+one output shard at a time to bound memory. Tensors keep their stored bytes unless ``dtype``
+asks for another dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -23,7 +26,7 @@ from checkpointing.catalog import load_manifest
 from checkpointing.errors import CheckpointError, ForeignCheckpointError
 from checkpointing.manifest import Manifest
 from checkpointing.reader import restore
-from checkpointing.spec import itemsize
+from checkpointing.spec import OPTIMIZER_PREFIX, itemsize
 from checkpointing.storage import StorageBackend
 
 _MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
@@ -64,15 +67,60 @@ def llama_config(model: dict[str, Any], *, dtype: str) -> dict[str, Any]:
     }
 
 
+class HfNaming(Protocol):
+    """A model family's Hugging Face layout, as export needs it (``workers/models`` has one per family)."""
+
+    def hf_name(self, fqn: str) -> str | None:
+        """The Hugging Face name of parameter ``fqn``, or None to leave it out (e.g. a tied copy)."""
+        ...
+
+    def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
+        """``config.json`` for the manifest's model description and the exported dtype."""
+        ...
+
+
+class LlamaNaming:
+    """meshpilot's Llama as ``LlamaForCausalLM``: the default naming of ``export_hf``."""
+
+    def hf_name(self, fqn: str) -> str | None:
+        return hf_name(fqn)
+
+    def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
+        return llama_config(model, dtype=dtype)
+
+
 def model_tensors(manifest: Manifest) -> list[str]:
     """The model's parameter names in the checkpoint (optimizer state and extras left out)."""
-    names = sorted(fqn for fqn in manifest.tensors if not fqn.startswith("optim."))
+    names = sorted(fqn for fqn in manifest.tensors if not fqn.startswith(OPTIMIZER_PREFIX))
     if "lm_head.weight" not in names or "embed_tokens.weight" not in names:
         raise ForeignCheckpointError(
             "the checkpoint holds no embed_tokens.weight / lm_head.weight: it is not a "
             "meshpilot Llama-style model and cannot be exported"
         )
     return names
+
+
+def exported_names(manifest: Manifest, naming: HfNaming) -> dict[str, str]:
+    """Our FQN -> Hugging Face name of every parameter ``naming`` exports, in FQN order."""
+    renamed: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    for fqn in sorted(manifest.tensors):
+        name = None if fqn.startswith(OPTIMIZER_PREFIX) else naming.hf_name(fqn)
+        if name is None:
+            continue
+        if name in owner:
+            raise CheckpointError(
+                f"the naming maps both {owner[name]} and {fqn} to {name}: a tied weight is stored once, "
+                "so its naming must return None for all but one of them"
+            )
+        owner[name] = fqn
+        renamed[fqn] = name
+    if not renamed:
+        raise ForeignCheckpointError(
+            f"the naming exports none of the {len(manifest.tensors)} tensors of step {manifest.step}: "
+            "the checkpoint belongs to another model family"
+        )
+    return renamed
 
 
 def export_hf(
@@ -82,32 +130,30 @@ def export_hf(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 2 << 30,
+    naming: HfNaming | None = None,
 ) -> Path:
-    """Write the HF directory for ``step`` (the newest committed when None); return its path."""
+    """Write the HF directory for ``step`` (the newest committed when None); return its path.
+
+    ``dtype`` None keeps every tensor as stored (bitwise); ``naming`` None is ``LlamaNaming``.
+    """
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise CheckpointError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
     manifest = load_manifest(storage, step)
-    names = model_tensors(manifest)
-    stored = {manifest.tensors[name].dtype for name in names}
-    out_dtype = dtype or (stored.pop() if len(stored) == 1 else "float32")
-    if out_dtype not in ("float32", "bfloat16", "float16"):
-        raise CheckpointError(f"--dtype {out_dtype!r}: choose float32, bfloat16 or float16")
+    if naming is None:
+        model_tensors(manifest)  # refuses a checkpoint that is not meshpilot's Llama
+        naming = LlamaNaming()
+    renamed = exported_names(manifest, naming)
+    stored = {manifest.tensors[fqn].dtype for fqn in renamed}
+    config = naming.hf_config(manifest.model, dtype or (stored.pop() if len(stored) == 1 else "float32"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = _plan_shards(manifest, names, out_dtype, max_shard_bytes)
+    shards = _plan_shards(manifest, list(renamed), dtype, max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {
-            name: torch.empty(manifest.tensors[name].shape, dtype=getattr(torch, manifest.tensors[name].dtype))
-            for name in shard
-        }
-        restore(storage, manifest, tensors)
-        converted = {hf_name(name): value.to(getattr(torch, out_dtype)).contiguous() for name, value in tensors.items()}
-        save_file(converted, out / filename, metadata={"format": "pt"})
-        for name, value in converted.items():
-            weight_map[name] = filename
-            total += value.numel() * value.element_size()
-        del tensors, converted
+        total += _write_shard(storage, manifest, {fqn: renamed[fqn] for fqn in shard}, dtype, out / filename)
+        weight_map.update(dict.fromkeys((renamed[fqn] for fqn in shard), filename))
     (out / "model.safetensors.index.json").write_text(
         json.dumps(
             {
@@ -118,15 +164,32 @@ def export_hf(
         )
         + "\n"
     )
-    (out / "config.json").write_text(json.dumps(llama_config(manifest.model, dtype=out_dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def _plan_shards(manifest: Manifest, names: list[str], dtype: str, max_shard_bytes: int) -> list[list[str]]:
+def _write_shard(
+    storage: StorageBackend, manifest: Manifest, renamed: dict[str, str], dtype: str | None, path: Path
+) -> int:
+    """Gather whole tensors of one output file through the reader and save them; return their bytes."""
+    tensors = {
+        fqn: torch.empty(manifest.tensors[fqn].shape, dtype=getattr(torch, manifest.tensors[fqn].dtype))
+        for fqn in renamed
+    }
+    restore(storage, manifest, tensors)
+    converted = {
+        renamed[fqn]: (value if dtype is None else value.to(getattr(torch, dtype))).contiguous()
+        for fqn, value in tensors.items()
+    }
+    save_file(converted, path, metadata={"format": "pt"})
+    return sum(value.numel() * value.element_size() for value in converted.values())
+
+
+def _plan_shards(manifest: Manifest, names: list[str], dtype: str | None, max_shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
-        nbytes = math.prod(manifest.tensors[name].shape) * itemsize(dtype)
+        nbytes = math.prod(manifest.tensors[name].shape) * itemsize(dtype or manifest.tensors[name].dtype)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0

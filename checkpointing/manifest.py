@@ -6,7 +6,8 @@ ranks (restore), the driver (resume, retention) and the CLI. Torch-free.
 Version 1 (``"format": "meshpilot-checkpoint", "version": 1``)::
 
     step, committed_at (unix seconds), config_hash, model {dim, n_layers, ...}, mesh {dp_replicate,
-    dp_shard, tp, pp}, world_size, extra {data cursor, RNG, LR schedule: whatever the trainer gave},
+    dp_shard, tp, pp}, world_size, extra {data cursor, RNG, LR schedule: whatever the trainer gave;
+    "weights_only": true for an imported model},
     timings {upload_s, stall_s},
     files   [{key, rank, bytes, header_bytes, header_checksum}],
     tensors {fqn: {shape, dtype, chunks: [{offsets, sizes, file (index into files), start, end,
@@ -33,6 +34,7 @@ from checkpointing.spec import (
     DTYPES,
     FORMAT,
     MANIFEST_VERSION,
+    WEIGHTS_ONLY,
     ChunkEntry,
     FileEntry,
     ShardReport,
@@ -71,6 +73,11 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files)
+
+    @property
+    def weights_only(self) -> bool:
+        """Model weights without optimizer state or data cursor (an import); marked in ``extra``."""
+        return self.extra.get(WEIGHTS_ONLY) is True
 
     def to_json(self) -> bytes:
         """The canonical bytes of this manifest (current version), checksum included."""

@@ -66,6 +66,23 @@ def restore(
     """
     check_compatible(manifest, model=model, config_hash=config_hash, uri=storage.uri)
     _check_destinations(manifest, tensors, storage.uri)
+    return read_into(storage, manifest, tensors, verify=verify, concurrency=concurrency)
+
+
+def read_into(
+    storage: StorageBackend,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    *,
+    verify: bool = True,
+    concurrency: int = 8,
+) -> int:
+    """``restore`` without its checks: the caller has matched every destination's name and shape.
+
+    Also the path for indexes that are not committed checkpoints (a Hugging Face directory,
+    ``checkpointing.hf_format``): their chunks carry no checksums, so they are read with
+    ``verify=False``. Each destination is cast to its own dtype on copy.
+    """
     reader = ManifestStorageReader(storage, manifest, verify=verify, concurrency=concurrency)
     try:
         with warnings.catch_warnings():

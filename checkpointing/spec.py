@@ -22,6 +22,11 @@ FORMAT = "meshpilot-checkpoint"
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "sha256"
+# Optimizer state is saved as ``optim.{param}.{exp_avg|exp_avg_sq|step}`` next to the parameters.
+OPTIMIZER_PREFIX = "optim."
+# ``manifest.extra[WEIGHTS_ONLY] is True``: the checkpoint holds model weights only (an import from
+# Hugging Face), so a restore loads the parameters and leaves the optimizer fresh.
+WEIGHTS_ONLY = "weights_only"
 # Rows of dim 0 are grouped into checksum blocks of about this size, so a reader that needs a
 # slice of a chunk fetches and verifies only the blocks it covers.
 BLOCK_BYTES = 4 << 20

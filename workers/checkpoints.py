@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointing.catalog import load_manifest
 from checkpointing.errors import StorageUnreachableError
 from checkpointing.reader import restore
+from checkpointing.spec import OPTIMIZER_PREFIX
 from checkpointing.storage import StorageBackend, open_storage
 from checkpointing.writer import CheckpointWriter
 from workers.reporting import ReportChannel
@@ -84,10 +85,18 @@ class RankCheckpoints:
         return self.writer.save(step, state, extra=extra, owns_plain_tensors=self.owns_plain_tensors)
 
     def restore(self, step: int) -> dict[str, Any]:
-        """Fill the trainer with committed step ``step``, resharded to this mesh; returns its extra."""
+        """Fill the trainer with committed step ``step``, resharded to this mesh; returns its extra.
+
+        A weights-only step (an imported model) fills the parameters only: the optimizer is left
+        as built, so it starts fresh as on a first step.
+        """
         manifest = load_manifest(self.storage, step)
-        self.trainer.ensure_optimizer_state()
-        restore(self.storage, manifest, self.trainer.checkpoint_state(), model=dataclasses.asdict(self.spec.model))
+        if not manifest.weights_only:
+            self.trainer.ensure_optimizer_state()
+        state = self.trainer.checkpoint_state()
+        if manifest.weights_only:
+            state = {fqn: value for fqn, value in state.items() if not fqn.startswith(OPTIMIZER_PREFIX)}
+        restore(self.storage, manifest, state, model=dataclasses.asdict(self.spec.model))
         return manifest.extra
 
     def close(self, *, wait: bool) -> None:

@@ -1,4 +1,4 @@
-"""``meshpilot ckpt ls|inspect|verify|export URI``: checkpoints on S3 or on disk, from a terminal.
+"""``meshpilot ckpt ls|inspect|verify|export|import``: checkpoints on S3 or on disk, from a terminal.
 
 Runs on the user's machine (driver side). S3 credentials come from the standard AWS chain
 (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles), never
@@ -8,6 +8,7 @@ from flags; ``--endpoint-url`` points at a non-AWS server (SeaweedFS, MinIO, ...
     meshpilot ckpt inspect s3://bucket/run --step 20
     meshpilot ckpt verify s3://bucket/run --all
     meshpilot ckpt export s3://bucket/run --out hf-model/
+    meshpilot ckpt import hf-model/ s3://bucket/new-run      # a Hugging Face directory as step 0
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     verify = add("verify", "check every byte of a checkpoint against its checksums", _verify)
     verify.add_argument("--all", action="store_true", help="verify every committed step")
-    export = add("export", "write a Hugging Face LlamaForCausalLM directory", _export)
+    export = add(
+        "export", "write a Hugging Face model directory (names and config.json from the model family)", _export
+    )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument(
         "--dtype",
@@ -58,6 +61,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--max-shard-size-mb", type=float, default=2048.0, help="largest output file in MB (default 2048)"
     )
+    _register_import(commands)
+
+
+def _register_import(commands: argparse._SubParsersAction) -> None:
+    text = "write a Hugging Face model directory's weights as committed step 0 of a new checkpoint URI"
+    sub = commands.add_parser("import", help=text, description=text)
+    sub.add_argument("hf_uri", metavar="HF_DIR_OR_URI", help="the model directory (config.json + *.safetensors)")
+    sub.add_argument("uri", metavar="CKPT_URI", help="a checkpoint URI without committed steps")
+    sub.add_argument("--endpoint-url", default=None, help="S3 endpoint of a non-AWS server (both URIs)")
+    sub.add_argument("--region", default=None, help="S3 region (default: the AWS chain's)")
+    sub.add_argument(
+        "--family", default=None, help="model family (default: the one registered for config.json's architectures)"
+    )
+    sub.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the imported weights (default: as stored)",
+    )
+    sub.set_defaults(handler=_import)
 
 
 def _storage(args: argparse.Namespace):
@@ -138,12 +161,50 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from checkpointing.export import export_hf
+    from workers.hf_transfer import FamilyNaming  # torch: only once an export runs
 
     storage = _storage(args)
+    manifest = load_manifest(storage, args.step)
+    naming = FamilyNaming(manifest.model)
+    naming.check_holds_every_parameter(manifest.tensors, f"{storage.uri} step {manifest.step}")
     out = export_hf(
-        storage, args.out, step=args.step, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_mb * (1 << 20))
+        storage,
+        args.out,
+        step=manifest.step,
+        dtype=args.dtype,
+        max_shard_bytes=int(args.max_shard_size_mb * (1 << 20)),
+        naming=naming,
     )
-    print(f"exported {storage.uri} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+    print(
+        f"exported {storage.uri} step {manifest.step} ({naming.family_name} family) to {out} "
+        "(load with transformers.AutoModelForCausalLM.from_pretrained)"
+    )
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from checkpointing.hf_format import open_hf_checkpoint
+    from checkpointing.hf_import import import_hf
+    from workers.hf_transfer import import_plan  # torch: only once an import runs
+
+    source = open_storage(args.hf_uri, endpoint_url=args.endpoint_url, region=args.region)
+    dest = _storage(args)
+    checkpoint = open_hf_checkpoint(source)
+    plan = import_plan(checkpoint.config, set(checkpoint.tensors), f"{source.uri}/config.json", family=args.family)
+    manifest = import_hf(
+        source,
+        dest,
+        names=plan.names,
+        model=plan.spec.to_dict(),
+        dtype=args.dtype,
+        shapes=plan.shapes,
+        checkpoint=checkpoint,
+    )
+    print(
+        f"imported {source.uri} ({plan.family} family, {len(manifest.tensors)} tensors, "
+        f"{_size(manifest.total_bytes)}) as step 0 of {dest.uri}; weights only: a job resuming from it "
+        "starts its optimizer fresh"
+    )
     return 0
 
 
