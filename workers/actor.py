@@ -35,6 +35,7 @@ from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
 from workers.faults import FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
+from workers.pretrained import load_pretrained
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import GroupSockets, shutdown_sockets
 from workers.spec import TrainSpec
@@ -241,7 +242,10 @@ class RankActor:
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
             trainer.load_local_shards(self._kept_shards)
         elif start.mode == StartMode.FRESH:
-            trainer.init_weights()
+            if self.spec.init_from is not None:
+                self.channel.send(load_pretrained(trainer, self.spec.init_from))
+            else:
+                trainer.init_weights()
             self.last_step = 0
         elif start.mode == StartMode.PEER:
             trainer.ensure_optimizer_state()

@@ -282,7 +282,13 @@ class Trainer:
         """
         tokens = tokens.to(self.device)
         if self.schedule is not None:
-            output = self.schedule.eval(tokens) if self.holds_first_stage else self.schedule.eval()
+            # The schedule computes its loss on the last stage whatever the mode: it is given
+            # the tokens as stand-in labels and the loss is dropped.
+            kwargs = {"target": tokens} if self.holds_last_stage else {}
+            with self._loss_parallel():
+                output = (
+                    self.schedule.eval(tokens, **kwargs) if self.holds_first_stage else self.schedule.eval(**kwargs)
+                )
         else:
             output = self.modules[0](tokens)
         for module in self.modules:  # pipelined stages stay gathered after a forward

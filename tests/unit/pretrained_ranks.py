@@ -1,0 +1,52 @@
+"""Ranks (spawned processes, real gloo, no Ray) that load released weights and compute logits.
+
+For tests/unit/test_pretrained_load.py: each rank builds the Trainer for its mesh, fills it
+from a Hugging Face directory with ``load_pretrained`` (its own slices only), runs the forward
+pass on fixed tokens and reports the logits (on the last stage) and the bytes it read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic.spec import MeshSpec
+from workers.data import SyntheticSource
+from workers.pretrained import load_pretrained
+from workers.runtime import init_generation
+from workers.spec import TrainSpec
+from workers.spec.hf_config import llama_spec_from_hf
+from workers.spec.train import PretrainedSource
+from workers.trainer import Trainer
+
+TOKENS_SHAPE = (2, 32)
+
+
+def fixed_tokens(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, TOKENS_SHAPE, generator=torch.Generator().manual_seed(3))
+
+
+def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshSpec) -> None:
+    init_generation(
+        store=dist.FileStore(store_path, mesh.world_size),
+        generation=0,
+        rank=rank,
+        world_size=mesh.world_size,
+        backend="gloo",
+        timeout_s=120,
+    )
+    model = llama_spec_from_hf(json.loads((Path(model_dir) / "config.json").read_text()), "config.json")
+    spec = TrainSpec(model=model, steps=1, global_batch=4, seq_len=32, microbatch_size=1, microbatches=2)
+    source = SyntheticSource(vocab_size=model.vocab_size, seq_len=spec.seq_len, seed=0)
+    trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
+    report = load_pretrained(trainer, PretrainedSource(model_dir))
+    logits = trainer.logits(fixed_tokens(model.vocab_size))
+    results.put((rank, None if logits is None else logits.numpy().copy(), report.bytes_read, report.bytes_total))
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
