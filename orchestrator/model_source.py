@@ -74,7 +74,7 @@ def user_family_spec(config: JobConfig, name: str, where: str | None) -> ModelSp
     """A family the user brings: imported (with torch) to read its config or check its preset shape."""
     family = load_family(name)
     if where is None:
-        base = dataclasses.replace(model_spec(config.model.preset), family=name)
+        base = family.preset(config.model.preset)
     else:
         location = locate(where, config.source_dir)
         base = family.spec_from_hf_config(read_json(location, config), location.describe())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -327,15 +327,23 @@ class Trainer:
             group = self.world_mesh["dp_replicate"].get_group()
             dist.broadcast(norm, src=dist.get_global_rank(group, 0), group=group)
         if self.spec.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm, foreach=True)
+            for same_mesh in _by_mesh(params):  # a foreach op takes tensors of one mesh
+                torch.nn.utils.clip_grads_with_norm_(same_mesh, self.spec.grad_clip, norm, foreach=True)
         return norm
 
     def _replica_group_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Collective within this replica group: the 2-norm of all gradients, every stage's
-        included (a plain tensor on this rank's device)."""
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        included (a plain tensor on this rank's device).
+
+        Gradients on different meshes (a family that leaves its embeddings and norms whole
+        under TP: those on the data-parallel mesh, the split matrices on data x tensor) are
+        reduced per mesh, in parameter order on every rank, and then combined.
+        """
+        norms = []
+        for same_mesh in _by_mesh(grads):
+            norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0, foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         if self.mesh.pp > 1:
             squared = norm.pow(2)
             dist.all_reduce(squared, group=self.world_mesh["pp"].get_group())
@@ -465,6 +473,14 @@ class Trainer:
         # stay those of a live one; popping keeps a second close() harmless.
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
+
+
+def _by_mesh(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by the mesh they are sharded on (plain tensors together), in first-seen order."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return list(groups.values()) or [list(tensors)]
 
 
 # One slice [start, stop) of a tensor's flattened elements.

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from workers.spec import ModelSpec
+from workers.spec import PRESETS, ModelSpec
 
 
 class StageModel(nn.Module):
@@ -109,13 +109,20 @@ class ModelFamily:
     """A model architecture meshpilot can build, shard, initialise, import and export.
 
     Subclass it, set ``name`` and implement ``build``, ``tensor_parallel_plan`` and
-    ``init_rule``; add ``spec_from_hf_config`` / ``hf_config`` / ``hf_name`` for Hugging Face
-    import and export. Methods run on the driver and on every rank and must not keep state.
+    ``init_rule``; override ``preset`` where the shipped presets' block is not yours; add
+    ``spec_from_hf_config`` / ``hf_config`` / ``hf_name`` for Hugging Face import and export.
+    Methods run on the driver and on every rank and must not keep state.
     """
 
     name: ClassVar[str] = ""
     # Hugging Face ``architectures`` entries whose weights this family loads.
     hf_architectures: ClassVar[tuple[str, ...]] = ()
+
+    def preset(self, name: str) -> ModelSpec:
+        """The shape ``model.preset: <name>`` gives this family before the config's own keys (on the
+        driver). Defaults to the shipped presets; a family whose block differs (no grouped-query
+        attention, a two-matrix MLP) returns their width and depth with its own block."""
+        return PRESETS[name]
 
     def build(self, spec: ModelSpec) -> StageModel:
         """The whole model, constructed under ``torch.device("meta")`` by the caller."""
