@@ -52,7 +52,23 @@ def resolve_model(config: JobConfig) -> list[str]:
     except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
         return [str(error)]
     section.resolved = dataclasses.replace(base, **section.overrides())
+    if section.init_from is not None:
+        try:
+            check_released_weights(config, section.resolved, section.init_from)
+        except (CheckpointError, OSError) as error:
+            return [f"model.init_from: {error}"]
     return []
+
+
+def check_released_weights(config: JobConfig, spec: ModelSpec, where: str) -> None:
+    """The weights at ``where`` fill the model of ``spec``: every file there, every tensor, every shape."""
+    from workers.hf_transfer import check_pretrained  # torch: builds the model on the meta device
+
+    storage = open_location(locate(where, config.source_dir), config)
+    try:
+        check_pretrained(storage, spec)
+    finally:
+        storage.close()
 
 
 def llama_spec(config: JobConfig, where: str | None) -> ModelSpec:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from checkpointing.errors import ForeignCheckpointError, HfCheckpointError
+from checkpointing.hf_format import HfCheckpoint, check_hf_shape, find_hf_tensor, open_hf_checkpoint
+from checkpointing.storage import StorageBackend
 from workers.models import FamilyError, ModelFamily, family_for_architecture, registered_families, resolve_family
 from workers.spec import ModelSpec
 from workers.spec.hf_config import HfConfigError, architecture_of
@@ -64,6 +66,23 @@ def _family_for(config: dict[str, Any], source: str) -> str:
             f"{', '.join(registered_families())}); name one with --family NAME or --family package.module:Class"
         )
     return found.name
+
+
+def check_pretrained(storage: StorageBackend, spec: ModelSpec) -> HfCheckpoint:
+    """Refuse released weights that cannot fill the model of ``spec``: a shard the index names
+    but the directory lacks, a parameter with no tensor, a tensor of another shape.
+
+    Runs on the driver before any rank starts (reads the index and the file headers only), so
+    these mistakes are one line and exit 2 rather than a failure on every rank.
+    """
+    with _as_user_errors():
+        family = resolve_family(spec.family)
+    checkpoint = open_hf_checkpoint(storage)
+    shapes = parameter_shapes(family, spec)
+    names = family.hf_source_names(spec, sorted(shapes), set(checkpoint.tensors))
+    for fqn, shape in shapes.items():
+        check_hf_shape(checkpoint, find_hf_tensor(checkpoint, fqn, names), shape)
+    return checkpoint
 
 
 class FamilyNaming:

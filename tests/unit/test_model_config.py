@@ -120,3 +120,35 @@ def test_python_api_raises_the_config_error(monkeypatch):
     with pytest.raises(meshpilot.ConfigError) as error:
         meshpilot.build_config(None, model_family=Local)
     assert "rank processes cannot import it; move it to a module of an installed package" in str(error.value)
+
+
+def _sharded_copy(source, destination):
+    """``source``'s model re-saved in two safetensors files with an index, by transformers."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    model.save_pretrained(destination, max_shard_size="200KB")
+    return sorted(p.name for p in destination.glob("model-*.safetensors"))
+
+
+def test_a_shard_named_in_the_index_but_missing(llama_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    files = _sharded_copy(llama_dir, tmp_path)
+    assert len(files) >= 2
+    (tmp_path / files[-1]).unlink()
+    err = _train_error(capsys, f"model.init_from={tmp_path}")
+    assert f"model.init_from: {tmp_path}" in err
+    assert f"model.safetensors.index.json names {files[-1]}, which is missing" in err
+    assert "copy the complete model directory" in err
+
+
+def test_a_tensor_whose_shape_does_not_match_the_config(llama_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    (tmp_path / "model.safetensors").write_bytes((llama_dir / "model.safetensors").read_bytes())
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    err = _train_error(capsys, f"model.init_from={tmp_path}")
+    assert f"model.init_from: {tmp_path}: tensor model.layers.0.mlp." in err
+    assert "in model.safetensors has shape [80, 48], the model built from config.json expects [96, 48]" in err
+    assert "the weights do not belong to this config.json" in err
