@@ -45,7 +45,12 @@ from checkpointing.manifest import Manifest
 from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry
 from checkpointing.storage import StorageBackend
 
-MERGE_GAP_BYTES = 1 << 20  # neighbouring ranges closer than this are fetched in one GET
+# Neighbouring ranges are fetched in one GET when the gap between them is small: under
+# SMALL_GAP_BYTES always (many small pieces, e.g. half of every row), under MERGE_GAP_BYTES when
+# the gap is at most half of the range it reaches (a rank's half of a tensor of a few MiB is
+# not fetched with the other half: that would double its bytes to save one request).
+SMALL_GAP_BYTES = 64 << 10
+MERGE_GAP_BYTES = 1 << 20
 MAX_FETCH_BYTES = 16 << 20  # but no GET larger than this, so big shards download in parallel
 
 
@@ -305,7 +310,7 @@ def _merge_ranges(needs: list[_Need]) -> list[tuple[str, int, int, list[_Need]]]
         start = end = 0
         for need in members:
             begin, finish = need.byte_range
-            if current and begin - end <= MERGE_GAP_BYTES and max(end, finish) - start <= MAX_FETCH_BYTES:
+            if current and _worth_merging(begin - end, finish - begin) and max(end, finish) - start <= MAX_FETCH_BYTES:
                 current.append(need)
                 end = max(end, finish)
                 continue
@@ -315,3 +320,8 @@ def _merge_ranges(needs: list[_Need]) -> list[tuple[str, int, int, list[_Need]]]
         if current:
             groups.append((key, start, end, current))
     return groups
+
+
+def _worth_merging(gap: int, wanted: int) -> bool:
+    """Whether a GET should fetch ``gap`` unwanted bytes to reach the next ``wanted`` bytes."""
+    return gap <= SMALL_GAP_BYTES or (gap <= MERGE_GAP_BYTES and 2 * gap <= wanted)

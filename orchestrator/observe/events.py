@@ -36,6 +36,8 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "drain": ("node", "ranks", "reason"),
     "grow": ("new_mesh", "added_ranks", "join_s"),
     "log": ("rank", "level", "message"),
+    # A rank filled its slices from released weights (model.init_from): bytes it fetched of all.
+    "pretrained_loaded": ("rank", "uri", "bytes_read", "bytes_total", "seconds"),
     # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
     "heartbeat": ("rank_age_s",),
     "done": ("status", "steps", "elapsed_s"),
