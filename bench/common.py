@@ -4,7 +4,7 @@ Every benchmark prints human-readable lines, then, as its last stdout line, one 
 with our figure, the reference measured in the same run, and their ratio. Figures the goodput
 simulator uses are also recorded with ``orchestrator.analysis.bench_figures.record_figure``.
 
-The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py,
+The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py, hf_load.py,
 recovery.py, metrics_overhead.py and torchrun_reference.py (under torchrun). Modules the
 scripts import, not run on their own: this one, recovery_reference.py, recovery_timing.py.
 """
