@@ -1,11 +1,10 @@
-"""Export a committed checkpoint as a Hugging Face model directory (``LlamaForCausalLM`` by default).
+"""Export a committed checkpoint as a Hugging Face model directory.
 
-Runs in ``meshpilot ckpt export`` (one process, no process group). Writes ``config.json``,
-``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` that
-``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads offline. An ``HfNaming`` says
-which parameters are exported under which Hugging Face names, and writes config.json; the
-default, ``LlamaNaming``, is meshpilot's Llama: Hugging Face's names without the ``model.``
-prefix (RoPE in the same rotate-half convention), so the mapping is a rename. The slices of
+Runs in ``meshpilot ckpt export`` and the demo (one process, no process group). Writes
+``config.json``, ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads offline. An ``HfNaming`` (the
+model family's, ``workers/hf_transfer.FamilyNaming``) says which parameters are exported under
+which Hugging Face names, and writes config.json. The slices of
 every tensor are gathered through the same resharding reader as a restore, into whole tensors,
 one output shard at a time to bound memory. Tensors keep their stored bytes unless ``dtype``
 asks for another dtype.
@@ -29,43 +28,6 @@ from checkpointing.reader import restore
 from checkpointing.spec import OPTIMIZER_PREFIX, itemsize
 from checkpointing.storage import StorageBackend
 
-_MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
-
-
-def hf_name(fqn: str) -> str:
-    return fqn if fqn == "lm_head.weight" else f"model.{fqn}"
-
-
-def llama_config(model: dict[str, Any], *, dtype: str) -> dict[str, Any]:
-    """``config.json`` of the matching ``LlamaForCausalLM``, from the manifest's model shape."""
-    missing = [key for key in _MODEL_KEYS if key not in model]
-    if missing:
-        raise ForeignCheckpointError(
-            f"the checkpoint's model description lacks {', '.join(missing)}: it is not a "
-            "meshpilot Llama-style model and cannot be exported"
-        )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": model["dim"],
-        "intermediate_size": model["ffn_dim"],
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": model["n_heads"],
-        "num_key_value_heads": model["n_kv_heads"],
-        "head_dim": model["dim"] // model["n_heads"],
-        "vocab_size": model["vocab_size"],
-        "rms_norm_eps": model.get("norm_eps", 1e-5),
-        "rope_theta": model.get("rope_theta", 500000.0),
-        "max_position_embeddings": model.get("max_seq_len", 8192),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-
 
 class HfNaming(Protocol):
     """A model family's Hugging Face layout, as export needs it (``workers/models`` has one per family)."""
@@ -77,27 +39,6 @@ class HfNaming(Protocol):
     def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
         """``config.json`` for the manifest's model description and the exported dtype."""
         ...
-
-
-class LlamaNaming:
-    """meshpilot's Llama as ``LlamaForCausalLM``: the default naming of ``export_hf``."""
-
-    def hf_name(self, fqn: str) -> str | None:
-        return hf_name(fqn)
-
-    def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
-        return llama_config(model, dtype=dtype)
-
-
-def model_tensors(manifest: Manifest) -> list[str]:
-    """The model's parameter names in the checkpoint (optimizer state and extras left out)."""
-    names = sorted(fqn for fqn in manifest.tensors if not fqn.startswith(OPTIMIZER_PREFIX))
-    if "lm_head.weight" not in names or "embed_tokens.weight" not in names:
-        raise ForeignCheckpointError(
-            "the checkpoint holds no embed_tokens.weight / lm_head.weight: it is not a "
-            "meshpilot Llama-style model and cannot be exported"
-        )
-    return names
 
 
 def exported_names(manifest: Manifest, naming: HfNaming) -> dict[str, str]:
@@ -130,18 +71,15 @@ def export_hf(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 2 << 30,
-    naming: HfNaming | None = None,
+    naming: HfNaming,
 ) -> Path:
     """Write the HF directory for ``step`` (the newest committed when None); return its path.
 
-    ``dtype`` None keeps every tensor as stored (bitwise); ``naming`` None is ``LlamaNaming``.
+    ``dtype`` None keeps every tensor as stored (bitwise).
     """
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise CheckpointError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
     manifest = load_manifest(storage, step)
-    if naming is None:
-        model_tensors(manifest)  # refuses a checkpoint that is not meshpilot's Llama
-        naming = LlamaNaming()
     renamed = exported_names(manifest, naming)
     stored = {manifest.tensors[fqn].dtype for fqn in renamed}
     config = naming.hf_config(manifest.model, dtype or (stored.pop() if len(stored) == 1 else "float32"))

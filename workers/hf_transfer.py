@@ -11,14 +11,18 @@ Family and config problems come back as ``HfCheckpointError`` (a user error: one
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from checkpointing.catalog import load_manifest
 from checkpointing.errors import ForeignCheckpointError, HfCheckpointError
+from checkpointing.export import export_hf
 from checkpointing.hf_format import HfCheckpoint, check_hf_shape, find_hf_tensor, open_hf_checkpoint
 from checkpointing.storage import StorageBackend
 from workers.models import FamilyError, ModelFamily, family_for_architecture, registered_families, resolve_family
@@ -114,6 +118,20 @@ class FamilyNaming:
                 f"checkpoint {where} lacks {shown} of its {self.family_name} model: it holds another model's "
                 "tensors and cannot be exported"
             )
+
+
+def export_family(
+    storage: StorageBackend, out_dir: str | os.PathLike, *, step: int | None = None, **options: Any
+) -> tuple[Path, FamilyNaming]:
+    """Export ``step`` (the newest committed when None) in its family's Hugging Face layout.
+
+    ``options`` are ``export_hf``'s (``dtype``, ``max_shard_bytes``). Refuses a checkpoint that
+    lacks parameters of its own model. Returns the directory and the naming used.
+    """
+    manifest = load_manifest(storage, step)
+    naming = FamilyNaming(manifest.model)
+    naming.check_holds_every_parameter(manifest.tensors, f"{storage.uri} step {manifest.step}")
+    return export_hf(storage, out_dir, step=manifest.step, naming=naming, **options), naming
 
 
 def _spec_of(model: Mapping[str, Any], family: str) -> ModelSpec:

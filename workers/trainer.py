@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -35,6 +35,7 @@ from workers.data import SampleSource, local_batch
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.models import StageModel, resolve_family
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
+from workers.tensor_groups import by_mesh, flat_chunks, scatter_back
 
 
 class StepAborted(RuntimeError):
@@ -291,10 +292,7 @@ class Trainer:
                 )
         else:
             output = self.modules[0](tokens)
-        for module in self.modules:  # pipelined stages stay gathered after a forward
-            for submodule in module.modules():
-                if isinstance(submodule, FSDPModule):
-                    submodule.reshard()
+        self._reshard()  # pipelined stages stay gathered after a forward
         if not self.holds_last_stage:
             return None
         return output.full_tensor() if isinstance(output, DTensor) else output
@@ -327,7 +325,7 @@ class Trainer:
             group = self.world_mesh["dp_replicate"].get_group()
             dist.broadcast(norm, src=dist.get_global_rank(group, 0), group=group)
         if self.spec.grad_clip > 0:
-            for same_mesh in _by_mesh(params):  # a foreach op takes tensors of one mesh
+            for same_mesh in by_mesh(params):  # a foreach op takes tensors of one mesh
                 torch.nn.utils.clip_grads_with_norm_(same_mesh, self.spec.grad_clip, norm, foreach=True)
         return norm
 
@@ -340,7 +338,7 @@ class Trainer:
         reduced per mesh, in parameter order on every rank, and then combined.
         """
         norms = []
-        for same_mesh in _by_mesh(grads):
+        for same_mesh in by_mesh(grads):
             norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0, foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
@@ -399,11 +397,15 @@ class Trainer:
         Safe after a step failed half-way: modules left gathered by an interrupted forward are
         resharded (local, no collective); their sharded values were never modified.
         """
+        self._reshard()
+        return self.named_state()
+
+    def _reshard(self) -> None:
+        """Free every FSDP module's gathered parameters (local, no collective)."""
         for module in self.modules:
             for submodule in module.modules():
                 if isinstance(submodule, FSDPModule):
                     submodule.reshard()
-        return self.named_state()
 
     @torch.no_grad()
     def local_shards(self) -> dict[str, torch.Tensor]:
@@ -455,7 +457,7 @@ class Trainer:
             by_dtype.setdefault(local.dtype, []).append(local)
         for dtype, tensors in by_dtype.items():
             max_elements = max(1, SYNC_CHUNK_BYTES // dtype.itemsize)
-            for pieces in _chunks(tensors, max_elements):
+            for pieces in flat_chunks(tensors, max_elements):
                 size = sum(stop - start for _, start, stop in pieces)
                 if receiving:
                     flat = torch.empty(size, dtype=dtype, device=self.device)
@@ -463,7 +465,7 @@ class Trainer:
                     flat = torch.cat([t.reshape(-1)[start:stop] for t, start, stop in pieces]).to(self.device)
                 dist.broadcast(flat, src=source, group=group)
                 if receiving:
-                    _scatter_back(flat, pieces)
+                    scatter_back(flat, pieces)
 
     def close(self) -> None:
         """Drop every object that holds a process group, so that destroying them frees their sockets."""
@@ -473,40 +475,3 @@ class Trainer:
         # stay those of a live one; popping keeps a second close() harmless.
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
-
-
-def _by_mesh(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors grouped by the mesh they are sharded on (plain tensors together), in first-seen order."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
-    return list(groups.values()) or [list(tensors)]
-
-
-# One slice [start, stop) of a tensor's flattened elements.
-_Piece = tuple[torch.Tensor, int, int]
-
-
-def _chunks(tensors: list[torch.Tensor], max_elements: int) -> list[list[_Piece]]:
-    """Pack the tensors' elements, in order, into chunks of at most ``max_elements``."""
-    chunks: list[list[_Piece]] = [[]]
-    room = max_elements
-    for tensor in tensors:
-        start = 0
-        while start < tensor.numel():
-            if room == 0:
-                chunks.append([])
-                room = max_elements
-            stop = min(tensor.numel(), start + room)
-            chunks[-1].append((tensor, start, stop))
-            room -= stop - start
-            start = stop
-    return [chunk for chunk in chunks if chunk]
-
-
-def _scatter_back(flat: torch.Tensor, pieces: list[_Piece]) -> None:
-    """Copy a received chunk into the tensor slices it was packed from (contiguous shards)."""
-    offset = 0
-    for tensor, start, stop in pieces:
-        tensor.view(-1)[start:stop].copy_(flat[offset : offset + stop - start])
-        offset += stop - start

@@ -160,20 +160,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from checkpointing.export import export_hf
-    from workers.hf_transfer import FamilyNaming  # torch: only once an export runs
+    from workers.hf_transfer import export_family  # torch: only once an export runs
 
     storage = _storage(args)
     manifest = load_manifest(storage, args.step)
-    naming = FamilyNaming(manifest.model)
-    naming.check_holds_every_parameter(manifest.tensors, f"{storage.uri} step {manifest.step}")
-    out = export_hf(
-        storage,
-        args.out,
-        step=manifest.step,
-        dtype=args.dtype,
-        max_shard_bytes=int(args.max_shard_size_mb * (1 << 20)),
-        naming=naming,
+    out, naming = export_family(
+        storage, args.out, step=manifest.step, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_mb * (1 << 20))
     )
     print(
         f"exported {storage.uri} step {manifest.step} ({naming.family_name} family) to {out} "

@@ -46,9 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from checkpointing.export import export_hf  # torch: only once the demo runs
     from orchestrator.driver.cluster import SOURCE_ROOT
     from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
+    from workers.hf_transfer import export_family  # torch: only once the demo runs
 
     run_dir = Path(args.run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ def handle(args: argparse.Namespace) -> int:
             console.print(f"[red]the demo run ended with status {result.status}[/]: {result.reason}")
             return result.exit_code
         storage = open_storage(uri, endpoint_url=server.endpoint_url)
-        exported = export_hf(storage, run_dir / "hf-model")
+        exported, _ = export_family(storage, run_dir / "hf-model")
         steps = list_committed(storage)
     finally:
         server.stop()
