@@ -231,8 +231,7 @@ class JobConfig:
         run may be extended).
         """
         decisive = {key: self.to_dict()[key] for key in ("training", "data")}
-        # The shape, not where it was read from (init_from only matters before a checkpoint exists).
-        decisive["model"] = self.model_spec.to_dict()
+        decisive["model"] = self._decisive_model()
         decisive["training"] = {k: v for k, v in decisive["training"].items() if k != "steps"}
         # The text itself, not where it lies: the same file under another path is the same job.
         data_path = resolve_data_path(self) if self.data.source == "text" else None
@@ -241,6 +240,20 @@ class JobConfig:
             "text_sha256": hashlib.sha256(data_path.read_bytes()).hexdigest() if data_path else None,
         }
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _decisive_model(self) -> dict[str, Any]:
+        """A preset with overrides of the original keys hashes as it always did (so checkpoints
+        written before model families resume); any other model hashes by its resolved shape,
+        not by where the shape was read from (init_from only matters before a checkpoint exists)."""
+        section = self.to_dict()["model"]
+        if all(section[key] == value for key, value in _DEFAULT_MODEL_SECTION.items() if key not in _PRESET_KEYS):
+            return {key: section[key] for key in _PRESET_KEYS}
+        return self.model_spec.to_dict()
+
+
+# The model section's keys before model families: a config using only these hashes as it did then.
+_PRESET_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta")
+_DEFAULT_MODEL_SECTION = {f.name: f.default for f in dataclasses.fields(ModelConfig) if not f.metadata.get("internal")}
 
 
 # ---------------------------------------------------------------------------- loading

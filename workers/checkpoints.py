@@ -9,7 +9,6 @@ configured interval (the only stall) and lets the writer upload in the backgroun
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +95,7 @@ class RankCheckpoints:
         state = self.trainer.checkpoint_state()
         if manifest.weights_only:
             state = {fqn: value for fqn, value in state.items() if not fqn.startswith(OPTIMIZER_PREFIX)}
-        restore(self.storage, manifest, state, model=dataclasses.asdict(self.spec.model))
+        restore(self.storage, manifest, state, model=self.spec.model.to_dict())
         return manifest.extra
 
     def close(self, *, wait: bool) -> None:

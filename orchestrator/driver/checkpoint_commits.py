@@ -8,7 +8,6 @@ manifest (the commit) once every rank of the step is durable, and turns the outc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Set as AbstractSet
 
@@ -51,7 +50,7 @@ class DriverCheckpoints:
         target = config.checkpoint
         assert target.uri is not None  # driver_checkpoints builds this only when checkpoint.uri is set
         self.events = events
-        self.model = dataclasses.asdict(config.model_spec)
+        self.model = config.model_spec.to_dict()
         self.config_hash = config.config_hash()
         self.storage = open_storage(
             target.uri,

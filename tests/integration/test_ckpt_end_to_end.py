@@ -5,7 +5,6 @@ One process (world size 1, plain tensors); the multi-rank layouts are in test_ck
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -23,7 +22,7 @@ from workers.models import Transformer
 from workers.spec import PRESETS
 
 SPEC = PRESETS["debug"]
-MODEL = dataclasses.asdict(SPEC)
+MODEL = SPEC.to_dict()
 
 
 def trained_state(seed: int) -> tuple[Transformer, dict[str, torch.Tensor]]:

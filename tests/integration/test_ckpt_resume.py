@@ -7,7 +7,6 @@ the same mesh, within float tolerance on the other (different reduction order).
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import queue
@@ -102,7 +101,7 @@ def rank_main(rank: int, task: dict, results) -> None:
 
 
 def test_resume_under_another_mesh_matches_uninterrupted_losses(s3_bucket, tmp_path):
-    model = dataclasses.asdict(train_spec().model)
+    model = train_spec().model.to_dict()
     storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
     coordinator = CommitCoordinator(
         storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model=model, keep_last=2

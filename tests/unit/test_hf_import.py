@@ -7,7 +7,6 @@ fresh optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +26,7 @@ from tests.unit.test_hf_format import write_sharded
 from workers.checkpoints import RankCheckpoints
 from workers.spec import PRESETS, CheckpointTarget, TrainSpec
 
-MODEL = dataclasses.asdict(PRESETS["debug"])
+MODEL = PRESETS["debug"].to_dict()
 # our FQN -> HF name, and what a released model stores under it (mixed dtypes, as in the wild)
 NAMES = {
     "embed_tokens.weight": "model.embed_tokens.weight",

@@ -152,3 +152,25 @@ def test_a_tensor_whose_shape_does_not_match_the_config(llama_dir, tmp_path, cap
     assert f"model.init_from: {tmp_path}: tensor model.layers.0.mlp." in err
     assert "in model.safetensors has shape [80, 48], the model built from config.json expects [96, 48]" in err
     assert "the weights do not belong to this config.json" in err
+
+
+def test_checkpoints_written_before_model_families_still_match():
+    """A Llama preset is described exactly as before the new fields existed; a new field is recorded once set."""
+    from workers.spec import PRESETS, ModelSpec
+
+    before = {
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "ffn_dim",
+        "norm_eps",
+        "rope_theta",
+        "max_seq_len",
+    }
+    assert set(PRESETS["debug"].to_dict()) == before
+    qwen = dataclasses.replace(PRESETS["debug"], qkv_bias=True)
+    assert qwen.to_dict()["qkv_bias"] is True
+    assert ModelSpec.from_dict(qwen.to_dict()) == qwen
+    assert ModelSpec.from_dict(PRESETS["debug"].to_dict()) == PRESETS["debug"]

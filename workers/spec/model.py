@@ -21,6 +21,18 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# ModelSpec fields a checkpoint's model description holds only when they differ from their default.
+RECORDED_WHEN_SET = (
+    "family",
+    "attention_head_dim",
+    "qkv_bias",
+    "tie_embeddings",
+    "rope_scaling",
+    "sliding_window",
+    "mlp_matrices",
+)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer's shape. The counting below is the Llama-style decoder's
@@ -56,8 +68,16 @@ class ModelSpec:
         return self.attention_head_dim or self.dim // self.n_heads
 
     def to_dict(self) -> dict:
-        """Plain JSON-able values (checkpoint manifests record them)."""
-        return dataclasses.asdict(self)
+        """Plain JSON-able values (checkpoint manifests record them).
+
+        Fields beyond the original Llama shape are left out while they hold their defaults, so
+        a checkpoint written before they existed still compares equal to the same model now.
+        """
+        values = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in RECORDED_WHEN_SET and values[f.name] == f.default:
+                del values[f.name]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelSpec:
