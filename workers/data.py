@@ -22,6 +22,10 @@ class SampleSource(Protocol):
     def sample(self, index: int) -> torch.Tensor:
         """``seq_len + 1`` token ids: inputs are ``[:-1]``, labels ``[1:]``."""
 
+    def eval_sample(self, index: int) -> torch.Tensor:
+        """Evaluation sample ``index`` (0, 1, ...): a fixed set, the same on any mesh, never a
+        training sample where the source has a held-out split."""
+
 
 class TextSource:
     """A text tokenized at byte level, cut into non-overlapping windows, shuffled per epoch."""
@@ -39,6 +43,11 @@ class TextSource:
     def sample(self, index: int) -> torch.Tensor:
         epoch, position = divmod(index, self.windows)
         start = int(self._order_for(epoch)[position]) * self.seq_len
+        return self.tokens[start : start + self.seq_len + 1].long()
+
+    def eval_sample(self, index: int) -> torch.Tensor:
+        """The byte-level demo text has no held-out split: its windows in order, as written."""
+        start = (index % self.windows) * self.seq_len
         return self.tokens[start : start + self.seq_len + 1].long()
 
     def _order_for(self, epoch: int) -> torch.Tensor:
@@ -63,6 +72,10 @@ class SyntheticSource:
         start, stride = torch.randint(0, self.vocab_size, (2,), generator=generator).tolist()
         positions = torch.arange(self.seq_len + 1)
         return (start + (stride % 7 + 1) * positions) % self.vocab_size
+
+    def eval_sample(self, index: int) -> torch.Tensor:
+        """Sequences of the same kind from another seed's stream (held out by construction)."""
+        return SyntheticSource(vocab_size=self.vocab_size, seq_len=self.seq_len, seed=self.seed + 1).sample(index)
 
 
 def step_samples(step: int, global_batch: int) -> range:

@@ -22,7 +22,7 @@ from tests.unit.spawned_ranks import spawn_ranks
 LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "tp2-pp2-dp_shard2": MeshSpec(dp_shard=2, tp=2, pp=2)}
 
 
-@pytest.mark.parametrize("architecture", ["llama3", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama3", "smollm", "mistral", "qwen2"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_equal_transformers_on_any_mesh(architecture, layout, tmp_path):
     save_random_model(architecture, tmp_path / "model", dtype=torch.bfloat16)

@@ -1,0 +1,202 @@
+"""The token corpus format that ``meshpilot data prepare`` writes and ``data.source: tokens`` reads.
+
+Plain values and arithmetic, no torch: the driver checks a corpus against the job, the prepare
+pipeline writes it, the ranks read windows of it. Layout under a directory or ``s3://`` prefix::
+
+    manifest.json               the commit: written last, once every shard is durable
+    train/00000.bin ...         tokens of the training documents
+    validation/00000.bin ...    tokens of the held-out documents
+
+A shard is nothing but tokens, little-endian ``uint16`` (vocabularies up to 65,536) or
+``uint32``, no header. Documents are concatenated in input order, each followed by the
+tokenizer's end-of-text token (EOS); a split's token stream is its shards in order. A document
+goes to the validation split when a hash of (split seed, input number, document number) falls
+under ``validation_fraction``, so the split never depends on how the work was parallelised.
+
+Training samples are windows of ``seq_len + 1`` tokens that start every ``seq_len`` tokens of
+the train stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly
+once per epoch). Windows cross document boundaries (packing; the EOS between two documents
+tells the model where one ends). Global sample ``i`` is window ``order(i mod W)`` of epoch
+``i // W``, where ``order`` is a seeded permutation of the ``W`` windows, computed per index (a
+Feistel network, cycle-walked into ``[0, W)``): nothing of size ``W`` is ever held. Evaluation
+reads the validation stream's windows in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FORMAT = "meshpilot-tokens"
+VERSION = 1
+MANIFEST_KEY = "manifest.json"
+SPLITS = ("train", "validation")
+DTYPES = {"uint16": 2, "uint32": 4}
+
+
+class TokenCorpusError(ValueError):
+    """A corpus that cannot be read as this job needs it; the message names it and the fix."""
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest shard dtype that holds every token id of the vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_key(split: str, number: int) -> str:
+    return f"{split}/{number:05d}.bin"
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    key: str
+    tokens: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SplitIndex:
+    documents: int
+    tokens: int
+    shards: tuple[ShardEntry, ...]
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    sha256: str  # of the tokenizer.json the corpus was tokenized with
+    vocab_size: int
+    eos_token: str
+    eos_id: int
+
+
+@dataclass(frozen=True)
+class TokenManifest:
+    dtype: str
+    tokenizer: TokenizerInfo
+    validation_fraction: float
+    split_seed: int
+    splits: dict[str, SplitIndex]
+    inputs: tuple[str, ...] = ()
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype]
+
+    def to_json(self) -> bytes:
+        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
+    """The manifest at ``where``; ``TokenCorpusError`` naming what is wrong with it."""
+    try:
+        body = json.loads(data)
+        if body.get("format") != FORMAT or body.get("version") != VERSION:
+            raise TokenCorpusError(
+                f"{where} is not a meshpilot token corpus (format {body.get('format')!r} version "
+                f"{body.get('version')!r}); write one with meshpilot data prepare"
+            )
+        splits = {
+            name: SplitIndex(
+                documents=int(split["documents"]),
+                tokens=int(split["tokens"]),
+                shards=tuple(ShardEntry(str(s["key"]), int(s["tokens"]), str(s["sha256"])) for s in split["shards"]),
+            )
+            for name, split in body["splits"].items()
+        }
+        manifest = TokenManifest(
+            dtype=str(body["dtype"]),
+            tokenizer=TokenizerInfo(**body["tokenizer"]),
+            validation_fraction=float(body["validation_fraction"]),
+            split_seed=int(body["split_seed"]),
+            splits=splits,
+            inputs=tuple(body.get("inputs", ())),
+        )
+    except TokenCorpusError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise TokenCorpusError(f"{where} is not a valid token corpus manifest ({error!r}); prepare it again") from None
+    if manifest.dtype not in DTYPES or set(manifest.splits) != set(SPLITS):
+        raise TokenCorpusError(f"{where}: dtype {manifest.dtype!r} or splits {sorted(manifest.splits)} not understood")
+    return manifest
+
+
+def is_validation(split_seed: int, input_number: int, document_number: int, fraction: float) -> bool:
+    """Whether a document is held out: a hash of its place in the inputs, under ``fraction``."""
+    digest = hashlib.blake2b(f"{split_seed}:{input_number}:{document_number}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+# ----------------------------------------------------------------------------- windows
+def window_count(tokens: int, seq_len: int) -> int:
+    """Windows of ``seq_len + 1`` tokens starting every ``seq_len`` tokens of a stream."""
+    return max(0, (tokens - 1) // seq_len)
+
+
+def window_tokens(window: int, seq_len: int) -> tuple[int, int]:
+    """The token range [start, stop) of a window in its split's stream."""
+    start = window * seq_len
+    return start, start + seq_len + 1
+
+
+class WindowOrder:
+    """The seeded permutation of a split's windows, one per epoch, computed per index.
+
+    A 4-round Feistel network over the smallest even number of bits that covers ``windows``,
+    keyed by (seed, epoch); values outside ``[0, windows)`` are walked through the network again
+    (fewer than 4 steps in expectation), so the map is a bijection of ``[0, windows)``.
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, windows: int, *, seed: int) -> None:
+        if windows < 1:
+            raise ValueError("a window order needs at least one window")
+        self.windows = windows
+        self.seed = seed
+        self.half_bits = max(1, ((windows - 1).bit_length() + 1) // 2)
+        self.mask = (1 << self.half_bits) - 1
+
+    def window(self, sample_index: int) -> int:
+        """The window global sample ``sample_index`` reads."""
+        epoch, position = divmod(sample_index, self.windows)
+        value = position
+        while True:
+            value = self._permute(value, epoch)
+            if value < self.windows:
+                return value
+
+    def _permute(self, value: int, epoch: int) -> int:
+        left, right = value >> self.half_bits, value & self.mask
+        for round_number in range(self.ROUNDS):
+            key = f"{self.seed}:{epoch}:{round_number}:{right}".encode()
+            mixed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & self.mask
+            left, right = right, left ^ mixed
+        return (left << self.half_bits) | right
+
+
+def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int) -> list[tuple[str, int, int]]:
+    """The byte ranges (key, begin, end) that hold tokens [start, stop) of a split's stream."""
+    ranges = []
+    offset = 0
+    for shard in shards:
+        first, last = max(start, offset), min(stop, offset + shard.tokens)
+        if first < last:
+            ranges.append((shard.key, (first - offset) * itemsize, (last - offset) * itemsize))
+        offset += shard.tokens
+        if offset >= stop:
+            break
+    return ranges
+
+
+def describe(manifest: TokenManifest) -> dict[str, Any]:
+    """A short summary for logs and events."""
+    return {
+        "dtype": manifest.dtype,
+        "vocab_size": manifest.tokenizer.vocab_size,
+        "train_tokens": manifest.splits["train"].tokens,
+        "validation_tokens": manifest.splits["validation"].tokens,
+        "documents": sum(split.documents for split in manifest.splits.values()),
+    }
