@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
 
     from workers.checkpoints import NoCheckpoints, RankCheckpoints
     from workers.device import RankDevice
+    from workers.evaluation import Evaluator
     from workers.rendezvous import StepCommitter
     from workers.trainer import Trainer
 
@@ -132,7 +133,7 @@ class RankActor:
 
     def poll(self) -> Heartbeat:
         phase, since = self._phase
-        waiting, where = self._loop_position() if phase == Phase.STEP else (None, None)
+        waiting, where = self._loop_position() if phase in (Phase.STEP, Phase.EVAL) else (None, None)
         return Heartbeat(
             rank=self.rank,
             phase=phase,
@@ -290,8 +291,13 @@ class RankActor:
         return outcome
 
     def _loop(self, last_step: int) -> RunOutcome:
+        from workers.evaluation import Evaluator
+
         trainer = self.trainer
         assert trainer is not None, "run follows a configure"
+        evaluator = Evaluator(trainer, batches=self.spec.eval.batches)
+        # The boundary this run resumes from (0: before step 1); a pause or a failure there skipped its evaluation.
+        self._evaluate_if_due(evaluator, self.last_step)
         while self.last_step < last_step:
             if self._stop.is_set():
                 return RunOutcome(RunStatus.STOPPED, self.last_step)
@@ -317,8 +323,24 @@ class RankActor:
             if result.pause:
                 self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends
                 return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())
+            self._evaluate_if_due(evaluator, step)
         self._live_checkpoints().close(wait=True)
         return RunOutcome(RunStatus.FINISHED, self.last_step, state_digest=trainer.state_digest())
+
+    def _evaluate_if_due(self, evaluator: Evaluator, step: int) -> None:
+        """Loop thread, collective: evaluate at the boundary after ``step`` when the job asks for it
+        there (every rank decides the same from the step number); rank 0 reports the result.
+
+        An error here ends the run call like an error in a step: the step is applied, so the
+        driver recovers the generation at this boundary, and the next run call starts by
+        evaluating it (the driver keeps one ``eval`` event per boundary).
+        """
+        if not self.spec.eval.due(step, last_step=self.spec.steps):
+            return
+        self._set_phase(Phase.EVAL)
+        result = evaluator.evaluate()
+        if self.rank == 0:
+            self.channel.evaluated(step=step, loss=result.loss, tokens=result.tokens, eval_s=result.eval_s)
 
     def _live_checkpoints(self) -> RankCheckpoints | NoCheckpoints:
         """Loop thread: the generation's checkpoints, read from the actor at each use rather than

@@ -2,9 +2,9 @@
 
 Runs on every rank. Worker code never calls the controller: it queues reports here, and the
 driver drains them with the actor's ``poll()``. Each report is a frozen dataclass of
-``workers/spec/messages.py`` (``StepReport``, ``LogReport``, ``CheckpointUploadReport``,
-``DrainNoticeReport``) carrying the rank and the rank's clock; the channel stamps both, so
-callers say only what happened. ``RankLogHandler`` routes the rank's Python log records
+``workers/spec/messages.py`` (``StepReport``, ``EvalReport``, ``LogReport``,
+``CheckpointUploadReport``, ``DrainNoticeReport``) carrying the rank and the rank's clock; the
+channel stamps both, so callers say only what happened. ``RankLogHandler`` routes the rank's Python log records
 through the same channel, so per-rank logs reach the driver's run directory even when the
 rank runs on another machine.
 """
@@ -18,7 +18,14 @@ from collections import deque
 from typing import Any
 
 from checkpointing.spec import FailureReport, ShardReport
-from workers.spec.messages import CheckpointUploadReport, DrainNoticeReport, LogReport, RankReport, StepReport
+from workers.spec.messages import (
+    CheckpointUploadReport,
+    DrainNoticeReport,
+    EvalReport,
+    LogReport,
+    RankReport,
+    StepReport,
+)
 
 
 class ReportChannel:
@@ -36,6 +43,10 @@ class ReportChannel:
     def step(self, **fields: Any) -> None:
         """The loop applied a step (fields of ``StepReport`` other than rank and time)."""
         self.send(StepReport(rank=self.rank, time=time.time(), **fields))
+
+    def evaluated(self, *, step: int, loss: float, tokens: int, eval_s: float) -> None:
+        """The ranks evaluated the model after ``step`` (sent by one rank per evaluation)."""
+        self.send(EvalReport(rank=self.rank, time=time.time(), step=step, loss=loss, tokens=tokens, eval_s=eval_s))
 
     def log(self, *, level: str, logger: str, message: str) -> None:
         self.send(LogReport(rank=self.rank, time=time.time(), level=level, logger=logger, message=message))

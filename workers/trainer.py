@@ -155,7 +155,9 @@ class Trainer:
         ]
         schedule_class = SCHEDULES[self.spec.pp_schedule]
         target = stages if self.spec.pp_schedule == "interleaved_1f1b" else stages[0]
-        return schedule_class(target, n_microbatches=self.spec.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        return schedule_class(
+            target, n_microbatches=self.spec.microbatches, loss_fn=self.microbatch_loss, scale_grads=False
+        )
 
     def init_weights(self) -> None:
         """Fresh start: the same initial model as a single process with the same seed."""
@@ -167,12 +169,12 @@ class Trainer:
     def accumulation(self) -> int:
         return self.spec.batch.accumulation(self.mesh.dp)
 
-    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The microbatch's mean token cross entropy, in float32, as a plain scalar tensor.
 
         With tp > 1 the logits are sharded over the vocabulary (a DTensor, see
         ``apply_tensor_parallel``): each rank upcasts only its shard, and ``loss_parallel``
-        (entered by ``_loss_parallel`` around forward and backward) reduces the softmax's max
+        (entered by ``vocab_parallel_loss`` around forward and backward) reduces the softmax's max
         and sum over the TP group instead of gathering the logits. The replicated result is
         returned as this rank's local scalar, so the schedule and the step see plain tensors.
         """
@@ -185,7 +187,7 @@ class Trainer:
         return loss / scale
 
     @contextlib.contextmanager
-    def _loss_parallel(self) -> Iterator[None]:
+    def vocab_parallel_loss(self) -> Iterator[None]:
         """Around forward and backward (the whole schedule step with pp > 1): the vocabulary-
         parallel cross entropy for the sharded logits when tp > 1, nothing otherwise.
 
@@ -256,7 +258,7 @@ class Trainer:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
-            with self._loss_parallel():
+            with self.vocab_parallel_loss():
                 if self.holds_first_stage:
                     self.schedule.step(inputs, **kwargs)
                 else:
@@ -267,8 +269,8 @@ class Trainer:
         microbatches = list(zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)))
         for index, (x, y) in enumerate(microbatches):
             self._set_replica_reduction(last_round and index == len(microbatches) - 1)
-            with self._loss_parallel():
-                loss = self._loss_fn(module(x), y)
+            with self.vocab_parallel_loss():
+                loss = self.microbatch_loss(module(x), y)
                 loss.backward()
             total += loss.detach()
         return total
@@ -286,13 +288,13 @@ class Trainer:
             # The schedule computes its loss on the last stage whatever the mode: it is given
             # the tokens as stand-in labels and the loss is dropped.
             kwargs = {"target": tokens} if self.holds_last_stage else {}
-            with self._loss_parallel():
+            with self.vocab_parallel_loss():
                 output = (
                     self.schedule.eval(tokens, **kwargs) if self.holds_first_stage else self.schedule.eval(**kwargs)
                 )
         else:
             output = self.modules[0](tokens)
-        self._reshard()  # pipelined stages stay gathered after a forward
+        self.reshard()  # pipelined stages stay gathered after a forward
         if not self.holds_last_stage:
             return None
         return output.full_tensor() if isinstance(output, DTensor) else output
@@ -397,10 +399,10 @@ class Trainer:
         Safe after a step failed half-way: modules left gathered by an interrupted forward are
         resharded (local, no collective); their sharded values were never modified.
         """
-        self._reshard()
+        self.reshard()
         return self.named_state()
 
-    def _reshard(self) -> None:
+    def reshard(self) -> None:
         """Free every FSDP module's gathered parameters (local, no collective)."""
         for module in self.modules:
             for submodule in module.modules():

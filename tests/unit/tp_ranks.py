@@ -33,9 +33,9 @@ def run_rank(rank: int, store_path: str, results) -> None:
     trainer.init_weights()
     tokens = torch.randint(0, SPEC.model.vocab_size, (2, SPEC.seq_len + 1), generator=torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    with trainer._loss_parallel():
+    with trainer.vocab_parallel_loss():
         logits = trainer.modules[0](inputs)
-        loss = trainer._loss_fn(logits, labels)
+        loss = trainer.microbatch_loss(logits, labels)
         (logits_grad,) = torch.autograd.grad(loss, logits)
     held = logits.to_local() if isinstance(logits, DTensor) else logits
     placements = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else None

@@ -11,6 +11,7 @@ config validation import it on a laptop).
 from workers.spec.messages import (
     CheckpointUploadReport,
     DrainNoticeReport,
+    EvalReport,
     FailureKind,
     Heartbeat,
     LogReport,
@@ -32,6 +33,7 @@ from workers.spec.train import (
     COMMIT_AND_PAUSE,
     COMMIT_PAUSE_CHECKPOINT,
     CheckpointTarget,
+    EvalSpec,
     PretrainedSource,
     TrainSpec,
 )
@@ -45,7 +47,9 @@ __all__ = [
     "PretrainedSource",
     "CheckpointTarget",
     "CheckpointUploadReport",
+    "EvalSpec",
     "DrainNoticeReport",
+    "EvalReport",
     "FailureKind",
     "Heartbeat",
     "LogReport",

@@ -53,6 +53,7 @@ class Phase(StrEnum):
     CONFIGURING = "configuring"
     READY = "ready"
     STEP = "step"
+    EVAL = "eval"  # evaluating at a step boundary (collective, like a step)
     CHECKPOINT = "checkpoint"
     FINISHED = "finished"
     PAUSED = "paused"
@@ -89,6 +90,7 @@ class ReportKind(StrEnum):
     CHECKPOINT_UPLOAD = "checkpoint"  # one of the rank's checkpoint uploads is durable, or was given up
     DRAIN_NOTICE = "drain_notice"  # the rank's node is about to go away (spot notice, SIGTERM)
     PRETRAINED_LOAD = "pretrained_load"  # the rank loaded its slices of released weights
+    EVAL = "eval"  # the ranks evaluated the model at a step boundary
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,21 @@ class PretrainedLoadReport:
     kind: ReportKind = ReportKind.PRETRAINED_LOAD
 
 
-RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport | PretrainedLoadReport
+@dataclass(frozen=True)
+class EvalReport:
+    """The ranks evaluated the model after ``step`` (0: before step 1); sent by rank 0 only, since
+    every rank holds the same reduced result (see ``workers/evaluation.py``)."""
+
+    rank: int
+    time: float
+    step: int
+    loss: float  # mean token cross entropy over the evaluation samples
+    tokens: int  # tokens it is the mean over
+    eval_s: float
+    kind: ReportKind = ReportKind.EVAL
+
+
+RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport | PretrainedLoadReport | EvalReport
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "COMMIT_PAUSE_CHECKPOINT",
     "BatchPlan",
     "CheckpointTarget",
+    "EvalSpec",
     "OptimizerSpec",
     "TrainSpec",
 ]
@@ -56,6 +57,29 @@ class PretrainedSource:
     uri: str
     endpoint_url: str | None = None
     region: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSpec:
+    """Evaluation while training: the settings, declared once (the job config's ``eval:`` section
+    extends this class, and ``TrainSpec.eval`` carries it to the ranks).
+
+    Every ``interval_steps`` applied steps, after the last step, and before step 1 when
+    ``at_start``, the ranks compute the mean token loss over ``batches x global_batch`` fixed
+    evaluation samples. ``interval_steps=0`` turns evaluation off.
+    """
+
+    interval_steps: int = 0
+    batches: int = 4
+    at_start: bool = False
+
+    def due(self, step: int, *, last_step: int) -> bool:
+        """Whether the boundary after (1-based) ``step`` is evaluated (``step=0``: before step 1)."""
+        if self.interval_steps <= 0:
+            return False
+        if step == 0:
+            return self.at_start
+        return step % self.interval_steps == 0 or step == last_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +130,7 @@ class TrainSpec(OptimizerSpec):
     # is replaced by the rank's Ray node id (lets a test serve notices per node on loopback).
     instance_action_url: str | None = None
     instance_action_poll_s: float = 2.0
+    eval: EvalSpec = EvalSpec()
 
     @property
     def batch(self) -> BatchPlan:
