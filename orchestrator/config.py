@@ -27,7 +27,7 @@ from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
 from orchestrator.model_source import resolve_model
 from workers.spec import PRESETS, ModelSpec, model_spec
-from workers.spec.train import OptimizerSpec
+from workers.spec.train import EvalSpec, OptimizerSpec
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DATA_SOURCES = ("text", "synthetic")
@@ -127,6 +127,13 @@ class DataConfig:
     path: str = "data/sample.txt"
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(EvalSpec):
+    """The ``eval:`` section: evaluation while training (its keys are EvalSpec's fields, declared
+    once there): every ``interval_steps`` steps (0 = off), after the last step, and before step 1
+    when ``at_start``, the mean token loss over ``batches x training.global_batch`` fixed samples."""
+
+
 @dataclass
 class CheckpointConfig:
     # s3://bucket/prefix, file:///dir or a plain directory; None turns checkpoints off.
@@ -177,6 +184,9 @@ class MetricsConfig:
     # A directory Prometheus watches (file_sd_configs): the driver writes its scrape target
     # there, so a port picked at random is still found. None = write nothing.
     targets_dir: str | None = None
+    # A directory the driver writes TensorBoard scalars to (loss, lr, tokens/s, grad norm, eval
+    # loss per step). None = write none.
+    tensorboard_dir: str | None = None
 
 
 @dataclass
@@ -202,6 +212,7 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

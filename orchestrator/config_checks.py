@@ -32,6 +32,7 @@ _POSITIVE_KEYS = (
     "checkpoint.upload_concurrency",
     "checkpoint.max_in_flight",
     "elastic.min_replicas",
+    "eval.batches",
 )
 _NON_NEGATIVE_KEYS = (
     "training.lr",
@@ -42,6 +43,7 @@ _NON_NEGATIVE_KEYS = (
     "checkpoint.keep_every",
     "elastic.spare_actors",
     "runtime.cpus_per_rank",
+    "eval.interval_steps",
 )
 _ELASTIC_DURATION_KEYS = (
     "heartbeat_timeout_s",
@@ -64,6 +66,11 @@ def validate(config: JobConfig) -> list[str]:
     problems.extend(_parallelism_problems(config, model, check_mesh=not problems))
     problems.extend(_training_and_data_problems(config, model))
     problems.extend(_elastic_problems(config))
+    if config.eval.at_start and config.eval.interval_steps == 0:
+        problems.append(
+            "eval.at_start=true does nothing while eval.interval_steps=0 (evaluation off): "
+            "set eval.interval_steps to a number of steps, or eval.at_start=false"
+        )
     if not 0 <= config.metrics.port <= 65535:
         problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
     problems.extend(_gpus_per_rank_problems(config))

@@ -14,7 +14,7 @@ from typing import Any
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
 from orchestrator.model_source import locate
-from workers.spec.train import BatchPlan, CheckpointTarget, OptimizerSpec, PretrainedSource, TrainSpec
+from workers.spec.train import BatchPlan, CheckpointTarget, EvalSpec, OptimizerSpec, PretrainedSource, TrainSpec
 
 
 def resolve_backend(config: JobConfig) -> str:
@@ -54,6 +54,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         init_from=pretrained_source(config),
         instance_action_url=config.elastic.instance_action_url,
         instance_action_poll_s=config.elastic.instance_action_poll_s,
+        eval=EvalSpec(**same_named(config.eval, EvalSpec)),
     )
 
 

@@ -56,6 +56,15 @@ CASES = [
     ),
     (["--set", "nonsense"], "--set 'nonsense': expected dotted.key=value"),
     (["--set", "elastic.min_replicas=2"], "elastic.min_replicas=2 exceeds parallelism.dp_replicate=1"),
+    (["--set", "eval.interval_steps=-5"], "eval.interval_steps=-5 must be >= 0"),
+    (["--set", "eval.batches=0"], "eval.batches=0 must be >= 1"),
+    (["--set", "eval.interval_steps=often"], "eval.interval_steps: expected an integer, got str 'often'"),
+    (["--set", "eval.batch=2"], "eval.batch: unknown key; did you mean 'eval.batches'?"),
+    (
+        ["--set", "eval.at_start=true"],
+        "eval.at_start=true does nothing while eval.interval_steps=0 (evaluation off): "
+        "set eval.interval_steps to a number of steps, or eval.at_start=false",
+    ),
 ]
 
 
