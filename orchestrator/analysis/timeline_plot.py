@@ -1,6 +1,7 @@
 """``meshpilot report``'s picture: a run's timeline PNG, drawn from its events.
 
-Runs on the user's machine, after (or during) a run. ``render_timeline`` draws loss, throughput,
+Runs on the user's machine, after (or during) a run. ``render_timeline`` draws loss (and the eval
+loss, when the run evaluated), throughput,
 world size and checkpoint stalls over time with failure / recovery / restore / drain / grow
 markers (matplotlib, Agg canvas: no display, no pyplot global state); the figures it titles and
 shades come from ``timeline.summarize``. matplotlib is imported inside the drawing functions, so
@@ -28,10 +29,12 @@ MARKERS: dict[str, tuple[str, LineStyleType, str]] = {
     "drain": ("#ff7f0e", ":", "drain"),
     "grow": ("#1f77b4", "-.", "grow"),
 }
+LEGEND_COLUMNS = 8
 _MAX_MARKER_LABELS = 16  # beyond this, labels would pile up; lines and the legend still show them
 STARTUP_COLOUR = "#bdbdbd"
 STARTUP_ALPHA = 0.35
 PARTIAL_LOSS_COLOUR = "#e377c2"
+EVAL_COLOUR = "#6b8e23"  # olive: apart from the markers' reds, greens, blues and oranges
 
 
 def _time_unit(span_s: float) -> tuple[float, str]:
@@ -71,6 +74,7 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
     )
 
     lost, partial = _draw_training(loss_ax, speed_ax, events, at)
+    _draw_eval(loss_ax, events, at)
     loss_ax.set_ylabel("loss")
     speed_ax.set_ylabel("tokens / s")
     speed_ax.set_ylim(bottom=0)
@@ -94,7 +98,8 @@ def render_timeline(events: list[dict[str, Any]], out: str | Path, *, summary: R
 
     handles = _legend_handles(events, summary, lost=bool(lost), partial=bool(partial))
     if handles:  # under the panels, where it hides no data
-        figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
+        columns = min(len(handles), LEGEND_COLUMNS)  # more wrap to a second row rather than leave the figure
+        figure.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=9, frameon=False)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +147,20 @@ def _draw_training(
     return lost, partial
 
 
+def _draw_eval(loss_ax: Any, events: list[dict[str, Any]], at: Callable[[dict[str, Any]], float]) -> None:
+    """The eval loss at each evaluation, on the loss panel: points joined in time order."""
+    evals = [e for e in events if e["event"] == "eval" and e.get("loss") is not None]
+    if evals:
+        loss_ax.plot(
+            [at(e) for e in evals],
+            [e["loss"] for e in evals],
+            color=EVAL_COLOUR,
+            marker="o",
+            markersize=4,
+            linewidth=1.4,
+        )
+
+
 def _legend_handles(events: list[dict[str, Any]], summary: RunSummary, *, lost: bool, partial: bool) -> list[Artist]:
     """What the legend explains: only the kinds of marker the picture shows."""
     from matplotlib.lines import Line2D
@@ -164,6 +183,11 @@ def _legend_handles(events: list[dict[str, Any]], summary: RunSummary, *, lost: 
                 label="training again after a drain",
             )
         )
+    if any(e["event"] == "eval" for e in events):  # two loss lines: say which is which
+        handles[:0] = [
+            Line2D([], [], color="#222222", linewidth=1.4, label="training loss"),
+            Line2D([], [], color=EVAL_COLOUR, marker="o", markersize=4, linewidth=1.4, label="eval loss"),
+        ]
     if summary.startup_s is not None:
         handles.insert(0, Patch(color=STARTUP_COLOUR, alpha=STARTUP_ALPHA, label="start-up"))
     if any(e["event"] == "failure" for e in events):

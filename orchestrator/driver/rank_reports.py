@@ -4,7 +4,9 @@ Runs on the driver, called by the controller with every batch of reports it poll
 reports of ``workers/spec/messages.py``, dispatched on their ``ReportKind``). Per-rank
 ``StepReport``s are joined into one ``step`` event once every rank of the mesh has reported
 that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
-``LogReport``s become ``log`` events, ``PretrainedLoadReport``s ``pretrained_loaded`` events.
+``LogReport``s become ``log`` events, ``PretrainedLoadReport``s ``pretrained_loaded`` events,
+``EvalReport``s ``eval`` events (one per step boundary: a boundary evaluated again when a run
+resumes there is dropped).
 Other kinds are handed to the handlers registered for them (checkpoint coordination registers
 its own for ``CHECKPOINT_UPLOAD``, the controller one for ``DRAIN_NOTICE``).
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from elastic.spec import MeshSpec
 from orchestrator.observe.events import EventLog
-from workers.spec.messages import LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
+from workers.spec.messages import EvalReport, LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
 
 Handler = Callable[[Any], None]  # called with the report of the kind it was registered for
 
@@ -30,7 +32,9 @@ class ReportRouter:
             ReportKind.STEP: self._on_step,
             ReportKind.LOG: self._on_log,
             ReportKind.PRETRAINED_LOAD: self._on_pretrained_load,
+            ReportKind.EVAL: self._on_eval,
         }
+        self._evaluated: set[int] = set()  # step boundaries with an ``eval`` event
         self._pending: dict[int, dict[int, StepReport]] = {}
         self.last_emitted_step = 0
         self.last_step_time_s: float | None = None
@@ -74,6 +78,14 @@ class ReportRouter:
             bytes_read=report.bytes_read,
             bytes_total=report.bytes_total,
             seconds=round(report.seconds, 3),
+        )
+
+    def _on_eval(self, report: EvalReport) -> None:
+        if report.step in self._evaluated:
+            return
+        self._evaluated.add(report.step)
+        self.events.emit(
+            "eval", step=report.step, loss=report.loss, tokens=report.tokens, eval_s=round(report.eval_s, 6)
         )
 
     def _on_step(self, report: StepReport) -> None:
@@ -126,6 +138,7 @@ class ReportRouter:
         """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""
         self._pending = {}
         self.last_emitted_step = step
+        self._evaluated = {evaluated for evaluated in self._evaluated if evaluated <= step}
 
 
 def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:

@@ -27,6 +27,9 @@ from orchestrator.observe.redact import redact
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("run_dir", "name", "mesh", "world_size", "steps", "global_batch", "seq_len", "config_hash"),
     "step": ("step", "loss", "tokens", "step_time_s", "world_size", "mesh", "lr", "rank_step_time_s"),
+    # The ranks evaluated the model after ``step`` (0: before step 1): the mean token loss over
+    # ``tokens`` tokens of the fixed evaluation samples, in ``eval_s`` seconds.
+    "eval": ("step", "loss", "tokens", "eval_s"),
     "checkpoint_staged": ("step", "stall_s"),
     "checkpoint_committed": ("step", "uri", "bytes", "upload_s"),
     "checkpoint_failed": ("step", "error"),

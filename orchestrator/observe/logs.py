@@ -160,8 +160,8 @@ class RankLogWriter:
 class ConsoleEventPrinter:
     """Prints what an operator must notice (driver; an EventLog subscriber).
 
-    Failures, recoveries, checkpoints, mesh changes and rank log records at or above
-    ``rank_level``; steps are left to the progress bar.
+    Failures, recoveries, checkpoints, evaluations, mesh changes and rank log records at or
+    above ``rank_level``; steps are left to the progress bar.
     """
 
     def __init__(self, logger: logging.Logger | None = None, *, rank_level: str | int = "WARNING") -> None:
@@ -204,6 +204,11 @@ class ConsoleEventPrinter:
             return logging.INFO, (
                 f"restored step {get('step')} from {get('uri')} in "
                 f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}"
+            )
+        if name == "eval":
+            return logging.INFO, (
+                f"eval at step {get('step')}: loss {float(event['loss']):.4f} over {int(event['tokens']):,} tokens "
+                f"in {float(get('eval_s') or 0):.1f} s"
             )
         if name == "checkpoint_committed":
             return logging.INFO, (

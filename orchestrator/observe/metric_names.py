@@ -83,6 +83,7 @@ METRICS: dict[str, MetricSpec] = {
         "last_step_timestamp_seconds", "Unix time of the last completed step (the run start before the first)."
     ),
     "loss": _gauge("loss", "Training loss of the last step."),
+    "eval_loss": _gauge("eval_loss", "Mean token loss on the fixed evaluation samples, last evaluation."),
     "learning_rate": _gauge("learning_rate", "Learning rate of the last step."),
     "grad_norm": _gauge("grad_norm", "Gradient norm of the last step, before clipping."),
     "tokens": _counter("tokens", "Tokens trained on."),

@@ -192,6 +192,9 @@ class MetricsExporter:
                 m.mfu.set(throughput * self._flops_per_token / (world_size * self._peak_flops))
         self._set_rank_times(event.get("rank_step_time_s"))
 
+    def _on_eval(self, event: dict[str, Any]) -> None:
+        self.m.eval_loss.set(event["loss"])
+
     def _on_checkpoint_staged(self, event: dict[str, Any]) -> None:
         self.m.checkpoint_stall.observe(float(event.get("stall_s") or 0.0))
 
