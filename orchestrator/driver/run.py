@@ -22,6 +22,7 @@ from orchestrator.driver.controller import Controller
 from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.observe.metrics import build_metrics
+from orchestrator.observe.tensorboard import build_tensorboard
 from workers.faults import FaultSpec
 
 
@@ -67,16 +68,20 @@ def run_training(
 ) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
-    The event log feeds the metrics exporter, the per-rank log files and the console, so all
-    of them see the same run. With ``handle_signals`` (the CLI; main thread only), SIGTERM saves
-    a checkpoint at the next step boundary and stops, instead of killing the driver mid-step, and
-    Ctrl-C stops after the step in flight (a second Ctrl-C at once).
+    The event log feeds the metrics exporter, TensorBoard (when ``metrics.tensorboard_dir`` is
+    set), the per-rank log files and the console, so all of them see the same run. With
+    ``handle_signals`` (the CLI; main thread only), SIGTERM saves a checkpoint at the next step
+    boundary and stops, instead of killing the driver mid-step, and Ctrl-C stops after the step
+    in flight (a second Ctrl-C at once).
     """
     run_dir = prepare_run_dir(config, run_dir)
     logger = setup_logging(run_dir=run_dir, console=console)
     metrics = build_metrics(config)
+    tensorboard = build_tensorboard(config)
     rank_logs = RankLogWriter(run_dir)
-    events = EventLog(run_dir / "events.jsonl", [*(subscribers or []), metrics, rank_logs, ConsoleEventPrinter(logger)])
+    events = EventLog(
+        run_dir / "events.jsonl", [*(subscribers or []), metrics, tensorboard, rank_logs, ConsoleEventPrinter(logger)]
+    )
     started_here = False
     previous_handlers: dict = {}
     try:
@@ -101,6 +106,7 @@ def run_training(
         events.close()
         rank_logs.close()
         metrics.close()
+        tensorboard.close()
         if started_here:
             ray.shutdown()
     return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)
