@@ -108,6 +108,7 @@ class Controller(MeshChanges):
         # Injected driver and node faults fire the moment their step is known, before the
         # reports that came with it (a later step, a checkpoint's commit) are handled.
         self.router.after_step = lambda: self.faults.fire(self.router.last_emitted_step)
+        self.router.after_eval = self.detector.evaluated  # an evaluation is progress for the hang check
         self.transitions = TransitionTimer(events, self.router)
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()

@@ -9,8 +9,8 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   gone from Ray), or it raised an error of its own (``rank_error``; errors that merely echo
   another rank's failure, like a closed connection, do not count);
 * a rank stopped answering polls for ``heartbeat_timeout_s`` (``unresponsive``);
-* no step completed for ``hang_timeout_s``, and for at least ``HANG_STEP_FACTOR`` typical
-  step times (``hang``): the ranks busy in the step while the others wait on them in
+* no step (nor evaluation) completed for ``hang_timeout_s``, and for at least
+  ``HANG_STEP_FACTOR`` typical step times (``hang``): the ranks busy in the step while the others wait on them in
   collectives are the culprits. The second bound keeps a slow machine (or a large step) from
   looking hung;
 * while a generation fails, a rank that answers no poll for ``SILENT_GRACE_S`` (``node_lost``
@@ -111,6 +111,11 @@ class Detector:
             self.progress = (step, self.clock())
             if step_time_s:
                 self.step_times.append(step_time_s)
+
+    def evaluated(self) -> None:
+        """An evaluation ended: the ranks made progress though no step completed, so the next step
+        is judged from now (an evaluation itself must end within the hang threshold, like a step)."""
+        self.progress = (self.progress[0], self.clock())
 
     def hang_threshold_s(self) -> float:
         typical = statistics.median(self.step_times) if self.step_times else 0.0

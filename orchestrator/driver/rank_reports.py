@@ -42,6 +42,8 @@ class ReportRouter:
         self.completed_at: dict[int, float] = {}
         # Called after each step event, with ``last_emitted_step`` already updated.
         self.after_step: Callable[[], None] | None = None
+        # Called after each eval event.
+        self.after_eval: Callable[[], None] | None = None
 
     def on(self, kind: ReportKind | str, handler: Handler) -> None:
         self.handlers[ReportKind(kind)] = handler
@@ -87,6 +89,8 @@ class ReportRouter:
         self.events.emit(
             "eval", step=report.step, loss=report.loss, tokens=report.tokens, eval_s=round(report.eval_s, 6)
         )
+        if self.after_eval is not None:
+            self.after_eval()
 
     def _on_step(self, report: StepReport) -> None:
         step = report.step

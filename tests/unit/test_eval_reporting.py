@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from elastic.spec import MeshSpec
 from orchestrator.analysis.timeline_plot import EVAL_COLOUR, render_timeline
 from orchestrator.config import config_from_dict
+from orchestrator.driver.detector import Detector
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.errors import UserError
 from orchestrator.observe.events import EventLog, read_events
@@ -52,6 +53,22 @@ def test_one_eval_event_per_boundary_from_rank_zeros_report(tmp_path):
     events.close()
     shown = [(e["step"], e["loss"], e["tokens"], e["eval_s"]) for e in read_events(tmp_path / "events.jsonl")]
     assert shown == [(5, 3.25, 4096, 0.123457), (10, 3.0, 4096, 0.2), (10, 3.0, 4096, 0.2)]
+
+
+def test_an_evaluation_is_progress_for_the_hang_check():
+    now = [0.0]
+    found = Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, clock=lambda: now[0])
+    found.reset(2, step=5)
+    router = ReportRouter(EventLog(None), mesh=MeshSpec(dp_shard=2), tokens_per_step=1)
+    router.after_eval = found.evaluated
+    channel = ReportChannel(rank=0)
+    now[0] = 50.0  # boundary 5's evaluation took 50 s
+    channel.evaluated(step=5, loss=3.0, tokens=64, eval_s=50.0)
+    router.route(channel.drain())
+    now[0] = 100.0  # step 6 has run for 50 s since: no hang, though no step completed for 100 s
+    assert found.hung() is None
+    now[0] = 111.0
+    assert found.hung() == [0, 1]
 
 
 def test_eval_loss_gauge_console_line_and_curve(tmp_path, caplog):
