@@ -310,6 +310,7 @@ class RankActor:
                 grad_norm=result.grad_norm,
                 phases=result.phases,
                 checkpoint_stall_s=stall,
+                sample_indices=tuple(result.samples) if self.spec.record_samples else None,
             )
             if result.pause:
                 self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends

@@ -3,7 +3,8 @@
 Runs on the driver, called by the controller with every batch of reports it polls (the typed
 reports of ``workers/spec/messages.py``, dispatched on their ``ReportKind``). Per-rank
 ``StepReport``s are joined into one ``step`` event once every rank of the mesh has reported
-that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
+that step (the loss is the mean over data-parallel slices; the step time the slowest rank's),
+and handed to the sample ledger (``sample_ledger.py``, a null one unless ``data.record_samples``);
 ``LogReport``s become ``log`` events, ``PretrainedLoadReport``s ``pretrained_loaded`` events.
 Other kinds are handed to the handlers registered for them (checkpoint coordination registers
 its own for ``CHECKPOINT_UPLOAD``, the controller one for ``DRAIN_NOTICE``).
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from elastic.spec import MeshSpec
+from orchestrator.driver.sample_ledger import NoLedger, SampleLedger
 from orchestrator.observe.events import EventLog
 from workers.spec.messages import LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
 
@@ -36,6 +38,7 @@ class ReportRouter:
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
+        self.ledger: SampleLedger | NoLedger = NoLedger()
         # Called after each step event, with ``last_emitted_step`` already updated.
         self.after_step: Callable[[], None] | None = None
 
@@ -111,6 +114,7 @@ class ReportRouter:
             # it up to one poll interval later.
             completed_at=max(r.time for r in ranks.values()),
         )
+        self.ledger.record(step, ranks.values(), self.mesh)
         self.last_emitted_step = step
         self.last_step_time_s = max(r.step_time_s for r in ranks.values())
         self.completed_at[step] = max(r.time for r in ranks.values())
@@ -126,6 +130,7 @@ class ReportRouter:
         """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""
         self._pending = {}
         self.last_emitted_step = step
+        self.ledger.rewind(step)
 
 
 def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:
