@@ -107,8 +107,8 @@ class ReportRouter:
             lr=any_report.lr,
             grad_norm=any_report.grad_norm,
             rank_step_time_s={str(rank): round(r.step_time_s, 6) for rank, r in sorted(ranks.items())},
-            # Per phase of the step (compute, sync = the clip and the commit vote, optimizer),
-            # the longest any rank spent in it.
+            # Per phase of the step (data = reading or awaiting its samples, compute, sync = the
+            # clip and the commit vote, optimizer), the longest any rank spent in it.
             phases_s=_slowest_phases(ranks.values()),
             # When the slowest rank finished the step (its own clock): the driver learns of
             # it up to one poll interval later.
