@@ -30,7 +30,7 @@ from workers.spec import PRESETS, ModelSpec, model_spec
 from workers.spec.train import EvalSpec, OptimizerSpec
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-DATA_SOURCES = ("text", "synthetic")
+DATA_SOURCES = ("text", "synthetic", "tokens")
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -125,6 +125,16 @@ class DataConfig:
     # A text file, tokenized at byte level; relative paths are tried from the current
     # directory, then from the config file's directory.
     path: str = "data/sample.txt"
+    # source=tokens: a corpus written by ``meshpilot data prepare`` (a directory, tried like path,
+    # or s3://bucket/prefix read with checkpoint.endpoint_url and region). Ranks read it; the driver
+    # reads only its manifest.
+    uri: str | None = None
+    # The tokenizer.json the job expects: the corpus must have been prepared with this very file.
+    tokenizer: str | None = None
+    # Write RUN_DIR/samples.jsonl: per applied step and data-parallel rank, the samples consumed.
+    record_samples: bool = False
+    # sha256 of the corpus manifest once checked (the config hash names the corpus by it); not a key.
+    manifest_sha256: str | None = field(default=None, metadata={"internal": True}, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +260,8 @@ class JobConfig:
             "source": self.data.source,
             "text_sha256": hashlib.sha256(data_path.read_bytes()).hexdigest() if data_path else None,
         }
+        if self.data.source == "tokens":  # the corpus itself, by its manifest (which lists every shard's hash)
+            decisive["data"]["tokens_manifest_sha256"] = self.data.manifest_sha256
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
     def _decisive_model(self) -> dict[str, Any]:

@@ -4,13 +4,16 @@ Runs on the driver. ``orchestrator.config`` builds a ``JobConfig`` with every ke
 checked generically, then calls ``validate`` here for the rules that relate values to each
 other: signs and ranges, the model's shape against the mesh and schedule, the batch against
 the pipeline, the elastic bounds, and the checkpoint URI. ``resolve_data_path`` lives here
-because ``data.path`` is checked against the disk, and the config hash reads the same file.
+because ``data.path`` is checked against the disk, and the config hash reads the same file; a
+token corpus (``data.source: tokens``) is checked against its manifest by ``token_corpus``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from orchestrator.token_corpus import token_corpus_problems
 
 if TYPE_CHECKING:
     # Only for annotations: ``orchestrator.config`` imports this module to run ``validate``.
@@ -123,6 +126,8 @@ def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str
                 + (f" and {config.source_dir}" if config.source_dir else "")
                 + ")"
             )
+    if config.data.source == "tokens":
+        problems.extend(token_corpus_problems(config, model))
     return problems
 
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
     import torch.distributed as dist
 
     from workers.checkpoints import NoCheckpoints, RankCheckpoints
+    from workers.data import SampleSource
     from workers.device import RankDevice
     from workers.evaluation import Evaluator
     from workers.rendezvous import StepCommitter
@@ -90,6 +91,7 @@ class RankActor:
         self.generation = -1
         self.mesh: MeshSpec | None = None
         self.trainer: Trainer | None = None
+        self.source: SampleSource | None = None  # the generation's samples (the trainer reads them)
         self.checkpoints: RankCheckpoints | NoCheckpoints | None = None
         self.store: dist.Store | None = None
         self.committer: StepCommitter | None = None
@@ -214,14 +216,9 @@ class RankActor:
             store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
         )
         self.committer = committer
+        self.source = make_source(self.spec, self.data)
         trainer = Trainer(
-            self.spec,
-            mesh,
-            rank,
-            device=device,
-            source=make_source(self.spec, self.data),
-            committer=committer,
-            peer_waits=self._peer_waits,
+            self.spec, mesh, rank, device=device, source=self.source, committer=committer, peer_waits=self._peer_waits
         )
         self.trainer = trainer
         self._group_sockets = group_sockets.opened()
@@ -319,6 +316,7 @@ class RankActor:
                 grad_norm=result.grad_norm,
                 phases=result.phases,
                 checkpoint_stall_s=stall,
+                sample_indices=tuple(result.samples) if self.spec.record_samples else None,
             )
             if result.pause:
                 self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends
@@ -391,6 +389,9 @@ class RankActor:
                 self._kept_shards = self.trainer.local_shards()
             self.trainer.close()
         self.trainer = None
+        if self.source is not None:
+            self.source.close()  # its prefetch thread ends here
+            self.source = None
         self.committer = None
         shutdown_sockets(self._group_sockets)
         self._group_sockets = set()

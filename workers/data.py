@@ -4,11 +4,14 @@ Runs on every rank. Step ``k`` (1-based) consumes samples
 ``[(k - 1) * global_batch, k * global_batch)``; data-parallel slice ``d`` of ``dp`` takes a
 contiguous ``global_batch / dp`` of them. The sample a given index names never depends on the
 mesh, so a shrink, a grow or a restore neither skips nor repeats one: the step number *is* the
-data cursor.
+data cursor. Because the indices a step takes follow from the step alone, ``local_batch`` tells
+the source which samples this slice takes next (``prefetch``), so a source that reads from
+storage can fetch them while the step computes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -26,8 +29,24 @@ class SampleSource(Protocol):
         """Evaluation sample ``index`` (0, 1, ...): a fixed set, the same on any mesh, never a
         training sample where the source has a held-out split."""
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """A hint: these samples are asked for next (the following step's). Sources held in memory ignore it."""
 
-class TextSource:
+    def close(self) -> None:
+        """Release threads and connections; called once when the rank leaves its generation."""
+
+
+class InMemorySource:
+    """The null parts of a source whose samples are computed in memory: nothing to fetch or release."""
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class TextSource(InMemorySource):
     """A text tokenized at byte level, cut into non-overlapping windows, shuffled per epoch."""
 
     def __init__(self, data: bytes, *, seq_len: int, seed: int) -> None:
@@ -59,7 +78,7 @@ class TextSource:
         return self._order
 
 
-class SyntheticSource:
+class SyntheticSource(InMemorySource):
     """Seeded arithmetic sequences modulo the vocabulary: learnable, so the loss falls."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int) -> None:
@@ -83,8 +102,19 @@ def step_samples(step: int, global_batch: int) -> range:
     return range((step - 1) * global_batch, step * global_batch)
 
 
-def local_batch(source: SampleSource, *, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
-    """This data-parallel slice's samples of ``step``: a [global_batch / dp, seq_len + 1] tensor."""
+def local_samples(*, step: int, global_batch: int, dp_rank: int, dp: int) -> range:
+    """Global sample indices of data-parallel slice ``dp_rank`` of ``dp`` in (1-based) ``step``."""
     per_rank = samples_per_rank(global_batch, dp)
     first = (step - 1) * global_batch + dp_rank * per_rank
-    return torch.stack([source.sample(index) for index in range(first, first + per_rank)])
+    return range(first, first + per_rank)
+
+
+def local_batch(source: SampleSource, *, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
+    """This data-parallel slice's samples of ``step``: a [global_batch / dp, seq_len + 1] tensor.
+
+    Then hints the source at the same slice's samples of the next step (``prefetch``)."""
+    batch = torch.stack(
+        [source.sample(index) for index in local_samples(step=step, global_batch=global_batch, dp_rank=dp_rank, dp=dp)]
+    )
+    source.prefetch(local_samples(step=step + 1, global_batch=global_batch, dp_rank=dp_rank, dp=dp))
+    return batch

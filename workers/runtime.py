@@ -76,6 +76,15 @@ def process_group_options(backend: str, device: RankDevice | None) -> dict[str, 
 
 
 def make_source(spec: TrainSpec, data: bytes | None) -> SampleSource:
+    """Rank side, once per generation: the job's sample source (the caller closes it when the
+    rank leaves the generation). A token corpus is opened here, on the rank: its manifest is read
+    and its windows are read as they are needed; the driver never reads it."""
+    if spec.data_source == "tokens":
+        from workers.token_source import TokenSource  # numpy, storage clients: only for this source
+
+        if spec.tokens is None:
+            raise ValueError("data.source=tokens but no corpus location was sent to the rank")
+        return TokenSource(spec.tokens, seq_len=spec.seq_len, seed=spec.seed)
     if spec.data_source == "text":
         if data is None:
             raise ValueError("data.source=text but no text was sent to the rank")

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from elastic.spec import MeshSpec
 from workers import parallelize as par
-from workers.data import SampleSource, local_batch
+from workers.data import SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.models import StageModel, resolve_family
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
@@ -72,6 +72,8 @@ class StepResult:
     # Save a checkpoint before pausing (a drain that takes the last replica group).
     checkpoint_before_pause: bool = False
     phases: dict[str, float] = field(default_factory=dict)
+    # Global sample indices this rank's data-parallel slice consumed.
+    samples: range = range(0)
 
 
 # Largest single broadcast of ``sync_from_first_replica``: bounds the staging buffer it
@@ -211,6 +213,7 @@ class Trainer:
         batch = local_batch(
             self.source, step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
         ).to(self.device)
+        loaded = time.perf_counter()  # data_s: what reading (or waiting for the prefetch) cost the step
         inputs, labels = batch[:, :-1], batch[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
         per_round = self.spec.batch.rank_round_samples
@@ -246,7 +249,15 @@ class Trainer:
             step_time_s=finished - started,
             pause=decision in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT),
             checkpoint_before_pause=decision == COMMIT_PAUSE_CHECKPOINT,
-            phases={"compute_s": computed - started, "sync_s": voted - computed, "optimizer_s": finished - voted},
+            phases={
+                "data_s": loaded - started,
+                "compute_s": computed - loaded,
+                "sync_s": voted - computed,
+                "optimizer_s": finished - voted,
+            },
+            samples=local_samples(
+                step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
+            ),
         )
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, last_round: bool = True) -> torch.Tensor:

@@ -35,6 +35,7 @@ from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
 from orchestrator.driver.mesh_change import MeshChanges
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_consistent
+from orchestrator.driver.sample_ledger import sample_ledger
 from orchestrator.driver.states import (
     AwaitingActors,
     Configuring,
@@ -84,6 +85,11 @@ class Controller(MeshChanges):
             events, mesh=config.mesh, tokens_per_step=config.training.global_batch * config.training.seq_len
         )
         self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
+        self.router.ledger = sample_ledger(
+            events.path.parent if events.path else None,
+            record_samples=config.data.record_samples,
+            global_batch=config.training.global_batch,
+        )
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(

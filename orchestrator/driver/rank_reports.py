@@ -3,7 +3,8 @@
 Runs on the driver, called by the controller with every batch of reports it polls (the typed
 reports of ``workers/spec/messages.py``, dispatched on their ``ReportKind``). Per-rank
 ``StepReport``s are joined into one ``step`` event once every rank of the mesh has reported
-that step (the loss is the mean over data-parallel slices; the step time the slowest rank's);
+that step (the loss is the mean over data-parallel slices; the step time the slowest rank's),
+and handed to the sample ledger (``sample_ledger.py``, a null one unless ``data.record_samples``);
 ``LogReport``s become ``log`` events, ``PretrainedLoadReport``s ``pretrained_loaded`` events,
 ``EvalReport``s ``eval`` events (one per step boundary: a boundary evaluated again when a run
 resumes there is dropped).
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from elastic.spec import MeshSpec
+from orchestrator.driver.sample_ledger import NoLedger, SampleLedger
 from orchestrator.observe.events import EventLog
 from workers.spec.messages import EvalReport, LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
 
@@ -40,6 +42,7 @@ class ReportRouter:
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
+        self.ledger: SampleLedger | NoLedger = NoLedger()
         # Called after each step event, with ``last_emitted_step`` already updated.
         self.after_step: Callable[[], None] | None = None
         # Called after each eval event.
@@ -120,13 +123,14 @@ class ReportRouter:
             lr=any_report.lr,
             grad_norm=any_report.grad_norm,
             rank_step_time_s={str(rank): round(r.step_time_s, 6) for rank, r in sorted(ranks.items())},
-            # Per phase of the step (compute, sync = the clip and the commit vote, optimizer),
-            # the longest any rank spent in it.
+            # Per phase of the step (data = reading or awaiting its samples, compute, sync = the
+            # clip and the commit vote, optimizer), the longest any rank spent in it.
             phases_s=_slowest_phases(ranks.values()),
             # When the slowest rank finished the step (its own clock): the driver learns of
             # it up to one poll interval later.
             completed_at=max(r.time for r in ranks.values()),
         )
+        self.ledger.record(step, ranks.values(), self.mesh)
         self.last_emitted_step = step
         self.last_step_time_s = max(r.step_time_s for r in ranks.values())
         self.completed_at[step] = max(r.time for r in ranks.values())
@@ -143,6 +147,7 @@ class ReportRouter:
         self._pending = {}
         self.last_emitted_step = step
         self._evaluated = {evaluated for evaluated in self._evaluated if evaluated <= step}
+        self.ledger.rewind(step)
 
 
 def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Any
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
 from orchestrator.model_source import locate
+from orchestrator.token_corpus import token_corpus_source
 from workers.spec.train import BatchPlan, CheckpointTarget, EvalSpec, OptimizerSpec, PretrainedSource, TrainSpec
 
 
@@ -48,6 +49,8 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         seed=train.seed,
         dtype=resolve_dtype(config, backend),
         data_source=config.data.source,
+        tokens=token_corpus_source(config),
+        record_samples=config.data.record_samples,
         backend=backend,
         collective_timeout_s=config.elastic.collective_timeout_s,
         checkpoint=checkpoint_target(config),
@@ -83,7 +86,9 @@ def same_named(source: Any, target: type, *, skip: tuple[str, ...] = ()) -> dict
 
 
 def data_bytes(config: JobConfig) -> bytes | None:
-    """The text the ranks train on (shipped to them through Ray's object store), or None."""
+    """The text the ranks train on (shipped to them through Ray's object store), or None.
+
+    Only ``data.source: text`` ships bytes; a token corpus is read by the ranks themselves."""
     if config.data.source != "text":
         return None
     path = resolve_data_path(config)

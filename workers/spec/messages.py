@@ -107,6 +107,8 @@ class StepReport:
     grad_norm: float | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step
     checkpoint_stall_s: float | None = None  # set on steps that staged a checkpoint
+    # With data.record_samples: the global sample indices this rank's data-parallel slice consumed.
+    sample_indices: tuple[int, ...] | None = None
     kind: ReportKind = ReportKind.STEP
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointTarget",
     "EvalSpec",
     "OptimizerSpec",
+    "TokenCorpusSource",
     "TrainSpec",
 ]
 
@@ -53,6 +54,16 @@ class CheckpointTarget:
 class PretrainedSource:
     """Released Hugging Face weights a fresh run starts from: a directory or ``s3://`` prefix
     holding config.json and safetensors (credentials from the AWS chain, never here)."""
+
+    uri: str
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenCorpusSource:
+    """A prepared token corpus (``data.source: tokens``): a directory or ``s3://`` prefix holding
+    the manifest and shards of ``workers/spec/tokens.py`` (credentials from the AWS chain, never here)."""
 
     uri: str
     endpoint_url: str | None = None
@@ -121,6 +132,9 @@ class TrainSpec(OptimizerSpec):
     seed: int = 0
     dtype: str = "float32"  # float32, or bfloat16 parameters with float32 gradient reduction
     data_source: str = "synthetic"
+    tokens: TokenCorpusSource | None = None  # where data_source "tokens" reads from
+    # Report with each step the global sample indices this rank's data-parallel slice consumed.
+    record_samples: bool = False
     backend: str = "gloo"
     collective_timeout_s: float = 120.0
     checkpoint: CheckpointTarget | None = None
