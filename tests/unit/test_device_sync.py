@@ -102,6 +102,7 @@ def bare_actor(device: RankDevice | None) -> RankActor:
     actor = RankActor.__new__(RankActor)
     actor.checkpoints = None
     actor.trainer = None
+    actor.source = None
     actor.committer = None
     actor.generation = 3
     actor._group_sockets = set()
