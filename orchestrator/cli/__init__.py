@@ -4,8 +4,8 @@ Runs on the driver (the user's terminal, or a Ray job's entrypoint). Each comman
 ``COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its parser and sets
 ``handler=`` to a function ``(args) -> int`` returning the exit code. A command module parses
 and prints; the work is done by ``orchestrator.driver`` (train, demo), ``orchestrator.submission``
-(submit, jobs), ``orchestrator.analysis`` (report, simulate), ``elastic`` (plan) or
-``checkpointing`` (ckpt). Nothing imports ``cli`` but the console script.
+(submit, jobs), ``orchestrator.analysis`` (report, simulate), ``elastic`` (plan),
+``checkpointing`` (ckpt) or ``orchestrator.data_prep`` (data). Nothing imports ``cli`` but the console script.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.cli.report",
     "orchestrator.cli.submit",
     "orchestrator.cli.ckpt",
+    "orchestrator.cli.data",
 )
 
 

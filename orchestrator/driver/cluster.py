@@ -27,15 +27,24 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 def connect(config: JobConfig) -> bool:
     """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
+    return connect_to(config.runtime.address, num_cpus=_embedded_cpus(config))
+
+
+def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] = WORKER_PACKAGES) -> bool:
+    """Connect to the cluster at ``address`` (else ``RAY_ADDRESS``, else a new embedded one of ``num_cpus``).
+
+    Returns True when this call started an embedded cluster (the caller shuts it down). ``packages``
+    are the source directories a remote cluster's workers import (shipped unless its image has them).
+    """
     ray_compat.silence_token_setup_notice()
     if ray.is_initialized():
         return False
-    address = config.runtime.address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
             ray.init(
                 address=address,
-                runtime_env=_remote_runtime_env(address),
+                runtime_env=_remote_runtime_env(address, packages),
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
@@ -46,7 +55,7 @@ def connect(config: JobConfig) -> bool:
         # address="local": always a new embedded cluster, never one a `ray start` left on this machine.
         ray.init(
             address="local",
-            num_cpus=_embedded_cpus(config),
+            num_cpus=num_cpus,
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.WARNING,
@@ -74,11 +83,11 @@ def worker_pythonpath() -> str:
     return f"{SOURCE_ROOT}{os.pathsep}{existing}" if existing else str(SOURCE_ROOT)
 
 
-def _remote_runtime_env(address: str) -> dict:
+def _remote_runtime_env(address: str, packages: tuple[str, ...]) -> dict:
     """Ship the worker-side packages unless the cluster's image has them (a Ray job already does)."""
     if os.environ.get("RAY_JOB_ID") or address == "auto":
         return {}
-    return {"py_modules": [str(SOURCE_ROOT / name) for name in WORKER_PACKAGES]}
+    return {"py_modules": [str(SOURCE_ROOT / name) for name in packages]}
 
 
 def alive_nodes() -> list[NodeCapacity]:

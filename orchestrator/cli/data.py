@@ -1,0 +1,111 @@
+"""``meshpilot data prepare``: tokenize a corpus on Ray Data into token shards and a manifest (driver).
+
+    meshpilot data prepare --input 'corpus/*.jsonl' --tokenizer models/llama/ --out s3://bucket/corpus \\
+        --endpoint-url http://127.0.0.1:8333
+    meshpilot train cfg.yaml --set data.source=tokens --set data.uri=s3://bucket/corpus
+
+A layer over ``orchestrator.data_prep.pipeline.prepare_corpus``: flags in, a summary out. S3
+credentials come from the standard AWS chain, never from flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from orchestrator.data_prep.inputs import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from orchestrator.data_prep.pipeline import PrepareResult
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("data", help="prepare training data", description="Prepare training data.")
+    commands = parser.add_subparsers(dest="data_command", metavar="ACTION")
+    commands.required = True
+    text = "tokenize documents into token shards and a manifest (the corpus data.source: tokens trains on)"
+    prepare = commands.add_parser("prepare", help=text, description=text)
+    prepare.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        dest="inputs",
+        metavar="FILE_OR_GLOB",
+        help="local or s3:// files or globs: .txt (one document per file), .jsonl, .parquet",
+    )
+    prepare.add_argument("--text-field", default="text", help="the .jsonl field / .parquet column of the text")
+    prepare.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
+    prepare.add_argument("--eos-token", default=None, help="the end-of-text token, when the tokenizer names none")
+    prepare.add_argument("--out", required=True, help="a directory or s3://bucket/prefix for the corpus")
+    prepare.add_argument(
+        "--validation-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)"
+    )
+    prepare.add_argument("--split-seed", type=int, default=0, help="seed of the document split (default 0)")
+    prepare.add_argument("--shard-mb", type=float, default=128.0, help="shard size in MiB (default 128)")
+    prepare.add_argument(
+        "--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded local cluster)"
+    )
+    prepare.add_argument("--endpoint-url", default=None, help="S3 endpoint of a non-AWS server (inputs and --out)")
+    prepare.add_argument("--region", default=None, help="S3 region (default: the AWS chain's)")
+    prepare.add_argument(
+        "--workers", type=int, default=None, help="concurrent read+tokenize tasks (default: one per cluster CPU)"
+    )
+    prepare.add_argument(
+        "--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="input read per task, in MiB (default 4)"
+    )
+    prepare.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
+    prepare.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    # Imported here: Ray Data takes a second or two to import, and only this command needs it.
+    from orchestrator.data_prep.pipeline import PrepareRequest, prepare_corpus
+    from orchestrator.data_prep.progress import PrepareProgress
+    from orchestrator.errors import UserError
+
+    if not args.chunk_mb > 0:
+        raise UserError(f"--chunk-mb {args.chunk_mb}: give a positive size in MiB, e.g. 4")
+    request = PrepareRequest(
+        inputs=tuple(args.inputs),
+        tokenizer=args.tokenizer,
+        out=args.out,
+        text_field=args.text_field,
+        eos_token=args.eos_token,
+        validation_fraction=args.validation_fraction,
+        split_seed=args.split_seed,
+        shard_mb=args.shard_mb,
+        address=args.address,
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        workers=args.workers,
+        chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
+    )
+    result = prepare_corpus(request, progress=PrepareProgress(force_plain=args.plain))
+    _summarise(result)
+    return 0
+
+
+def _summarise(result: PrepareResult) -> None:
+    console = Console(soft_wrap=True)  # paths to copy: never wrapped
+    manifest = result.manifest
+    info = manifest.tokenizer
+    if result.committed:
+        verb = "prepared"
+    elif result.shards_repaired:
+        verb = f"already prepared (identical; {result.shards_repaired} missing shard(s) written again)"
+    else:
+        verb = "already prepared (identical, nothing rewritten)"
+    console.print(
+        f"{verb}: {result.uri}  {result.documents:,} documents, {result.tokens:,} tokens "
+        f"({manifest.dtype}, vocab {info.vocab_size:,}, eos {info.eos_token!r} = {info.eos_id})",
+        markup=False,
+    )
+    for name, split in manifest.splits.items():
+        console.print(
+            f"  {name:<10} {split.documents:>12,} documents {split.tokens:>14,} tokens {len(split.shards):>6} shard(s)"
+        )
+    seconds = max(result.seconds, 1e-9)
+    rates = f"{result.documents / seconds:,.0f} documents/s, {result.tokens / seconds:,.0f} tokens/s"
+    console.print(f"  {result.seconds:.1f} s: {rates}")
