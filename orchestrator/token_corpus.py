@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from orchestrator.config import JobConfig
     from workers.spec import ModelSpec
 
-PREPARE_HINT = "meshpilot data prepare ... --out"
+# How a corpus is made, as the fix of a missing one (the flags of `meshpilot data prepare`).
+PREPARE_HINT = "meshpilot data prepare --input FILES --tokenizer tokenizer.json --out"
 
 
 def token_corpus_source(config: JobConfig) -> TokenCorpusSource | None:

@@ -23,6 +23,7 @@ from checkpointing.storage import open_storage
 from orchestrator.cli import main
 from orchestrator.data_prep import pipeline
 from orchestrator.data_prep.pipeline import PrepareRequest, prepare_corpus
+from tests.jobs import losses, single_rank, train
 from workers.spec.tokens import (
     MANIFEST_KEY,
     SPLITS,
@@ -219,6 +220,25 @@ def test_s3_inputs_and_corpus(ray_cluster, s3_bucket, corpus):
     for split in SPLITS:
         np.testing.assert_array_equal(streams[split], expected[split])
     assert manifest.inputs == (f"s3://{s3_bucket.name}/raw/web.jsonl", f"s3://{s3_bucket.name}/raw/books.parquet")
+
+    # ... and a job trains on it, from S3, evaluating on the held-out documents as it goes.
+    result, events = train(
+        corpus.tokenizer_dir.parent / "run",
+        "data.source=tokens",
+        f"data.uri={out}",
+        f"data.tokenizer={corpus.tokenizer_dir / 'tokenizer.json'}",
+        f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
+        "model.vocab_size=1024",
+        "training.steps=12",
+        "eval.interval_steps=6",
+        "eval.batches=1",
+        *single_rank("parallelism.dp_shard=2", "parallelism.microbatches=2"),
+    )
+    assert result.exit_code == 0, result.reason
+    step_losses = losses(events)
+    evals = {e["step"]: e["loss"] for e in events if e["event"] == "eval"}
+    assert sorted(step_losses) == list(range(1, 13)) and sorted(evals) == [6, 12]
+    assert step_losses[12] < step_losses[1] - 0.5 and evals[12] < evals[6]
 
 
 def test_a_run_interrupted_before_its_manifest_leaves_no_corpus(ray_cluster, corpus, tmp_path, monkeypatch):

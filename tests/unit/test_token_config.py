@@ -44,7 +44,7 @@ def test_a_directory_without_a_manifest(tmp_path, capsys):
     assert code == 2
     assert (
         f"data.uri='{tmp_path}': no token corpus there (manifest.json is missing); prepare it with "
-        f"meshpilot data prepare ... --out {tmp_path}"
+        f"meshpilot data prepare --input FILES --tokenizer tokenizer.json --out {tmp_path}"
     ) in err
 
 
