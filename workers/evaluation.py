@@ -91,12 +91,7 @@ def round_loss_sum(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor)
     microbatches = trainer.spec.microbatches
     if trainer.schedule is not None:
         losses: list[torch.Tensor] = []
-        kwargs = {"target": labels, "losses": losses} if trainer.holds_last_stage else {}
-        with trainer.vocab_parallel_loss():
-            if trainer.holds_first_stage:
-                trainer.schedule.eval(inputs, **kwargs)
-            else:
-                trainer.schedule.eval(**kwargs)
+        trainer.pipeline_pass(inputs, labels, losses, backward=False)
     else:
         module = trainer.modules[0]
         with trainer.vocab_parallel_loss():

@@ -268,12 +268,7 @@ class Trainer:
         """
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
-            with self.vocab_parallel_loss():
-                if self.holds_first_stage:
-                    self.schedule.step(inputs, **kwargs)
-                else:
-                    self.schedule.step(**kwargs)
+            self.pipeline_pass(inputs, labels, losses, backward=True)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
         module = self.modules[0]
         total = torch.zeros((), device=self.device)
@@ -286,6 +281,21 @@ class Trainer:
             total += loss.detach()
         return total
 
+    def pipeline_pass(
+        self, inputs: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor] | None, *, backward: bool
+    ) -> torch.Tensor | None:
+        """One pass of the pipeline schedule over a batch (collective over the pp group, pp > 1).
+
+        The first stage feeds ``inputs``; the last computes each microbatch's loss against
+        ``labels`` into ``losses`` (the schedule always does, even forward only) and returns the
+        merged output; ``backward``: a training pass, else forward only.
+        """
+        assert self.schedule is not None, "only a pipelined trainer has a schedule"
+        run = self.schedule.step if backward else self.schedule.eval
+        kwargs = {"target": labels, "losses": losses} if self.holds_last_stage else {}
+        with self.vocab_parallel_loss():
+            return run(inputs, **kwargs) if self.holds_first_stage else run(**kwargs)
+
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
@@ -296,13 +306,8 @@ class Trainer:
         """
         tokens = tokens.to(self.device)
         if self.schedule is not None:
-            # The schedule computes its loss on the last stage whatever the mode: it is given
-            # the tokens as stand-in labels and the loss is dropped.
-            kwargs = {"target": tokens} if self.holds_last_stage else {}
-            with self.vocab_parallel_loss():
-                output = (
-                    self.schedule.eval(tokens, **kwargs) if self.holds_first_stage else self.schedule.eval(**kwargs)
-                )
+            # The tokens stand in for labels: the schedule computes a loss, which is dropped.
+            output = self.pipeline_pass(tokens, tokens, None, backward=False)
         else:
             output = self.modules[0](tokens)
         self.reshard()  # pipelined stages stay gathered after a forward
