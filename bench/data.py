@@ -70,8 +70,8 @@ def sizes(quick: bool) -> dict[str, Any]:
 def pseudo_words(rng: random.Random, count: int) -> list[str]:
     """Words of 1-4 syllables, some capitalised or with accents: enough variety for BPE to learn merges."""
     syllables = [c + v for c in "bcdfghjklmnprstvwzß" for v in ("a", "e", "i", "o", "u", "é", "ö", "ai")]
-    words = {"".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(count)}
-    return sorted(word.capitalize() if rng.random() < 0.1 else word for word in words)
+    words = sorted({"".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(count)})
+    return [word.capitalize() if rng.random() < 0.1 else word for word in words]  # the same on every run
 
 
 def write_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
