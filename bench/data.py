@@ -1,7 +1,7 @@
 """Data benchmark: ``meshpilot data prepare`` vs a plain ``encode_batch`` loop, and the ranks' reads in training.
 
-    python bench/data.py            # a 16 MB .jsonl, 5 rounds; then 2 training runs of 20 steps (~5 min)
-    python bench/data.py --quick    # 4 MB (1 MiB read chunks), 2 rounds; runs of 12 steps
+    python bench/data.py            # a 16 MB .jsonl, 5 rounds; then 2 training runs of 20 steps (~3 min)
+    python bench/data.py --quick    # 4 MB (1 MiB read chunks), 2 rounds; runs of 12 steps (~1 min)
 
 A generated ``.jsonl`` of documents (pseudo-words, Zipf-distributed) and a byte-level BPE tokenizer
 trained on its first documents with the ``tokenizers`` library (8,192 tokens; 4,096 quick) are written
