@@ -250,6 +250,8 @@ class ManifestStorageReader(StorageReader):
                 )
         return needs
 
+    @torch.no_grad()  # grad mode is per thread: without this a parameter's views are tracked by autograd,
+    # and one thread's view of a parameter is refused once another thread has written into it
     def _fetch_group(self, key: str, start: int, end: int, members: list[_Need], planner: LoadPlanner) -> int:
         data = bytearray(self.storage.get_range(key, start, end))  # writable, so frombuffer shares it
         for need in members:

@@ -5,6 +5,8 @@ A fake process group lets this one process act as rank 1 of 4 (restore needs no 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,3 +118,61 @@ def test_large_chunks_download_in_parallel_pieces(saved, monkeypatch):
     restore(storage, load_manifest(storage), {"w": whole})
     assert torch.equal(whole, full)
     assert sorted(end - start for _, start, end in storage.ranges) == [4 << 20, 4 << 20]
+
+
+def _save_row_halves(storage, full) -> None:
+    """Save ``full`` as dp_shard=2 would: rank 0 and rank 1 each write their half of the rows."""
+    coordinator = CommitCoordinator(
+        storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model={}, keep_last=1
+    )
+    for rank in range(2):
+        dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            half = full.chunk(2)[rank].clone()
+            shard = DTensor.from_local(half, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+            writer = CheckpointWriter(storage, rank=rank, report=coordinator.on_report)
+            writer.save(1, {"w": shard}, extra={}, owns_plain_tensors=True)
+            writer.close()
+        finally:
+            dist.destroy_process_group()
+
+
+def test_restore_threads_share_a_trainable_parameter(tmp_path, monkeypatch):
+    """A dp_shard=2 checkpoint restored into a column-sharded parameter: one download thread per row half,
+    both writing into the same local tensor. One resolves its view, the other copies, then the first
+    narrows. Regression: threads do not inherit the caller's no_grad, and with grad mode on autograd
+    refused the first view because its base had changed in place meanwhile."""
+    import checkpointing.reader as reader
+
+    storage = LocalStorage(tmp_path, fsync=False)
+    full = torch.randn(ROWS // 2, COLS, generator=torch.Generator().manual_seed(0))
+    _save_row_halves(storage, full)
+    copied = threading.Event()
+    first = threading.Lock()
+
+    class InterleavingPlanner(reader.DefaultLoadPlanner):
+        def transform_tensor(self, read_item, tensor):
+            if first.acquire(blocking=False):  # the first thread holds its view until the other has copied
+                assert copied.wait(timeout=30)
+            return super().transform_tensor(read_item, tensor)
+
+        def commit_tensor(self, read_item, tensor):
+            copied.set()
+
+    monkeypatch.setattr(reader, "DefaultLoadPlanner", InterleavingPlanner)
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        destination = DTensor.from_local(
+            torch.zeros(ROWS // 2, COLS // 4),
+            init_device_mesh("cpu", (4,)),
+            [Shard(1)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+        parameter = torch.nn.Parameter(destination)
+        restore(storage, load_manifest(storage), {"w": parameter}, concurrency=2)
+        assert torch.equal(parameter.to_local(), full[:, 128:256])
+    finally:
+        dist.destroy_process_group()
