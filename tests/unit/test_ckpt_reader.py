@@ -120,7 +120,7 @@ def test_large_chunks_download_in_parallel_pieces(saved, monkeypatch):
     assert sorted(end - start for _, start, end in storage.ranges) == [4 << 20, 4 << 20]
 
 
-def _save_row_halves(storage, full) -> None:
+def _save_row_halves(storage, full):
     """Save ``full`` as dp_shard=2 would: rank 0 and rank 1 each write their half of the rows."""
     coordinator = CommitCoordinator(
         storage, world_size=2, mesh={"dp_shard": 2}, config_hash=None, model={}, keep_last=1
