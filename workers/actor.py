@@ -42,6 +42,7 @@ from workers.spec import TrainSpec
 from workers.spec.messages import (
     FailureKind,
     Heartbeat,
+    NoticeScope,
     Phase,
     RunOutcome,
     RunStatus,
@@ -108,7 +109,7 @@ class RankActor:
         # The device of the current (or last) generation: synced and emptied after leaving one.
         self.device: RankDevice | None = None
         self._drain_reported = False
-        watch_sigterm(self._drain_notice)
+        watch_sigterm(lambda reason: self._drain_notice(reason, NoticeScope.PROCESS))
         self._instance_watcher = None
         if spec.instance_action_url:
             import ray
@@ -146,10 +147,10 @@ class RankActor:
             where=where,
         )
 
-    def _drain_notice(self, reason: str) -> None:
+    def _drain_notice(self, reason: str, scope: NoticeScope = NoticeScope.NODE) -> None:
         if not self._drain_reported:
             self._drain_reported = True
-            self.channel.drain_notice(reason)
+            self.channel.drain_notice(reason, scope)
 
     def request_stop(self) -> None:
         """Stop after the step in flight (Ctrl-C, end of job)."""

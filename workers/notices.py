@@ -1,8 +1,11 @@
-"""Notices that this rank's machine is about to go away: a cloud instance-action endpoint, SIGTERM.
+"""Notices that something of this rank is about to go away: its machine (a cloud
+instance-action endpoint) or its process (SIGTERM).
 
-Runs on every rank actor. Both end up as one ``drain_notice`` report on the rank's channel;
-the driver then drains the node's replica groups at the next step boundary. Ray's own node
-draining (autoscaler, ``ray drain-node``, a pod's preStop hook) is read by the driver itself.
+Runs on every rank actor. Both end up as one ``drain_notice`` report on the rank's channel,
+scoped (``NoticeScope``): the driver drains the node's replica groups at the next step
+boundary for a machine notice, and only the rank's own replica group (its actor retired) for a
+signal to its process. Ray's own node draining (autoscaler, ``ray drain-node``, a pod's preStop
+hook) is read by the driver itself.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ log = logging.getLogger("meshpilot.rank")
 
 
 def watch_sigterm(on_notice: Callable[[str], None]) -> bool:
-    """Turn SIGTERM into a drain notice instead of an exit; call from the process's main thread."""
+    """Turn SIGTERM into a notice that this process goes away, instead of an exit; call from the
+    process's main thread. The notice is about this process only: a signal to one process says
+    nothing of the node (Ray's own draining, or a cloud notice, says that)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     signal.signal(signal.SIGTERM, lambda signum, frame: on_notice("SIGTERM"))

@@ -23,6 +23,7 @@ from workers.spec.messages import (
     DrainNoticeReport,
     EvalReport,
     LogReport,
+    NoticeScope,
     RankReport,
     StepReport,
 )
@@ -55,8 +56,8 @@ class ReportChannel:
         """The uploader finished one save: durable, or given up."""
         self.send(CheckpointUploadReport(rank=self.rank, time=time.time(), upload=upload))
 
-    def drain_notice(self, reason: str) -> None:
-        self.send(DrainNoticeReport(rank=self.rank, time=time.time(), reason=reason))
+    def drain_notice(self, reason: str, scope: NoticeScope = NoticeScope.NODE) -> None:
+        self.send(DrainNoticeReport(rank=self.rank, time=time.time(), reason=reason, scope=scope))
 
     def send(self, report: RankReport) -> None:
         with self._lock:

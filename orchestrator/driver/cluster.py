@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from elastic.placement import NodeCapacity
+from elastic.placement import NodeCapacity, RankResources, usable
 from orchestrator.config import JobConfig
 from orchestrator.driver import ray_compat
 from orchestrator.errors import UserError
@@ -109,6 +109,15 @@ def _capacity(node_id: str, resources: dict) -> NodeCapacity:
     return NodeCapacity(
         node_id=node_id, cpus=float(resources.get("CPU", 0.0)), gpus=float(resources.get("GPU", 0.0)), custom=custom
     )
+
+
+def hosts_for(per_rank: RankResources) -> set[str]:
+    """Alive nodes (draining or not) that could hold a rank: big enough, with its custom resources."""
+    return {
+        node.node_id
+        for node in usable(alive_nodes(), per_rank)
+        if node.cpus >= per_rank.cpus and node.gpus >= per_rank.gpus
+    }
 
 
 def driver_node_id() -> str:

@@ -52,7 +52,15 @@ from orchestrator.driver.transitions import TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults, FaultSpec
-from workers.spec.messages import DrainNoticeReport, FailureKind, ReportKind, RunStatus, StartFrom, StartMode
+from workers.spec.messages import (
+    DrainNoticeReport,
+    FailureKind,
+    NoticeScope,
+    ReportKind,
+    RunStatus,
+    StartFrom,
+    StartMode,
+)
 
 log = logging.getLogger("meshpilot")
 
@@ -92,15 +100,13 @@ class Controller(MeshChanges):
         )
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
+        per_rank = RankResources(
+            cpus=config.runtime.cpus_per_rank,
+            gpus=config.runtime.gpus_per_rank,
+            custom=dict(config.runtime.resources_per_rank),
+        )
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
-            spec=self.spec,
-            data=data_bytes(config),
-            per_rank=RankResources(
-                cpus=config.runtime.cpus_per_rank,
-                gpus=config.runtime.gpus_per_rank,
-                custom=dict(config.runtime.resources_per_rank),
-            ),
-            start_timeout_s=config.runtime.start_timeout_s,
+            spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=config.runtime.start_timeout_s
         )
         self.replicas = Replicas(self.group, self.spec)
         self.failure_policy, self.scaling_policy = _policies(config)
@@ -120,7 +126,7 @@ class Controller(MeshChanges):
         self.started_at = time.monotonic()
         self.last_step = 0
         self.generation = 0
-        self.drains = DrainWatch(cluster.draining_nodes)
+        self.drains = DrainWatch(cluster.draining_nodes, lambda: cluster.hosts_for(per_rank))
         self._next_housekeeping = 0.0
         self._next_heartbeat_event = 0.0
         # After a finished run with several replica groups: did they end identical?
@@ -370,7 +376,7 @@ class Controller(MeshChanges):
         if time.monotonic() < self._next_housekeeping:
             return None
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
-        draining = self.replicas.leaving(self.drains.nodes())
+        draining = self.replicas.leaving(self.drains.nodes(), self.drains.retiring)
         if draining:
             return self._begin_settling(state, SettlePurpose.DRAIN, draining=draining)
         self.group.refresh()
@@ -384,7 +390,17 @@ class Controller(MeshChanges):
 
     def _on_drain_notice(self, report: DrainNoticeReport) -> None:
         rank = report.rank
-        node = self.replicas.node_of(rank) if rank is not None and rank >= 0 else None
+        if rank is None or not 0 <= rank < len(self.group.active):
+            return
+        if report.scope == NoticeScope.PROCESS:
+            # One process was signalled: its replica group leaves at the step boundary and its
+            # actor is retired; the node and its other actors stay (they were told nothing).
+            if self.drains.retire(self.group.active[rank]):
+                log.warning(
+                    "rank %s was told to end (%s): its replica group leaves at the step boundary", rank, report.reason
+                )
+            return
+        node = self.replicas.node_of(rank)
         if node and self.drains.notice(node):
             log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.reason)
             self.group.avoid_nodes.add(node)

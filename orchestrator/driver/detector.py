@@ -249,11 +249,21 @@ class Detector:
 
 
 class DrainWatch:
-    """Nodes going away: announced by a rank (a cloud notice, SIGTERM) or marked draining by Ray."""
+    """What is going away: nodes announced by a rank (a cloud notice) or marked draining by Ray,
+    and single rank processes that were sent SIGTERM (``retiring``: their actors, not their nodes)."""
 
-    def __init__(self, ray_draining: Callable[[], set[str]]) -> None:
+    def __init__(self, ray_draining: Callable[[], set[str]], hosts: Callable[[], set[str]] = lambda: set()) -> None:
         self.ray_draining = ray_draining  # one GCS call
+        self.hosts = hosts  # alive nodes that could hold a rank (one GCS call)
         self.noticed: set[str] = set()
+        self.retiring: set[object] = set()  # the slots (actors) of signalled processes
+
+    def retire(self, slot: object) -> bool:
+        """A rank's process was told to end; True the first time it is heard of."""
+        if slot in self.retiring:
+            return False
+        self.retiring.add(slot)
+        return True
 
     def notice(self, node: str) -> bool:
         """A rank reports that ``node`` goes away; True the first time it is heard of."""
@@ -270,9 +280,18 @@ class DrainWatch:
             log.debug("could not read draining nodes: %s", error)
         return nodes
 
+    def nowhere_to_go(self, avoided: set[str]) -> set[str] | None:
+        """The draining nodes, when every alive node that could hold a rank is draining or
+        ``avoided`` (a drain of the last nodes: no capacity can come back to wait for); else None."""
+        draining = self.nodes()
+        if self.hosts() - draining - avoided:
+            return None
+        return draining | avoided
+
     def clear(self) -> None:
-        """The mesh changed without the noticed nodes' ranks: their notices are handled."""
+        """The mesh changed without the noticed nodes' and processes' ranks: their notices are handled."""
         self.noticed.clear()
+        self.retiring.clear()
 
 
 def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:

@@ -31,7 +31,16 @@ from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, f
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_of
-from orchestrator.driver.states import AwaitingActors, Configuring, Finished, Running, SettlePurpose, Settling, State
+from orchestrator.driver.states import (
+    AwaitingActors,
+    Configuring,
+    Finished,
+    RunEnd,
+    Running,
+    SettlePurpose,
+    Settling,
+    State,
+)
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults
@@ -118,8 +127,12 @@ class MeshChanges:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
         if purpose == SettlePurpose.DRAIN:
             nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
+            signalled = all(self.group.active[rank] in self.drains.retiring for rank in draining)
             self.events.emit(
-                "drain", node=nodes[0] if len(nodes) == 1 else nodes, ranks=sorted(draining), reason="node draining"
+                "drain",
+                node=nodes[0] if len(nodes) == 1 else nodes,
+                ranks=sorted(draining),
+                reason="process told to end" if signalled else "node draining",
             )
         elif purpose == SettlePurpose.GROW:
             # The grow event comes after the first step of the grown mesh; say now that one began.
@@ -257,6 +270,16 @@ class MeshChanges:
         if step is None:
             return self._fail("restore", "no committed checkpoint to restore")
         self.replicas.release(lost, state.draining)
+        if state.purpose == SettlePurpose.DRAIN and (gone := self.drains.nowhere_to_go(self.group.avoid_nodes)):
+            # Every node that could hold a rank is going away: nothing to wait for. The drain
+            # saved first, so the run ends now with the place to resume from.
+            nodes = ", ".join(sorted(gone))
+            log.warning("every node that can hold a rank is draining (%s): stopping at checkpoint step %s", nodes, step)
+            return Finished.of(
+                RunEnd.PREEMPTED,
+                reason=f"every node that can hold a rank is draining ({nodes}); "
+                f"checkpoint step {step} is the place to resume from",
+            )
         log.warning(
             "no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
             step,

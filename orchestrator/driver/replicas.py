@@ -76,12 +76,17 @@ class Replicas:
         self.group.remove(gone)
         return kept, self.group.warm() + released
 
-    def leaving(self, nodes: set[str]) -> frozenset[int]:
-        """The active ranks on ``nodes`` (going away); warm and starting actors there are removed."""
-        stale = [slot for slot in self.group.warm() + self.group.starting() if slot.node_id in nodes]
+    def leaving(self, nodes: set[str], retiring: Collection[object] = ()) -> frozenset[int]:
+        """The active ranks on ``nodes`` (going away) or held by ``retiring`` actors (their
+        process was told to end); warm and starting actors of either are removed."""
+        stale = [
+            slot for slot in self.group.warm() + self.group.starting() if slot.node_id in nodes or slot in retiring
+        ]
         if stale:
             self.group.remove(stale)
-        return frozenset(rank for rank, slot in enumerate(self.group.active) if slot.node_id in nodes)
+        return frozenset(
+            rank for rank, slot in enumerate(self.group.active) if slot.node_id in nodes or slot in retiring
+        )
 
     def top_up(self, mesh: MeshSpec, *, wanted_ranks: int) -> None:
         """Start a replica group's worth of actors in the background while the pool (warm and

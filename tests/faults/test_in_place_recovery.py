@@ -48,3 +48,16 @@ def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp
     assert recovered["new_mesh"]["dp_replicate"] == 2  # refilled, not shrunk
     assert recovered["refilled_ranks"] == [2, 3]
     assert events[-1]["replicas_consistent"] is True
+
+
+def test_sigterm_to_one_rank_on_a_single_node_leaves_its_replica_group_only(reference, tmp_path):
+    """Regression: on the one-node embedded cluster, SIGTERM to one rank process drained the node,
+    so every replica group, then waited for capacity that could not come and failed the run."""
+    result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", faults=("sigterm@4:1",))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS)
+    assert not of_kind(events, "failure") and not of_kind(events, "restored")
+    [drain] = of_kind(events, "drain")
+    assert drain["ranks"] == [1] and drain["reason"] == "process told to end"
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1

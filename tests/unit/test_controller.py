@@ -13,7 +13,7 @@ from elastic.spec import MeshSpec
 from orchestrator.config import load_config
 from orchestrator.driver.calls import CallFailed, CallFailedKind
 from orchestrator.driver.controller import Controller
-from orchestrator.driver.detector import Detector, LossKind, Lost, group_errors
+from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, group_errors
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.replicas import Replicas
 from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, SettlePurpose, Settling, Starting
@@ -23,8 +23,10 @@ from tests.jobs import DEMO_CONFIG, REPO
 from workers.faults import DriverFaults, FaultKind, FaultSpec, InjectedFault
 from workers.spec import TrainSpec
 from workers.spec.messages import (
+    DrainNoticeReport,
     FailureKind,
     Heartbeat,
+    NoticeScope,
     Phase,
     RunOutcome,
     RunStatus,
@@ -467,3 +469,31 @@ def test_driver_faults_fire_once_when_their_step_completed_and_a_failure_consume
 def test_an_injected_raise_declares_its_failure_kind() -> None:
     assert failure_kind_of(InjectedFault("injected fault raise@2:0")) == FailureKind.INJECTED
     assert FaultSpec.parse("s3_outage@4:1").kind is FaultKind.S3_OUTAGE
+
+
+def test_sigterm_to_one_process_retires_that_actor_and_a_cloud_notice_drains_its_node(controller):
+    """Regression: SIGTERM to one rank process was taken as a drain of its whole node; on a
+    single-node cluster that drained every replica group and waited for capacity that never came."""
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    group = fake_group(controller)
+    group.start(mesh)
+    for slot in group.active:
+        slot.node_id = "the-only-node"
+    controller.drains.ray_draining = set  # Ray marks nothing draining
+    controller._on_drain_notice(DrainNoticeReport(rank=2, time=0.0, reason="SIGTERM", scope=NoticeScope.PROCESS))
+    draining = controller.replicas.leaving(controller.drains.nodes(), controller.drains.retiring)
+    assert draining == {2} and not group.avoid_nodes
+    kept, pool = controller.replicas.split(mesh, lost=(), draining=draining, drop=(1,))
+    assert [slot.index for slot in kept] == [0, 1] and [slot.index for slot in pool] == [3]
+    assert 2 not in [slot.index for slot in group.active]  # the signalled actor is retired, not reused
+
+    controller._on_drain_notice(DrainNoticeReport(rank=0, time=0.0, reason="instance action: terminate"))
+    assert group.avoid_nodes == {"the-only-node"}
+    assert controller.replicas.leaving(controller.drains.nodes()) == {0, 1, 2}  # the node's every rank
+
+
+def test_a_drain_of_every_node_that_can_hold_a_rank_has_nowhere_to_go() -> None:
+    drains = DrainWatch(lambda: {"a"}, lambda: {"a", "b"})
+    assert drains.nowhere_to_go(avoided=set()) is None  # b can take the ranks: restore there
+    assert drains.nowhere_to_go(avoided={"b"}) == {"a", "b"}  # b announced its own end earlier
+    assert DrainWatch(lambda: {"a"}, lambda: {"a"}).nowhere_to_go(avoided=set()) == {"a"}  # the only node

@@ -82,13 +82,20 @@ def failure_kind_of(error: BaseException) -> FailureKind:
     return FailureKind.OWN_ERROR
 
 
+class NoticeScope(StrEnum):
+    """What a drain notice announces the end of."""
+
+    NODE = "node"  # the machine: a cloud instance-action notice
+    PROCESS = "process"  # this rank's process only: SIGTERM
+
+
 class ReportKind(StrEnum):
     """What a rank report is about; the driver's ``ReportRouter`` dispatches on it."""
 
     STEP = "step"  # the rank applied a step
     LOG = "log"  # a log record of the rank
     CHECKPOINT_UPLOAD = "checkpoint"  # one of the rank's checkpoint uploads is durable, or was given up
-    DRAIN_NOTICE = "drain_notice"  # the rank's node is about to go away (spot notice, SIGTERM)
+    DRAIN_NOTICE = "drain_notice"  # the rank's node (spot notice) or process (SIGTERM) is about to go away
     PRETRAINED_LOAD = "pretrained_load"  # the rank loaded its slices of released weights
     EVAL = "eval"  # the ranks evaluated the model at a step boundary
 
@@ -137,11 +144,16 @@ class CheckpointUploadReport:
 
 @dataclass(frozen=True)
 class DrainNoticeReport:
-    """The rank's node received a notice that it is going away; sent once per rank."""
+    """Something of the rank is about to go away; sent once per rank.
+
+    ``scope`` says what: the whole node (a cloud instance-action notice) or only this rank's
+    process (SIGTERM: a signal to one process says nothing of its neighbours).
+    """
 
     rank: int
     time: float
     reason: str
+    scope: NoticeScope = NoticeScope.NODE
     kind: ReportKind = ReportKind.DRAIN_NOTICE
 
 
