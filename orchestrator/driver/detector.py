@@ -134,9 +134,13 @@ class Detector:
         """Ranks to blame for a hang, once no step completed for ``hang_threshold_s``; else None.
 
         Blame the ranks busy inside the step while others wait on them; if every rank waits
-        (mismatched collectives) or every rank is busy, blame them all.
+        (mismatched collectives) or every rank is busy, blame them all. Ranks heard outside a
+        step (saving a checkpoint, returned from a pause) are not stalled steps: when every
+        rank heard is outside one, nothing hangs.
         """
         if self.clock() - self.progress[1] <= self.hang_threshold_s():
+            return None
+        if self.waiting and all(waiting is None for waiting in self.waiting.values()):
             return None
         busy = sorted(rank for rank, waiting in self.waiting.items() if waiting is False)
         waiting = [rank for rank, w in self.waiting.items() if w]

@@ -10,6 +10,7 @@ shrink or refill in place, grow, restore from a checkpoint, or fail.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 
@@ -48,8 +49,6 @@ from workers.spec.messages import RunOutcome, StartFrom, StartMode
 
 log = logging.getLogger("meshpilot")
 
-# How long survivors may take to leave a failed generation before they count as stuck.
-SETTLE_TIMEOUT_S = 30.0
 # After every survivor has left, how long to wait for Ray to name the cause (an actor's death
 # is reported a moment after its peers see their connections close).
 CAUSE_GRACE_S = 5.0
@@ -108,7 +107,6 @@ class MeshChanges:
         now = time.monotonic()
         lost = dict(lost or {})
         if purpose == SettlePurpose.FAILURE:
-            self.group.kill([self.group.active[rank] for rank, loss in lost.items() if loss.kind in KILLED_ON_FAILURE])
             self._abort_generation(state, lost)
         else:
             self._request_pause(state, purpose, draining)
@@ -120,8 +118,15 @@ class MeshChanges:
             lost=lost,
             draining=draining,
             started_at=now,
-            deadline=now + SETTLE_TIMEOUT_S,
+            deadline=self._settle_deadline(purpose, now),
         )
+
+    def _settle_deadline(self, purpose: SettlePurpose, now: float) -> float:
+        """When ranks still out of the settling generation count as stuck. After an abort the
+        survivors only unwind: the configured hang threshold. A pause has none: its ranks finish
+        the step they are in (and a drain's save), and a hang or silence there is caught as
+        while running (``_settle``), by the configured timeouts."""
+        return now + self.detector.hang_threshold_s() if purpose == SettlePurpose.FAILURE else math.inf
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
@@ -147,18 +152,29 @@ class MeshChanges:
         self.group.request_pause(state.generation, checkpoint=everyone_leaves)
 
     def _abort_generation(self, state: Running | Settling, lost: dict[int, Lost]) -> None:
+        """Kill the lost ranks whose process may still hold the step, veto the step in flight
+        and abort the survivors' process groups."""
+        self.group.kill([self.group.active[rank] for rank, loss in lost.items() if loss.kind in KILLED_ON_FAILURE])
         survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
         self.group.abort_step(state.generation, self.last_step + 1, survivors)
 
     def _settle(self, state: Settling) -> State:
         state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
-        # The first diagnosis stands (a hung rank, then killed, is still hung).
-        lost = {**self.detector.losses(state.calls.results, hangs=False), **state.lost}
-        if lost and state.purpose != SettlePurpose.FAILURE:
+        # The first diagnosis stands (a hung rank, then killed, is still hung). During a pause
+        # the ranks still train their last step: a hang there is found as while running.
+        pausing = state.purpose != SettlePurpose.FAILURE
+        lost = {**self.detector.losses(state.calls.results, hangs=pausing), **state.lost}
+        if lost and pausing:
             # A failure during a pause: treat it as a failure from here on.
             self._abort_generation(state, lost)
-            state = replace(state, purpose=SettlePurpose.FAILURE, lost=dict(lost))
+            now = time.monotonic()
+            state = replace(
+                state,
+                purpose=SettlePurpose.FAILURE,
+                lost=dict(lost),
+                deadline=self._settle_deadline(SettlePurpose.FAILURE, now),
+            )
         waiting_for = [
             rank for rank in range(len(state.calls.refs)) if rank not in state.calls.results and rank not in lost
         ]
@@ -171,7 +187,9 @@ class MeshChanges:
         if waiting_for:
             if time.monotonic() < state.deadline:
                 return replace(state, lost=lost)
-            lost.update(self.detector.stuck(waiting_for, generation=state.generation, within_s=SETTLE_TIMEOUT_S))
+            lost.update(
+                self.detector.stuck(waiting_for, generation=state.generation, within_s=self.detector.hang_threshold_s())
+            )
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left and no cause is known yet: give Ray a moment to name it.
             state = state.noting_returns(time.monotonic())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -497,3 +498,28 @@ def test_a_drain_of_every_node_that_can_hold_a_rank_has_nowhere_to_go() -> None:
     assert drains.nowhere_to_go(avoided=set()) is None  # b can take the ranks: restore there
     assert drains.nowhere_to_go(avoided={"b"}) == {"a", "b"}  # b announced its own end earlier
     assert DrainWatch(lambda: {"a"}, lambda: {"a"}).nowhere_to_go(avoided=set()) == {"a"}  # the only node
+
+
+def test_a_hang_while_a_grow_is_pending_is_found_by_the_hang_threshold_not_a_fixed_timeout(controller):
+    """Regression: a rank hung while the ranks finished their last step before a grow was found
+    only by a fixed 30 s settle timeout, and then as 'stuck' instead of hung."""
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    group = fake_group(controller)
+    group.start(mesh)
+    controller.detector.reset(mesh.world_size, step=5)
+    group.poll = lambda timeout: {  # type: ignore[method-assign]
+        rank: Heartbeat(rank=rank, phase=Phase.STEP, step=5, phase_age_s=1.0, waiting=rank != 2, where="x.py:1")
+        for rank in range(4)
+    }
+    running = Running(generation=1, mesh=mesh, calls=FakeCalls({r: None for r in range(4)}, after=10**6))
+    settling = controller._begin_settling(running, SettlePurpose.GROW)
+    assert settling.deadline == float("inf")  # a pause waits for the step in flight, however long
+    assert controller._settle(settling).purpose == SettlePurpose.GROW  # within the hang threshold: no loss
+    threshold = controller.detector.hang_threshold_s()
+    assert threshold == controller.config.elastic.hang_timeout_s
+    controller.detector.progress = (5, controller.detector.progress[1] - threshold - 0.1)
+    failing = controller._settle(settling)
+    assert isinstance(failing, Settling) and failing.purpose == SettlePurpose.FAILURE
+    assert {rank: loss.kind for rank, loss in failing.lost.items()} == {2: LossKind.HANG}
+    assert group.killed == [2] and group.aborted == [(1, 1)]
+    assert failing.deadline <= time.monotonic() + threshold  # survivors unwind within the threshold
