@@ -507,7 +507,7 @@ def test_a_hang_while_a_grow_is_pending_is_found_by_the_hang_threshold_not_a_fix
     group = fake_group(controller)
     group.start(mesh)
     controller.detector.reset(mesh.world_size, step=5)
-    group.poll = lambda timeout: {  # type: ignore[method-assign]
+    group.poll = lambda timeout: {
         rank: Heartbeat(rank=rank, phase=Phase.STEP, step=5, phase_age_s=1.0, waiting=rank != 2, where="x.py:1")
         for rank in range(4)
     }
