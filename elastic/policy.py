@@ -71,6 +71,10 @@ class GroupStatus:
     checkpoint_step: int | None = None
     # When the detector made this status (seconds, any monotonic clock).
     time: float = 0.0
+    # Steps the job completed so far (redone ones included: it never goes back): a loss before
+    # any step since the previous one belongs to the same incident (its echo, or a fault
+    # during its recovery).
+    completed_step: int = 0
 
     def hit_replicas(self) -> tuple[int, ...]:
         touched = self.lost_ranks | self.draining_ranks
@@ -83,13 +87,22 @@ MeshFits = Callable[[MeshSpec], bool]
 
 @dataclass
 class FailurePolicy:
-    """Recover in place when a replica survives, else restore, within a failure budget."""
+    """Recover in place when a replica survives, else restore, within a failure budget.
+
+    The budget counts incidents, not echoes: losses found before the job completed a step since
+    the previous one (a peer's death seen late, a fault during the recovery) belong to that
+    incident. An incident whose recovery keeps failing without completing a step ends the run
+    after ``max_failures`` attempts.
+    """
 
     min_replicas: int = 1
     max_replicas: int | None = None
     max_failures: int = 5
     window_s: float = 3600.0
     failure_times: list[float] = field(default_factory=list)
+    # The step completed when the current incident began, and its recovery attempts so far.
+    incident_step: int | None = None
+    attempts: int = 0
 
     def decide(self, status: GroupStatus, *, fits: MeshFits, restore_mesh: Callable[[], MeshSpec | None]) -> Decision:
         """A decision for ranks lost or draining. ``restore_mesh`` picks a mesh for a restore."""
@@ -97,14 +110,9 @@ class FailurePolicy:
         if not hit:
             return Continue()
         if status.lost_ranks:
-            self.failure_times.append(status.time)
-            recent = [t for t in self.failure_times if status.time - t <= self.window_s]
-            self.failure_times = recent
-            if len(recent) > self.max_failures:
-                return Fail(
-                    f"{len(recent)} failures within {self.window_s:g} s exceed the failure budget "
-                    f"(elastic.max_failures={self.max_failures}, elastic.failure_window_s={self.window_s:g})"
-                )
+            over = self._count(status)
+            if over is not None:
+                return Fail(over)
         mesh = status.mesh
         survivors = mesh.dp_replicate - len(hit)
         if survivors >= 1:
@@ -136,6 +144,23 @@ class FailurePolicy:
             )
         return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
 
+    def _count(self, status: GroupStatus) -> str | None:
+        """Count a loss against the budget; the reason to give up, or None."""
+        if self.incident_step is not None and status.completed_step <= self.incident_step:
+            self.attempts += 1  # the same incident: no step completed since it began
+            if self.attempts > self.max_failures:
+                return (
+                    f"recovery failed {self.attempts} times in a row without completing a step after "
+                    f"step {self.incident_step} (elastic.max_failures={self.max_failures})"
+                )
+            return None
+        self.incident_step, self.attempts = status.completed_step, 1
+        self.failure_times.append(status.time)
+        self.failure_times = [t for t in self.failure_times if status.time - t <= self.window_s]
+        if len(self.failure_times) > self.max_failures:
+            return _budget_reason(self, len(self.failure_times))
+        return None
+
 
 @dataclass
 class ScalingPolicy:
@@ -159,6 +184,13 @@ class ScalingPolicy:
         """Replica groups the job would add if it had the actors."""
         ceiling = self.target_replicas if self.max_replicas is None else self.max_replicas
         return max(0, ceiling - mesh.dp_replicate)
+
+
+def _budget_reason(policy: FailurePolicy, recent: int) -> str:
+    return (
+        f"{recent} failures within {policy.window_s:g} s exceed the failure budget "
+        f"(elastic.max_failures={policy.max_failures}, elastic.failure_window_s={policy.window_s:g})"
+    )
 
 
 def _fewest_replicas_that_fit(mesh: MeshSpec, survivors: int, fits: MeshFits) -> MeshSpec | None:

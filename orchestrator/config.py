@@ -174,7 +174,9 @@ class ElasticConfig:
     # Warm spare actors started with the job (rounded up to whole replica groups): a failed
     # replica group is refilled from them at once, state copied from a surviving replica.
     spare_actors: int = 0
-    # Failure budget: more than max_failures within failure_window_s ends the run.
+    # Failure budget: more than max_failures incidents within failure_window_s ends the run (a
+    # loss before any step completed since the previous one is the same incident), and so do
+    # more than max_failures recovery attempts of one incident.
     max_failures: int = 5
     failure_window_s: float = 3600.0
     # A cloud's spot / maintenance notice endpoint, polled by every rank from its own node

@@ -320,6 +320,7 @@ class Controller(MeshChanges):
             warm_actors=0,
             checkpoint_step=step,
             time=time.monotonic(),
+            completed_step=self.router.steps_emitted,
         )
         decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
         if isinstance(decision, Fail):

@@ -224,6 +224,7 @@ class MeshChanges:
             warm_actors=warm,
             checkpoint_step=self.checkpoints.latest_step(),
             time=time.monotonic(),
+            completed_step=self.router.steps_emitted,
         )
         if state.purpose == SettlePurpose.GROW:
             decision = self.scaling_policy.decide(

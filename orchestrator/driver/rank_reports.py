@@ -39,6 +39,8 @@ class ReportRouter:
         self._evaluated: set[int] = set()  # step boundaries with an ``eval`` event
         self._pending: dict[int, dict[int, StepReport]] = {}
         self.last_emitted_step = 0
+        # Step events emitted over the run, redone steps included: progress never rewinds.
+        self.steps_emitted = 0
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
@@ -132,6 +134,7 @@ class ReportRouter:
         )
         self.ledger.record(step, ranks.values(), self.mesh)
         self.last_emitted_step = step
+        self.steps_emitted += 1
         self.last_step_time_s = max(r.step_time_s for r in ranks.values())
         self.completed_at[step] = max(r.time for r in ranks.values())
         self.completed_at.pop(step - 100, None)
