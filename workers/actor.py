@@ -118,6 +118,8 @@ class RankActor:
             self._instance_watcher = InstanceActionWatcher(
                 url, interval_s=spec.instance_action_poll_s, on_notice=self._drain_notice
             ).start()
+        # Whether the trainer holds the job's state (its configure filled it).
+        self._filled = False
         # Sockets opened by this generation's process groups (see workers/sockets.py).
         self._group_sockets: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
@@ -173,7 +175,9 @@ class RankActor:
 
         self._set_phase(Phase.CONFIGURING)
         if self.trainer is not None:  # still in an earlier generation (a retried configure)
-            self._drop_process_groups(keep_shards=start.mode == StartMode.KEPT)
+            # A trainer never filled (its configure failed first) holds nothing to keep: the
+            # slices kept from before it stay the ones to rebind.
+            self._drop_process_groups(keep_shards=start.mode == StartMode.KEPT and self._filled)
         self.rank, self.generation, self.mesh = rank, generation, mesh
         self.channel.rank = rank
         self._stop.clear()
@@ -181,12 +185,18 @@ class RankActor:
         forget_old_meshes()
         if self.store is None:
             self.store = connect_store(*store_address)
-        trainer, checkpoints = self._join_generation(
-            store=self.store, generation=generation, rank=rank, mesh=mesh, faults=faults
-        )
-        self._fill_state(start, trainer, checkpoints)
-        if sync_replicas:
-            trainer.sync_from_first_replica()
+        try:
+            trainer, checkpoints = self._join_generation(
+                store=self.store, generation=generation, rank=rank, mesh=mesh, faults=faults
+            )
+            self._fill_state(start, trainer, checkpoints)
+            self.faults.while_configuring(self.last_step + 1)
+            if sync_replicas:
+                trainer.sync_from_first_replica()
+        except Exception as error:
+            if classify_failure(error, aborted=self._aborted.is_set()) == FailureKind.PEER_FAILURE:
+                raise PeerFailedWhileConfiguring(f"{type(error).__name__}: {error}") from error
+            raise
         self._set_phase(Phase.READY)
         return self.last_step
 
@@ -222,6 +232,7 @@ class RankActor:
             self.spec, mesh, rank, device=device, source=self.source, committer=committer, peer_waits=self._peer_waits
         )
         self.trainer = trainer
+        self._filled = False
         self._group_sockets = group_sockets.opened()
         self.faults = FaultInjector(
             faults, rank=rank, on_fire=lambda f: log.warning("firing injected fault %s", f.describe())
@@ -255,6 +266,7 @@ class RankActor:
         else:
             raise ValueError(f"cannot start from {start!r} on rank {self.rank}")
         self._kept_shards = None
+        self._filled = True
 
     def run(self, *, last_step: int) -> RunOutcome:
         """The training loop, from the step after ``self.last_step`` to ``last_step``.
@@ -451,6 +463,13 @@ def _abort_all_groups() -> None:
             abort_process_groups()
         except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
             log.debug("abort of process groups: %s", error)
+
+
+class PeerFailedWhileConfiguring(RuntimeError):
+    """``configure`` failed because another rank did (its connection closed, or the driver
+    aborted the generation): this rank is an echo, and keeps whatever state it held."""
+
+    failure_kind = FailureKind.PEER_FAILURE
 
 
 def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:

@@ -1,10 +1,13 @@
 """Deterministic fault injection, keyed by (rank, step): a feature, not a test hack.
 
-``--inject KIND@STEP[:RANK]`` (repeatable) on ``meshpilot train``, or ``FaultSpec`` values in
-tests. The driver keeps the faults not consumed yet (``DriverFaults``) and hands each
+``--inject KIND@STEP[:RANK][/configure]`` (repeatable) on ``meshpilot train``, or ``FaultSpec``
+values in tests. The driver keeps the faults not consumed yet (``DriverFaults``) and hands each
 generation those still ahead of it; a rank fires a fault at the start of step STEP when its
 rank in the current mesh is RANK (default 0), so the same fault hits the same place in every
-run. Kinds fired on the rank side (``FaultInjector``, in the rank actor):
+run. With ``/configure`` (kill and raise only) it fires instead while a mesh that resumes at
+step STEP is being configured, after the rank filled its state: a fault during a recovery, a
+grow or a restore when one happens there, and nothing otherwise. Kinds fired on the rank side
+(``FaultInjector``, in the rank actor):
 
     kill        SIGKILL this rank's process (a crashed process, an OOM kill)
     raise       raise an exception in the step (a software error)
@@ -54,6 +57,17 @@ DRIVER_KINDS = (FaultKind.DRIVER, FaultKind.NODE)
 KINDS = RANK_KINDS + DRIVER_KINDS
 
 
+class FaultPhase(StrEnum):
+    """When a rank fault fires: at the start of its step, or while a mesh resuming there is configured."""
+
+    STEP = "step"
+    CONFIGURE = "configure"
+
+
+# The kinds that can fire while configuring (a hang there would be a start-up timeout, not a hang).
+CONFIGURE_KINDS = (FaultKind.KILL, FaultKind.RAISE)
+
+
 class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws inside the step."""
 
@@ -65,13 +79,23 @@ class FaultSpec:
     kind: FaultKind
     step: int
     rank: int = 0
+    phase: FaultPhase = FaultPhase.STEP
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """``KIND@STEP[:RANK]`` -> FaultSpec; ValueError naming what is wrong."""
+        """``KIND@STEP[:RANK][/configure]`` -> FaultSpec; ValueError naming what is wrong."""
         kind, at, where = text.partition("@")
         if not at or kind not in KINDS:
-            raise ValueError(f"--inject {text!r}: expected KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
+            raise ValueError(
+                f"--inject {text!r}: expected KIND@STEP[:RANK][/configure] with KIND one of {', '.join(KINDS)}"
+            )
+        where, slash, phase_text = where.partition("/")
+        if slash and (phase_text != FaultPhase.CONFIGURE or kind not in CONFIGURE_KINDS):
+            raise ValueError(
+                f"--inject {text!r}: the only phase is /configure, for {' and '.join(CONFIGURE_KINDS)}, "
+                "e.g. kill@5:1/configure"
+            )
+        phase = FaultPhase.CONFIGURE if slash else FaultPhase.STEP
         step_text, _, rank_text = where.partition(":")
         try:
             step = int(step_text)
@@ -80,10 +104,11 @@ class FaultSpec:
             raise ValueError(f"--inject {text!r}: STEP and RANK must be integers, e.g. kill@5:1") from None
         if step < 1 or rank < 0:
             raise ValueError(f"--inject {text!r}: STEP must be >= 1 and RANK >= 0")
-        return cls(FaultKind(kind), step, rank)
+        return cls(FaultKind(kind), step, rank, phase)
 
     def describe(self) -> str:
-        return f"{self.kind}@{self.step}:{self.rank}"
+        suffix = f"/{self.phase}" if self.phase != FaultPhase.STEP else ""
+        return f"{self.kind}@{self.step}:{self.rank}{suffix}"
 
 
 def kill_this_process() -> None:
@@ -130,9 +155,16 @@ class DriverFaults:
                 log.warning("firing injected fault %s", fault.describe())
                 self.remove_node(node)
 
-    def consume_after_failure(self, last_completed_step: int) -> None:
-        """A generation failed after ``last_completed_step``: the faults it fired are spent."""
-        self.pending = [fault for fault in self.pending if fault.step > last_completed_step + 1]
+    def consume_after_failure(self, last_completed_step: int, *, configuring: bool = False) -> None:
+        """A generation failed after ``last_completed_step`` (``configuring``: while it was
+        configured): the faults it fired are spent. Configure faults of the step it would have
+        run stay armed for the recovery's own configuration, unless that is what failed."""
+        redo = last_completed_step + 1
+        self.pending = [
+            fault
+            for fault in self.pending
+            if fault.step > redo or (fault.step == redo and fault.phase == FaultPhase.CONFIGURE and not configuring)
+        ]
 
 
 class FaultInjector:
@@ -145,7 +177,13 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         for fault in self.faults:
-            if fault.step == step:
+            if fault.step == step and fault.phase == FaultPhase.STEP:
+                self._fire(fault)
+
+    def while_configuring(self, step: int) -> None:
+        """Inside ``configure``, once the state is filled: the faults of a mesh resuming at ``step``."""
+        for fault in self.faults:
+            if fault.step == step and fault.phase == FaultPhase.CONFIGURE:
                 self._fire(fault)
 
     def storage_down(self) -> bool:

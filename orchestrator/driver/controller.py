@@ -231,7 +231,9 @@ class Controller(MeshChanges):
         sync_replicas: bool,
         restoring: int | None = None,
         from_mesh: dict | None = None,
+        stateless: frozenset[int] = frozenset(),
     ) -> Configuring:
+        recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
         self.checkpoints.reset(mesh)
@@ -251,6 +253,8 @@ class Controller(MeshChanges):
             from_mesh=from_mesh,
             started_at=now,
             deadline=now + self.config.runtime.start_timeout_s,
+            recovering=recovering,
+            stateless=frozenset(range(mesh.world_size)) if restoring is not None else stateless,
         )
 
     def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
@@ -272,6 +276,8 @@ class Controller(MeshChanges):
         out_of_memory = {rank: f for rank, f in failed.items() if f.failure_kind == FailureKind.OUT_OF_MEMORY}
         if out_of_memory:
             return self._replace_out_of_memory(state, out_of_memory)
+        if failed and state.recovering:
+            return self._configuration_failed(state)
         if failed:
             return self._fail("configuration", group_errors({r: f.message for r, f in failed.items()}))
         if not state.calls.done:

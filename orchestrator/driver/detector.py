@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from orchestrator.driver.calls import CallFailed, CallFailedKind
-from workers.spec.messages import RunOutcome, RunStatus
+from workers.spec.messages import FailureKind, RunOutcome, RunStatus
 
 log = logging.getLogger("meshpilot")
 
@@ -161,14 +161,18 @@ class Detector:
         return first_found(*findings)
 
     @staticmethod
-    def loss_of(result: RunOutcome | CallFailed, node: str | None, node_alive: bool) -> Lost | None:
+    def loss_of(result: RunOutcome | CallFailed | int, node: str | None, node_alive: bool) -> Lost | None:
         """The loss a returned run call reveals, or None (finished, paused, a survivor's echo)."""
         if isinstance(result, CallFailed):
+            if result.failure_kind == FailureKind.PEER_FAILURE:
+                return None  # an echo: the rank's peer failed (the rank said so)
             if result.kind != CallFailedKind.DIED:
                 return Lost(LossKind.RANK_ERROR, result.message or "the rank raised", node)
             if not node_alive:
                 return Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
             return Lost(LossKind.RANK_DIED, result.message or "the rank's process died", node)
+        if not isinstance(result, RunOutcome):
+            return None  # a configuration that returned its step
         if result.status == RunStatus.FAILED and not result.caused_by_peer:
             return Lost(LossKind.RANK_ERROR, result.error or "the rank raised", node)
         return None

@@ -90,6 +90,7 @@ class MeshChanges:
         sync_replicas: bool,
         restoring: int | None = None,
         from_mesh: dict | None = None,
+        stateless: frozenset[int] = frozenset(),
     ) -> Configuring:
         raise NotImplementedError
 
@@ -127,6 +128,30 @@ class MeshChanges:
         the step they are in (and a drain's save), and a hang or silence there is caught as
         while running (``_settle``), by the configured timeouts."""
         return now + self.detector.hang_threshold_s() if purpose == SettlePurpose.FAILURE else math.inf
+
+    def _configuration_failed(self, state: Configuring) -> Settling:
+        """A rank failed while a running job's new mesh was configured (a fault during a
+        recovery, a grow or a restore): the configuring generation fails like a running one, and
+        the recovery starts again from what is left. Ranks that kept their state still hold it;
+        joiners and restoring ranks hold none (``stateless``), so their replica groups are not
+        kept. Survivors may wait in the new groups' rendezvous for a rank that will never come:
+        they are given the collective timeout to come back before counting as stuck."""
+        now = time.monotonic()
+        log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
+        settling = Settling(
+            generation=state.generation,
+            mesh=state.mesh,
+            calls=state.calls,
+            purpose=SettlePurpose.FAILURE,
+            started_at=now,
+            deadline=max(
+                self._settle_deadline(SettlePurpose.FAILURE, now), now + self.config.elastic.collective_timeout_s + 5.0
+            ),
+            stateless=state.stateless,
+            configuring=True,
+        )
+        self._abort_generation(settling, {})
+        return settling
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
@@ -215,12 +240,17 @@ class MeshChanges:
         if lost:
             self.events.emit("failure", **failure_fields(lost))
             # Faults fired in this generation are consumed: a redo of the step must not fire them again.
-            self.faults.consume_after_failure(self.router.last_emitted_step)
-        warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(state.mesh, lost, state.draining)
+            self.faults.consume_after_failure(self.router.last_emitted_step, configuring=state.configuring)
+        # Stateless ranks (a failed configuration's joiners) are healthy but cannot be kept: to
+        # the policy their replica groups leave as if draining; the actors go warm.
+        leaving = state.draining | (state.stateless - set(lost))
+        warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
+            state.mesh, lost, state.draining, state.stateless
+        )
         status = GroupStatus(
             mesh=state.mesh,
             lost_ranks=frozenset(lost),
-            draining_ranks=state.draining,
+            draining_ranks=leaving,
             warm_actors=warm,
             checkpoint_step=self.checkpoints.latest_step(),
             time=time.monotonic(),
@@ -279,7 +309,8 @@ class MeshChanges:
             cause=state.purpose,
         )
         self.drains.clear()
-        return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0)
+        joined = frozenset(range(len(kept), len(kept) + len(joining)))
+        return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0, stateless=joined)
 
     def _begin_restore(
         self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int

@@ -102,9 +102,12 @@ class Replicas:
         return ordered[:count] if len(ordered) >= count else []
 
     @staticmethod
-    def healthy_in_hit_replicas(mesh: MeshSpec, lost: Collection[int], draining: Collection[int]) -> int:
-        """Ranks neither lost nor draining in replica groups that lost or drain one: they go warm."""
-        hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining)}
+    def healthy_in_hit_replicas(
+        mesh: MeshSpec, lost: Collection[int], draining: Collection[int], stateless: Collection[int] = ()
+    ) -> int:
+        """Ranks neither lost nor draining in replica groups that lost, drain or cannot keep
+        (``stateless``: holding no state) one: they go warm."""
+        hit = {mesh.replica_of(rank) for rank in set(lost) | set(draining) | set(stateless)}
         return sum(
             1
             for replica in mesh.replica_groups()

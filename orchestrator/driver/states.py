@@ -74,6 +74,12 @@ class Configuring:
     restoring: int | None = None
     from_mesh: dict | None = None
     started_at: float = 0.0
+    # A mesh change of a running job (not its first start): a failure while configuring
+    # restarts the recovery instead of ending the run.
+    recovering: bool = False
+    # Ranks that hold no state of the job until this configuration fills it (joining actors, or
+    # every rank of a restore): should it fail, their replica groups cannot be kept.
+    stateless: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,11 @@ class Settling:
     draining: frozenset[int] = frozenset()
     started_at: float = 0.0
     deadline: float = 0.0
+    # Ranks holding no state of the job (a failed configuration's joiners): healthy, but their
+    # replica groups cannot be kept.
+    stateless: frozenset[int] = frozenset()
+    # The generation failed while it was configured, before running a step.
+    configuring: bool = False
     # When the last rank's run call returned (monotonic), once every one has.
     all_returned_at: float | None = None
 

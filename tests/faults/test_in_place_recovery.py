@@ -61,3 +61,21 @@ def test_sigterm_to_one_rank_on_a_single_node_leaves_its_replica_group_only(refe
     assert drain["ranks"] == [1] and drain["reason"] == "process told to end"
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
+
+
+def test_a_joining_rank_killed_while_the_refill_configures_restarts_the_recovery(reference, tmp_path):
+    """A fault during a recovery: rank 2 dies, warm spares refill its replica group, and one of
+    them dies while the refill configures. The recovery starts again from what is left (replica 0,
+    its state kept) instead of failing the run; no step is lost or repeated."""
+    result, events = run_job(
+        tmp_path,
+        *ELASTIC_LAYOUT,
+        f"training.steps={STEPS}",
+        "elastic.spare_actors=2",
+        faults=("kill@4:2", "kill@4:2/configure"),
+    )
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS)
+    assert [(e["kind"], e["ranks"]) for e in of_kind(events, "failure")] == [("rank_died", [2]), ("rank_died", [2])]
+    recoveries = of_kind(events, "recovered")
+    assert recoveries[0]["lost_steps"] == 0 and not of_kind(events, "restored")

@@ -21,7 +21,7 @@ from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, S
 from orchestrator.driver.worker_group import SlotState
 from orchestrator.observe.events import EventLog, read_events
 from tests.jobs import DEMO_CONFIG, REPO
-from workers.faults import DriverFaults, FaultKind, FaultSpec, InjectedFault
+from workers.faults import DriverFaults, FaultKind, FaultPhase, FaultSpec, InjectedFault
 from workers.spec import TrainSpec
 from workers.spec.messages import (
     DrainNoticeReport,
@@ -127,6 +127,7 @@ class FakeGroup:
         results: dict[int, Any] = {
             rank: start.step if start.mode == StartMode.CHECKPOINT else step for rank, start in enumerate(starts)
         }
+        results.update(self.script.get("configure_failures", {}).get(generation, {}))
         if starts and starts[0].mode == StartMode.CHECKPOINT and starts[0].step in self.script.get("corrupt", ()):
             results[0] = CallFailed(
                 CallFailedKind.ERROR,
@@ -523,3 +524,54 @@ def test_a_hang_while_a_grow_is_pending_is_found_by_the_hang_threshold_not_a_fix
     assert {rank: loss.kind for rank, loss in failing.lost.items()} == {2: LossKind.HANG}
     assert group.killed == [2] and group.aborted == [(1, 1)]
     assert failing.deadline <= time.monotonic() + threshold  # survivors unwind within the threshold
+
+
+def test_a_rank_lost_while_a_recovery_configures_restarts_the_recovery_from_what_is_left(tmp_path, monkeypatch):
+    """Regression: a fault during a recovery's configuration failed the run. Replica 3 of 4 loses
+    its rank and the job shrinks to 2 (3 cannot split the batch); while those configure, rank 1
+    dies too: the recovery starts again and the job finishes on replica 0 alone, its state kept."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
+    died = CallFailed(CallFailedKind.DIED, "The actor died unexpectedly")
+    echo = CallFailed(CallFailedKind.ERROR, "PeerFailedWhileConfiguring: ...", failure_kind=FailureKind.PEER_FAILURE)
+    FakeGroup.script = {
+        "resume_step": 2,
+        "runs": {
+            1: {"steps_done": 2, "outcomes": {3: died, **{r: RunOutcome(RunStatus.ABORTED, 2) for r in (0, 1, 2)}}}
+        },
+        "configure_failures": {2: {1: died, 0: echo}},
+    }
+    config = load_config(
+        DEMO_CONFIG,
+        [
+            "training.steps=4",
+            "parallelism.pp=1",
+            "parallelism.tp=1",
+            "parallelism.dp_replicate=4",
+            "parallelism.dp_shard=1",
+        ],
+    )
+    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
+    final = controller.run()
+    assert final.status == "finished", final.reason
+    configured = fake_group(controller).configured
+    assert [c["mesh"].dp_replicate for c in configured] == [4, 2, 1]
+    assert configured[2]["slots"] == [0] and [s.mode for s in configured[2]["starts"]] == ["kept"]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["ranks"] for e in events if e["event"] == "failure"] == [[3], [1]]  # the echo is no loss
+    assert controller.failure_policy.failure_times and len(controller.failure_policy.failure_times) == 1
+    assert controller.failure_policy.attempts == 2  # one incident, recovered at the second attempt
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
+
+
+def test_configure_faults_parse_and_stay_armed_for_the_recovery_that_follows_a_step_fault() -> None:
+    fault = FaultSpec.parse("kill@10:1/configure")
+    assert fault == FaultSpec(FaultKind.KILL, 10, 1, FaultPhase.CONFIGURE) and fault.describe() == "kill@10:1/configure"
+    for bad in ("hang@10:1/configure", "kill@10:1/upload"):
+        with pytest.raises(ValueError, match=r"the only phase is /configure, for kill and raise"):
+            FaultSpec.parse(bad)
+    faults = DriverFaults([FaultSpec.parse("kill@10:3"), fault, FaultSpec.parse("raise@12:0")])
+    faults.consume_after_failure(9)  # the step fault at 10 fired: the recovery configures for step 10
+    assert [f.describe() for f in faults.for_generation(9)] == ["kill@10:1/configure", "raise@12:0"]
+    faults.consume_after_failure(9, configuring=True)  # and that configuration failed: spent
+    assert [f.describe() for f in faults.pending] == ["raise@12:0"]
