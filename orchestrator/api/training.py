@@ -33,6 +33,7 @@ def train(
     model_family: type[ModelFamily] | str | None = None,
     run_dir: str | Path | None = None,
     inject: Iterable[str] = (),
+    chaos: str | None = None,
     progress: bool = False,
     plain_progress: bool = False,
     handle_signals: bool = False,
@@ -42,7 +43,8 @@ def train(
     ``overrides``: ``["parallelism.tp=2", ...]`` or ``{"parallelism.tp": 2}``, as ``--set``.
     ``model_family``: a ``ModelFamily`` subclass (importable by every rank: defined in a module,
     not in ``__main__``) or its ``package.module:Class`` path; sets ``model.family``.
-    ``inject``: faults as ``--inject`` takes them (``"kill@5:1"``). ``progress``: draw the
+    ``inject``: faults as ``--inject`` takes them (``"kill@5:1"``). ``chaos``: ``"SEED[:N]"``, N
+    faults drawn from SEED on top (``orchestrator/driver/chaos.py``). ``progress``: draw the
     progress bar (``plain_progress``: one line per step). ``handle_signals`` (main thread only):
     SIGTERM checkpoints and stops at the next step boundary, Ctrl-C stops after the step.
     """
@@ -51,13 +53,37 @@ def train(
 
     job = build_config(config, overrides=overrides, model_family=model_family)
     faults = parse_faults(list(inject))
+    seed = None
+    if chaos is not None:
+        seed, drawn = chaos_faults(job, chaos)
+        faults += drawn
     where = Path(run_dir) if run_dir is not None else None
     if not progress:
-        return run_training(job, where, faults=faults, handle_signals=handle_signals)
+        return run_training(job, where, faults=faults, handle_signals=handle_signals, chaos_seed=seed)
     view = ProgressView(force_plain=plain_progress)
     return run_training(
-        job, where, subscribers=[view], console=view.console, faults=faults, handle_signals=handle_signals
+        job,
+        where,
+        subscribers=[view],
+        console=view.console,
+        faults=faults,
+        handle_signals=handle_signals,
+        chaos_seed=seed,
     )
+
+
+def chaos_faults(job: JobConfig, text: str) -> tuple[int, tuple[FaultSpec, ...]]:
+    """``--chaos SEED[:N]``: the seed and the faults it draws for ``job`` (no node faults here:
+    they need the test harness's cluster; no drains: on one node there is nowhere to go)."""
+    from orchestrator.driver.chaos import chaos_kinds, chaos_schedule, parse_chaos
+
+    seed, count = parse_chaos(text)
+    mesh = job.mesh
+    kinds = chaos_kinds(storage=job.checkpoint.uri is not None, nodes=False)
+    faults = chaos_schedule(
+        seed, count, steps=job.training.steps, world_size=mesh.world_size, replica_size=mesh.replica_size, kinds=kinds
+    )
+    return seed, faults
 
 
 def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:

@@ -30,9 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--inject",
         action="append",
         default=[],
-        metavar="KIND@STEP[:RANK]",
+        metavar="KIND@STEP[:RANK][/configure]",
         help="inject a fault (repeatable): kill, raise, hang, drain, sigterm, s3_outage or driver, "
-        "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1",
+        "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1; with /configure (kill, raise) "
+        "while a mesh resuming at STEP configures, e.g. after another fault",
+    )
+    parser.add_argument(
+        "--chaos",
+        default=None,
+        metavar="SEED[:N]",
+        help="inject N faults (default 6) drawn reproducibly from SEED over the run: kill, raise, hang, "
+        "sigterm, s3_outage (with checkpoints), some during the recovery of another; the schedule is "
+        "printed and recorded as the fault_schedule event, so a seed replays exactly",
     )
     parser.set_defaults(handler=handle)
 
@@ -58,6 +67,7 @@ def handle(args: argparse.Namespace) -> int:
         overrides=overrides,
         run_dir=args.run_dir,
         inject=args.inject,
+        chaos=args.chaos,
         progress=True,
         plain_progress=args.plain,
         handle_signals=True,

@@ -84,8 +84,10 @@ class Controller(MeshChanges):
         poll_interval_s: float = 0.25,
         faults: tuple[FaultSpec, ...] = (),
         node_fault: Callable[[str], None] | None = None,
+        chaos_seed: int | None = None,
     ) -> None:
         self.config = config
+        self.chaos_seed = chaos_seed
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
@@ -213,6 +215,14 @@ class Controller(MeshChanges):
             seq_len=self.spec.seq_len,
             config_hash=self.config.config_hash(),
         )
+        if self.faults.pending:
+            schedule = [fault.describe() for fault in self.faults.pending]
+            log.warning(
+                "fault schedule%s: %s",
+                f" (--chaos {self.chaos_seed})" if self.chaos_seed is not None else "",
+                " ".join(schedule),
+            )
+            self.events.emit("fault_schedule", seed=self.chaos_seed, faults=schedule)
         # Storage mistakes (credentials, bucket, endpoint) surface here, before any rank starts.
         self.checkpoints.check_access()
         resume = self.checkpoints.choose_resume() if self.config.checkpoint.resume else None

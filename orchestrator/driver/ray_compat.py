@@ -29,6 +29,7 @@ TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 REQUIRED: tuple[str, ...] = (
     "ray._private.state.available_resources_per_node",
     "ray._private.state.state.get_draining_nodes",
+    "ray._private.state.actors",
     "ray._raylet.AuthenticationTokenLoader.instance",
     "ray._raylet.AuthenticationTokenLoader.has_token",
     "ray._raylet.AuthenticationTokenLoader.get_token_for_http_header",
@@ -59,6 +60,14 @@ def draining_node_ids() -> set[str]:
     from ray._private import state
 
     return set(state.state.get_draining_nodes())
+
+
+def live_actors() -> list[tuple[str, str]]:
+    """(class name, actor id) of every actor of the cluster not dead, read from the GCS (the
+    public state API needs the dashboard, which an embedded or test cluster may not run)."""
+    from ray._private import state
+
+    return [(info["ActorClassName"], info["ActorID"]) for info in state.actors().values() if info["State"] != "DEAD"]
 
 
 def auth_token_header() -> dict[str, str]:

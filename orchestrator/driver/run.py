@@ -65,6 +65,7 @@ def run_training(
     faults: tuple[FaultSpec, ...] = (),
     node_fault: Callable[[str], None] | None = None,
     handle_signals: bool = False,
+    chaos_seed: int | None = None,
 ) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
@@ -89,7 +90,7 @@ def run_training(
         if url:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
-        controller = Controller(config, events, faults=faults, node_fault=node_fault)
+        controller = Controller(config, events, faults=faults, node_fault=node_fault, chaos_seed=chaos_seed)
         if handle_signals:
             # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
             # Flags, not exceptions: raised inside a Ray call, KeyboardInterrupt can be lost.

@@ -44,6 +44,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     # Periodic liveness from the detector, {rank: seconds since that rank's last heartbeat}.
     "heartbeat": ("rank_age_s",),
     "done": ("status", "steps", "elapsed_s"),
+    # The faults the run was given (--inject, --chaos), as --inject takes them; seed: the
+    # --chaos seed that drew them (None for --inject alone).
+    "fault_schedule": ("seed", "faults"),
 }
 
 # Fields the driver adds on top; readers must treat them as possibly absent (older runs, fakes).

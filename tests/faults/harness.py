@@ -37,7 +37,12 @@ ON_WORKER_NODES = f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}"
 
 
 def run_job(
-    run_dir: Path, *overrides: str, faults: tuple[str, ...] = (), node_fault=None, on_event=None
+    run_dir: Path,
+    *overrides: str,
+    faults: tuple[str, ...] = (),
+    node_fault=None,
+    on_event=None,
+    chaos_seed: int | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """Train the demo model with ``overrides``; ``on_event(event)`` sees every event as it happens."""
     config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", *overrides])
@@ -48,6 +53,7 @@ def run_job(
         faults=tuple(FaultSpec.parse(f) for f in faults),
         node_fault=node_fault,
         subscribers=subscribers,
+        chaos_seed=chaos_seed,
     )
     return result, read_events(run_dir / "events.jsonl")
 
