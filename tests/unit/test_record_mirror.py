@@ -13,6 +13,7 @@ import pytest
 
 from checkpointing.errors import StorageUnreachableError
 from checkpointing.local import LocalStorage
+from orchestrator.cli import main
 from orchestrator.errors import UserError
 from orchestrator.observe.events import EventLog
 from orchestrator.observe.logs import setup_logging
@@ -160,3 +161,8 @@ def test_the_reader_takes_the_parts_up_to_the_first_gap_and_names_an_empty_uri(t
     for number in (1, 2, 4):
         remote.put_bytes(part_key(number), f"{number}\n".encode())
     assert read_record_events(remote) == b"1\n2\n"
+
+
+def test_report_of_an_s3_uri_without_a_bucket_is_one_error(capsys):
+    assert main(["report", "s3://"]) == 2
+    assert "RUN_DIR='s3://': no bucket; write s3://BUCKET/PREFIX" in capsys.readouterr().err
