@@ -170,9 +170,10 @@ class RecordMirror:
             error = _attempt(partial(self.storage.delete, [part_key(n) for n in range(1, self._next_part)]))
         if error is not None:
             failures.append((EVENTS, error))
+        done = {EVENTS, CONFIG} if self._config_uploaded else {EVENTS}
         for path in sorted(self.run_dir.rglob("*")):
             key = path.relative_to(self.run_dir).as_posix()
-            if path.is_file() and not path.is_symlink() and key != EVENTS:
+            if path.is_file() and not path.is_symlink() and key not in done:
                 error = _attempt(partial(_upload_file, self.storage, key, path))
                 if error is not None:
                     failures.append((key, error))
