@@ -215,6 +215,13 @@ class RuntimeConfig:
     num_cpus: int | None = None
     # Seconds to wait for every rank actor to be placed and started.
     start_timeout_s: float = 180.0
+    # Where the run's record goes (config.yaml, events.jsonl, logs/): a directory, or
+    # s3://bucket/prefix, mirrored from a local runs/<name>-<timestamp> while the run goes
+    # (with checkpoint.endpoint_url and region). None: runs/<name>-<timestamp>; in a Ray job with an
+    # s3:// checkpoint.uri, mirrored to <checkpoint.uri>/runs/<name>-<timestamp>. --run-dir wins.
+    run_dir: str | None = None
+    # Seconds between uploads of new events to an s3:// run record (and once more at the end).
+    run_dir_sync_s: float = 10.0
 
 
 @dataclass

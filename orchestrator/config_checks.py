@@ -3,7 +3,7 @@
 Runs on the driver. ``orchestrator.config`` builds a ``JobConfig`` with every key and type
 checked generically, then calls ``validate`` here for the rules that relate values to each
 other: signs and ranges, the model's shape against the mesh and schedule, the batch against
-the pipeline, the elastic bounds, and the checkpoint URI. ``resolve_data_path`` lives here
+the pipeline, the elastic bounds, the checkpoint and run record URIs. ``resolve_data_path`` lives here
 because ``data.path`` is checked against the disk, and the config hash reads the same file; a
 token corpus (``data.source: tokens``) is checked against its manifest by ``token_corpus``.
 """
@@ -78,7 +78,11 @@ def validate(config: JobConfig) -> list[str]:
         problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
     problems.extend(_gpus_per_rank_problems(config))
     if config.checkpoint.uri is not None:
-        problems.extend(_check_uri(config.checkpoint.uri))
+        problems.extend(uri_problems(config.checkpoint.uri, "checkpoint.uri"))
+    if config.runtime.run_dir is not None:
+        problems.extend(uri_problems(config.runtime.run_dir, "runtime.run_dir"))
+    if config.runtime.run_dir_sync_s <= 0:
+        problems.append(f"runtime.run_dir_sync_s={config.runtime.run_dir_sync_s} must be > 0")
     return problems
 
 
@@ -194,15 +198,18 @@ def resolve_data_path(config: JobConfig) -> Path | None:
     return None
 
 
-def _check_uri(uri: str) -> list[str]:
+def uri_problems(uri: str, key: str) -> list[str]:
+    """What is wrong with a storage location given as ``key`` (s3://, file:// or a directory); [] when fine."""
+    if uri.startswith("s3:") and not uri.startswith("s3://"):
+        return [f"{key}={uri!r}: write s3://BUCKET/PREFIX (two slashes after s3:)"]
     if uri.startswith("s3://"):
         bucket = uri[len("s3://") :].split("/", 1)[0]
         if not bucket:
-            return [f"checkpoint.uri={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
+            return [f"{key}={uri!r}: no bucket; write s3://BUCKET/PREFIX"]
         return []
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
-        return [f"checkpoint.uri={uri!r}: scheme {scheme!r} is not supported; use s3://, file:// or a directory"]
+        return [f"{key}={uri!r}: scheme {scheme!r} is not supported; use s3://, file:// or a directory"]
     return []
 
 

@@ -1,18 +1,23 @@
 """``meshpilot report``: a few lines that tell what happened in a run, and the figures behind them.
 
-Runs on the user's machine, after (or during) a run; reads only ``RUN_DIR/events.jsonl``.
+Runs on the user's machine, after (or during) a run; reads only ``RUN_DIR/events.jsonl`` (or the
+mirrored record's, from ``s3://``).
 ``summarize`` computes the figures, ``format_summary`` words them; ``timeline_plot.render_timeline``
 draws the picture from the same events and figures.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpointing.storage import open_storage
+from orchestrator.config_checks import uri_problems
 from orchestrator.errors import UserError
 from orchestrator.observe.events import checkpoint_failure_reason, is_failure_recovery, read_events
+from orchestrator.observe.record_mirror import read_record_events
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,15 @@ class RunSummary:
         return self.effective_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's events; a UserError naming the directory when there is nothing to read."""
+def load_events(
+    run_dir: str | Path, *, endpoint_url: str | None = None, region: str | None = None
+) -> list[dict[str, Any]]:
+    """The run's events, from a run directory or a mirrored record (``s3://bucket/prefix``, read
+    with ``endpoint_url`` and ``region``); a UserError naming the place when there is nothing to read."""
+    if str(run_dir).startswith("s3:"):
+        with tempfile.TemporaryDirectory(prefix="meshpilot-record-") as downloaded:
+            path = _download_events(str(run_dir), Path(downloaded), endpoint_url=endpoint_url, region=region)
+            return _events_in(path)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(
@@ -63,6 +75,25 @@ def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
             f"{str(run_dir)!r} has no events.jsonl, so it is not a meshpilot run directory; "
             "pass the directory `meshpilot train` printed at start"
         )
+    return _events_in(path)
+
+
+def _download_events(uri: str, into: Path, *, endpoint_url: str | None, region: str | None) -> Path:
+    """A mirrored record's events.jsonl (whole, or its parts so far) as ``into/events.jsonl``."""
+    problems = uri_problems(uri, "RUN_DIR")
+    if problems:
+        raise UserError(problems[0])
+    storage = open_storage(uri, endpoint_url=endpoint_url, region=region)
+    try:
+        data = read_record_events(storage)
+    finally:
+        storage.close()
+    path = into / "events.jsonl"
+    path.write_bytes(data)
+    return path
+
+
+def _events_in(path: Path) -> list[dict[str, Any]]:
     events = [event for event in read_events(path) if isinstance(event, dict) and "event" in event and "time" in event]
     if not events:
         raise UserError(

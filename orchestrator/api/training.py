@@ -43,9 +43,10 @@ def train(
     ``overrides``: ``["parallelism.tp=2", ...]`` or ``{"parallelism.tp": 2}``, as ``--set``.
     ``model_family``: a ``ModelFamily`` subclass (importable by every rank: defined in a module,
     not in ``__main__``) or its ``package.module:Class`` path; sets ``model.family``.
-    ``inject``: faults as ``--inject`` takes them (``"kill@5:1"``). ``chaos``: ``"SEED[:N]"``, N
-    faults drawn from SEED on top (``orchestrator/driver/chaos.py``). ``progress``: draw the
-    progress bar (``plain_progress``: one line per step). ``handle_signals`` (main thread only):
+    ``run_dir``: a directory, or ``s3://bucket/prefix`` (mirrored from a local directory; wins
+    over ``runtime.run_dir``). ``inject``: faults as ``--inject`` takes them (``"kill@5:1"``).
+    ``chaos``: ``"SEED[:N]"``, N faults drawn from SEED on top (``orchestrator/driver/chaos.py``).
+    ``progress``: draw the progress bar (``plain_progress``: one line per step). ``handle_signals`` (main thread only):
     SIGTERM checkpoints and stops at the next step boundary, Ctrl-C stops after the step.
     """
     from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
@@ -57,13 +58,12 @@ def train(
     if chaos is not None:
         seed, drawn = chaos_faults(job, chaos)
         faults += drawn
-    where = Path(run_dir) if run_dir is not None else None
     if not progress:
-        return run_training(job, where, faults=faults, handle_signals=handle_signals, chaos_seed=seed)
+        return run_training(job, run_dir, faults=faults, handle_signals=handle_signals, chaos_seed=seed)
     view = ProgressView(force_plain=plain_progress)
     return run_training(
         job,
-        where,
+        run_dir,
         subscribers=[view],
         console=view.console,
         faults=faults,

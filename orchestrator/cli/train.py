@@ -20,7 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(parser)
     parser.add_argument(
-        "--run-dir", default=None, help="where config.yaml and events.jsonl go (default runs/<name>-<timestamp>)"
+        "--run-dir",
+        default=None,
+        help="where config.yaml, events.jsonl and logs go: a directory, or s3://BUCKET/PREFIX to mirror "
+        "runs/<name>-<timestamp> to as the run goes (default: runtime.run_dir, else runs/<name>-<timestamp>)",
     )
     parser.add_argument(
         "--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded local cluster)"
@@ -72,5 +75,8 @@ def handle(args: argparse.Namespace) -> int:
         plain_progress=args.plain,
         handle_signals=True,
     )
-    Console().print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
+    console = Console()
+    console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
+    if result.record_uri:
+        console.print(f"run record: {result.record_uri}", soft_wrap=True)
     return result.exit_code

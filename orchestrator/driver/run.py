@@ -1,4 +1,4 @@
-"""Running one training job end to end on the driver: run directory, Ray, controller, events.
+"""Running one training job end to end on the driver: run directory (and its mirror), Ray, controller, events.
 
 ``run_training`` is what ``meshpilot train`` calls, and what tests call in-process (with the
 session's Ray cluster already up, which it then reuses and leaves running).
@@ -6,8 +6,9 @@ session's Ray cluster already up, which it then reuses and leaves running).
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,11 @@ from rich.console import Console
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.controller import Controller
+from orchestrator.driver.run_record import default_run_dir, open_record_mirror, record_location
 from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_logging
 from orchestrator.observe.metrics import build_metrics
+from orchestrator.observe.record_mirror import NoMirror, RecordMirror
 from orchestrator.observe.tensorboard import build_tensorboard
 from workers.faults import FaultSpec
 
@@ -34,6 +37,8 @@ class RunResult:
     status: str
     exit_code: int  # 0 when the run finished its steps
     reason: str | None = None
+    # Where the record is mirrored to (s3://...), None when RUN_DIR is the only copy.
+    record_uri: str | None = None
 
     def events(self) -> list[dict[str, Any]]:
         """Every event of the run, in order (read from RUN_DIR/events.jsonl)."""
@@ -45,10 +50,6 @@ class RunResult:
         return {e["step"]: e["loss"] for e in self.events() if e["event"] == "step" and e.get("loss") is not None}
 
 
-def default_run_dir(config: JobConfig) -> Path:
-    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,7 @@ def prepare_run_dir(config: JobConfig, run_dir: Path | None) -> Path:
 
 def run_training(
     config: JobConfig,
-    run_dir: Path | None = None,
+    run_dir: str | Path | None = None,
     *,
     subscribers: list | None = None,
     console: Console | None = None,
@@ -69,14 +70,15 @@ def run_training(
 ) -> RunResult:
     """Train ``config`` to a terminal state; every event goes to RUN_DIR/events.jsonl.
 
-    The event log feeds the metrics exporter, TensorBoard (when ``metrics.tensorboard_dir`` is
-    set), the per-rank log files and the console, so all of them see the same run. With
+    ``run_dir`` (else ``runtime.run_dir``) is a directory or an ``s3://`` URI the record is
+    mirrored to from a local directory (``orchestrator/driver/run_record.py`` says where it
+    goes). The event log feeds the metrics exporter, TensorBoard (when ``metrics.tensorboard_dir``
+    is set), the per-rank log files and the console, so all of them see the same run. With
     ``handle_signals`` (the CLI; main thread only), SIGTERM saves a checkpoint at the next step
     boundary and stops, instead of killing the driver mid-step, and Ctrl-C stops after the step
     in flight (a second Ctrl-C at once).
     """
-    run_dir = prepare_run_dir(config, run_dir)
-    logger = setup_logging(run_dir=run_dir, console=console)
+    run_dir, logger, mirror = _open_record(config, run_dir, console)
     metrics = build_metrics(config)
     tensorboard = build_tensorboard(config)
     rank_logs = RankLogWriter(run_dir)
@@ -86,6 +88,7 @@ def run_training(
     started_here = False
     previous_handlers: dict = {}
     try:
+        mirror.start()
         url = metrics.start_server(config.metrics.host, config.metrics.port)
         if url:
             logger.info("metrics: %s", url)
@@ -106,8 +109,24 @@ def run_training(
             signal.signal(signum, handler)
         events.close()
         rank_logs.close()
+        mirror.close()  # after the files it copies are closed
         metrics.close()
         tensorboard.close()
         if started_here:
             ray.shutdown()
-    return RunResult(run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason)
+    return RunResult(
+        run_dir=run_dir, status=final.status, exit_code=final.exit_code, reason=final.reason, record_uri=mirror.uri
+    )
+
+
+def _open_record(
+    config: JobConfig, run_dir: str | Path | None, console: Console | None
+) -> tuple[Path, logging.Logger, RecordMirror | NoMirror]:
+    """The local run directory (with config.yaml), the logger writing into it, and its mirror (not started)."""
+    # RAY_JOB_ID: Ray sets it in a submitted job's driver, whose working directory Ray deletes.
+    location = record_location(config, run_dir, in_ray_job=bool(os.environ.get("RAY_JOB_ID")))
+    local_dir = prepare_run_dir(config, location.local_dir)
+    logger = setup_logging(run_dir=local_dir, console=console)
+    if location.warning:
+        logger.warning("%s", location.warning)
+    return local_dir, logger, open_record_mirror(config, location)
