@@ -207,12 +207,20 @@ class RankActor:
         keep its committer, trainer, fault injector and checkpoints (an empty trainer: nothing
         is initialised, restored or rebound yet)."""
         from workers.checkpoints import NoCheckpoints, RankCheckpoints
-        from workers.rendezvous import StepCommitter
+        from workers.rendezvous import StepCommitter, join_barrier
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
 
         device = pick_device(self.spec.backend)
         self.device = device
+        join_barrier(
+            store,
+            generation=generation,
+            rank=rank,
+            world_size=mesh.world_size,
+            timeout_s=self.spec.collective_timeout_s,
+            aborted=self._aborted.is_set,
+        )
         group_sockets = GroupSockets(self.spec.backend)
         init_generation(
             store=store,

@@ -16,6 +16,8 @@ step boundary at which drains and grows happen.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +66,48 @@ class CommitVoteTimeout(RuntimeError):
     """This rank waited for the step's decision longer than the collective timeout."""
 
     failure_kind = FailureKind.TIMEOUT
+
+
+class JoinAborted(RuntimeError):
+    """The driver ended the generation while this rank waited for the others to join it."""
+
+    failure_kind = FailureKind.PEER_FAILURE
+
+
+class JoinTimeout(RuntimeError):
+    """Not every rank joined the generation within the collective timeout."""
+
+    failure_kind = FailureKind.TIMEOUT
+
+
+def join_barrier(
+    store: Any,
+    *,
+    generation: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    aborted: Callable[[], bool],
+    poll_s: float = 0.05,
+) -> None:
+    """Rank side, inside ``configure``: wait until every rank of ``generation`` has arrived,
+    before any of them enters torch's own rendezvous.
+
+    torch's rendezvous waits for a rank that will never come (it died while the generation
+    configured) until the collective timeout, and nothing can interrupt it; this wait ends as
+    soon as the driver aborts the generation (``aborted``), so a fault during a recovery costs
+    a poll, not the timeout.
+    """
+    store.set(f"gen{generation}/joined/{rank}", b"1")
+    keys = [f"gen{generation}/joined/{other}" for other in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if aborted():
+            raise JoinAborted(f"generation {generation} was aborted while rank {rank} waited for the others to join")
+        if time.monotonic() > deadline:
+            missing = [other for other, key in enumerate(keys) if not store.check([key])]
+            raise JoinTimeout(f"ranks {missing} did not join generation {generation} within {timeout_s:g} s")
+        time.sleep(poll_s)
 
 
 class StepCommitter:

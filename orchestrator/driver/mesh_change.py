@@ -138,6 +138,8 @@ class MeshChanges:
         they are given the collective timeout to come back before counting as stuck."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
+        # The detector still knows the last running generation's ranks: this one's are judged now.
+        self.detector.reset(state.mesh.world_size, self.last_step)
         settling = Settling(
             generation=state.generation,
             mesh=state.mesh,
@@ -239,6 +241,10 @@ class MeshChanges:
             }
         if lost:
             self.events.emit("failure", **failure_fields(lost))
+            # Warm and starting actors on a lost node died with it: none may be picked to join.
+            self.replicas.leaving(
+                {loss.node for loss in lost.values() if loss.kind == LossKind.NODE_LOST and loss.node}
+            )
             # Faults fired in this generation are consumed: a redo of the step must not fire them again.
             self.faults.consume_after_failure(self.router.last_emitted_step, configuring=state.configuring)
         # Stateless ranks (a failed configuration's joiners) are healthy but cannot be kept: to
