@@ -27,7 +27,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from workers.device import PeerWaitMarker
 from workers.faults import FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.pretrained import load_pretrained
+from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import GroupSockets, shutdown_sockets
 from workers.spec import TrainSpec
@@ -48,7 +48,6 @@ from workers.spec.messages import (
     RunStatus,
     StartFrom,
     StartMode,
-    failure_kind_of,
 )
 
 if TYPE_CHECKING:  # for annotations only: the actor's process imports these inside the methods
@@ -296,7 +295,7 @@ class RankActor:
             outcome = RunOutcome(
                 RunStatus.FAILED,
                 self.last_step,
-                error=_describe(error),
+                error=describe_error(error),
                 error_type=type(error).__name__,
                 failure_kind=classify_failure(error, aborted=self._aborted.is_set()),
             )
@@ -471,36 +470,3 @@ def _abort_all_groups() -> None:
             abort_process_groups()
         except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
             log.debug("abort of process groups: %s", error)
-
-
-class PeerFailedWhileConfiguring(RuntimeError):
-    """``configure`` failed because another rank did (its connection closed, or the driver
-    aborted the generation): this rank is an echo, and keeps whatever state it held."""
-
-    failure_kind = FailureKind.PEER_FAILURE
-
-
-def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:
-    """Rank side, the loop thread: why ``run`` failed, from what this rank knows and the error's type.
-
-    ``aborted``: the driver aborted this generation's groups before the error, so whatever
-    torch says, the error is a consequence of another rank's failure (PEER_FAILURE). Else the
-    kind the exception declares (``failure_kind``: checkpoint errors, injected faults, the
-    commit vote's timeout), else what torch's error says (``checkpointing/torch_compat.py``):
-    a closed or reset connection to a peer is PEER_FAILURE, this rank's own wait running past
-    its timeout is TIMEOUT; an out-of-memory error is OUT_OF_MEMORY; anything else is OWN_ERROR.
-    """
-    from checkpointing.torch_compat import collective_failure
-
-    if aborted:
-        return FailureKind.PEER_FAILURE
-    if getattr(error, "failure_kind", None) is not None:
-        return failure_kind_of(error)
-    torch_says = collective_failure(error)
-    # Else the kind the error's type maps to (an out-of-memory error), or the rank's own error.
-    return FailureKind(torch_says) if torch_says is not None else failure_kind_of(error)
-
-
-def _describe(error: BaseException) -> str:
-    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-6)
-    return "".join(frames).strip()

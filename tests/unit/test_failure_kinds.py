@@ -2,7 +2,7 @@
 
 The two-rank cases run real gloo in two spawned processes on a FileStore (no Ray,
 ``tests/unit/gloo_ranks.py``) and classify the error rank 0 raised with the function the actor
-uses (``workers.actor.classify_failure``): a rank whose own collective times out is TIMEOUT
+uses (``workers.rank_failures.classify_failure``): a rank whose own collective times out is TIMEOUT
 (its own failure), a rank whose peer's connection closes is PEER_FAILURE (an echo of the
 peer's failure).
 """
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from checkpointing import errors
 from tests.unit.gloo_ranks import run_rank
-from workers.actor import classify_failure
 from workers.faults import InjectedFault
+from workers.rank_failures import classify_failure
 from workers.rendezvous import CommitVoteTimeout, StepCommitter
 from workers.spec.messages import FailureKind, failure_kind_of
 from workers.trainer import StepAborted
