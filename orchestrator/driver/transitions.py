@@ -38,6 +38,8 @@ class Transition:
     lost_steps: int = 0
     added_ranks: tuple[int, ...] = ()
     cause: str = "failure"  # a SettlePurpose, or "restore"
+    # The router's count of step events when it began: only a step completed since ends it.
+    steps_emitted: int = 0
 
 
 def wall_time_of(monotonic_time: float) -> float:
@@ -76,12 +78,19 @@ class TransitionTimer:
             lost_steps=lost_steps,
             added_ranks=added_ranks,
             cause=cause,
+            steps_emitted=self.router.steps_emitted,
         )
 
     def report(self) -> None:
-        """Emit the pending transition's event once a step after its resume step completed."""
+        """Emit the pending transition's event once a step after its resume step completed on
+        the new mesh. (Before a restore's configuration rewinds the router, the steps it will
+        redo are still counted as done: they do not end the transition.)"""
         transition = self.pending
-        if transition is None or self.router.last_emitted_step <= transition.resume_step:
+        if (
+            transition is None
+            or self.router.last_emitted_step <= transition.resume_step
+            or self.router.steps_emitted <= transition.steps_emitted
+        ):
             return
         completed_at = self.router.completed_at.get(transition.resume_step + 1, time.time())
         elapsed = round(completed_at - transition.began_wall, 3)

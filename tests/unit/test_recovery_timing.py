@@ -134,6 +134,7 @@ def test_the_driver_reports_a_recovery_once_at_the_first_step_after_its_resume_s
     timer.report()
     assert timer.pending is not None  # step 7 is the resume step, not a step on the new mesh
     router.last_emitted_step, router.completed_at[8] = 8, began_wall + 2.5
+    router.steps_emitted += 1
     timer.report()
     timer.report()
     recovered = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "recovered"]
@@ -141,3 +142,30 @@ def test_the_driver_reports_a_recovery_once_at_the_first_step_after_its_resume_s
     assert recovered[0]["mttr_s"] == pytest.approx(2.5, abs=0.01) and recovered[0]["lost_steps"] == 1
     assert recovered[0]["cause"] == "failure" and recovered[0]["refilled_ranks"] == [1]
     assert recovered[0]["new_mesh"] == ONE and recovered[0]["old_mesh"] == TWO
+
+
+def test_a_restore_is_not_reported_before_a_step_completes_on_the_restored_mesh(tmp_path: Path) -> None:
+    """Regression: a restore of step 30 begun after step 36 was reported at once (mttr_s < 0): the
+    router still counted steps 31-36 as done until the restored ranks rewound it."""
+    two, one = MeshSpec.from_dict(TWO), MeshSpec.from_dict(ONE)
+    events = EventLog(tmp_path / "events.jsonl")
+    router = ReportRouter(events, mesh=one, tokens_per_step=1)
+    router.last_emitted_step, router.steps_emitted = 36, 36
+    timer = TransitionTimer(events, router)
+    timer.begin(
+        TransitionKind.RECOVERED,
+        began_at=0.0,
+        old_mesh=two,
+        new_mesh=one,
+        resume_step=30,
+        lost_steps=6,
+        cause="restore",
+    )
+    timer.report()
+    assert timer.pending is not None and not [e for e in read_events(tmp_path / "events.jsonl")]
+    router.rewind(30)
+    router.last_emitted_step, router.steps_emitted = 31, 37
+    router.completed_at[31] = timer.pending.began_wall + 4.0
+    timer.report()
+    [recovered] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "recovered"]
+    assert recovered["mttr_s"] == pytest.approx(4.0, abs=0.01) and recovered["lost_steps"] == 6
