@@ -350,27 +350,32 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
     base, ratio, slowest = summary["uninterrupted_goodput"], summary["goodput_ratio_vs_uninterrupted"], None
     if summary["slowest_recovery"]:
         slowest = f"{summary['slowest_recovery']['mttr_s']:.2f} s ({summary['slowest_recovery']['cause']})"
-    survived = summary["faults_survived"]
+    survived, run = summary["faults_survived"], summary["run"]
+    run_end = "finished, an invariant failed" if run["exit_code"] == 0 else f"run {run['status']}: {run['reason']}"
     kinds = ", ".join(f"{kind} {count}" for kind, count in landed["by_kind"].items())
     rows: list[tuple[str, ...]] = [
         ("figure", "meshpilot under chaos", "reference", "goal"),
         ("faults scheduled", f"{summary['faults_scheduled']} in {steps} steps", "", ""),
         ("faults landed (failure + drain events)", f"{landed['total']} ({kinds})", "", ""),
         ("saves given up on storage", str(landed["saves_failed_on_storage"]), "", ""),
-        ("faults survived", f"all {survived}" if survived is not None else f"NO: {summary['run']}", "", "all"),
+        ("faults survived", f"all {survived}" if survived is not None else f"NO: {run_end}", "", "all"),
         ("steps lost, a replica survived", str(lost["replica_survived"]), "", "0"),
         ("steps lost, restored from storage", str(lost["from_storage"]), "", ""),
         ("restores from storage", str(summary["restores_from_storage"]), "", ""),
         (
             "goodput (time in counted steps / wall)",
             pct(good["goodput"]),
-            f"uninterrupted {pct(base and base['goodput'])}, ratio {ratio if ratio is not None else '-'}x",
+            f"uninterrupted {pct(base and base['goodput'])}, ratio {'-' if ratio is None else f'{ratio:.2f}x'}",
             f">= {GOODPUT_GOAL:.0%}",
         ),
         ("slowest recovery (mttr_s)", slowest or "-", "", ""),
     ]
     rows += ray_train_rows(summary["ray_train"], lost["total"], good["goodput"], pct)
     print(table(rows))
+    if summary["ray_train"]["not_applied"]:
+        print("not applied to Ray Train V2:")
+        for fault, why in summary["ray_train"]["not_applied"].items():
+            print(f"  {fault}: {why}")
     print("\ninvariants:")
     for check in summary["invariants"] or [{"name": "(no report)", "ok": False, "detail": "see errors"}]:
         print(f"  {'PASS' if check['ok'] else 'FAIL'} {check['name']:<12} {check['detail']}")
