@@ -107,15 +107,36 @@ class MeshpilotRun:
     events: list[dict[str, Any]] = field(default_factory=list)
     invariants: Any = None  # orchestrator.analysis.invariants.InvariantReport
     errors: list[str] = field(default_factory=list)
+    # Nodes the run's event hook brought back, and the time the controller waited for them.
+    nodes_brought_back: dict[str, Any] = field(default_factory=dict)
 
     @property
     def survived(self) -> bool:
         return self.exit_code == 0 and self.invariants is not None and self.invariants.ok
 
 
-class _Subscriber:
-    def __init__(self, on_event) -> None:
-        self.on_event = on_event
+class NodeReplacements:
+    """An event subscriber (driver, the controller's thread): a node back for every node lost or
+    drained (``WorkerNodes.replace_gone``), timed, since the controller waits while it starts; a
+    node that fails to come is recorded, not raised, as an autoscaler's failure would not end a job."""
+
+    def __init__(self, nodes: WorkerNodes) -> None:
+        self.nodes = nodes
+        self.added = 0
+        self.seconds = 0.0
+        self.errors: list[str] = []
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        before, started = len(self.nodes.nodes), time.monotonic()
+        try:
+            self.nodes.replace_gone(event)
+        except Exception:  # noqa: BLE001 - reported with the run's errors
+            self.errors.append(f"bringing a node back after {event['event']}: {traceback.format_exc(limit=3)}")
+        else:
+            if len(self.nodes.nodes) == before:
+                return  # not an event that takes a node
+        self.added += len(self.nodes.nodes) - before
+        self.seconds += time.monotonic() - started
 
 
 def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=None, reference_losses=None):
@@ -137,6 +158,7 @@ def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=N
     )
     run = MeshpilotRun()
     nodes = WorkerNodes(cluster, 2)
+    replacements = NodeReplacements(nodes)
     try:
         try:
             result = run_training(
@@ -144,12 +166,15 @@ def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=N
                 run_dir,
                 faults=tuple(schedule),
                 node_fault=nodes.remove,
-                subscribers=[_Subscriber(nodes.replace_gone)],
+                subscribers=[replacements],
                 chaos_seed=seed,
             )
             run.status, run.exit_code, run.reason = result.status, result.exit_code, result.reason
-        except Exception:  # noqa: BLE001 - a run that breaks is a result: its events still tell what happened
-            run.status, run.errors = "raised", [traceback.format_exc(limit=6)]
+        except Exception as error:  # noqa: BLE001 - a run that breaks is a result: its events tell what happened
+            run.status, run.reason = "raised", f"{type(error).__name__}: {error}"
+            run.errors.append(traceback.format_exc(limit=6))
+        run.errors += replacements.errors
+        run.nodes_brought_back = {"nodes": replacements.added, "seconds": round(replacements.seconds, 3)}
         if (run_dir / "events.jsonl").exists():
             run.events = read_events(run_dir / "events.jsonl")
         if schedule:
@@ -211,11 +236,13 @@ class NodeFaultsForReference:
             self.pending.remove(fault)
             # The rank's own records are in order: its last start says where it runs now.
             node_id = next(r["node"] for r in reversed(records) if r["kind"] == "start" and r["rank"] == fault["rank"])
-            self.fired.append((fault, time.time()))
+            removed_at = time.time()
             try:
                 self.nodes.remove(node_id)  # Cluster.remove_node needs no main thread
             except Exception:  # noqa: BLE001 - reported; the run goes on
                 self.errors.append(f"removing the node of {describe_fault(fault)}: {traceback.format_exc(limit=3)}")
+            else:
+                self.fired.append((fault, removed_at))
 
 
 def run_ray_train(cluster, workdir: Path, *, steps: int, applied: list[dict[str, Any]]) -> dict[str, Any]:
@@ -305,6 +332,7 @@ def summarize(uninterrupted: MeshpilotRun, chaos: MeshpilotRun, ray_train, *, sc
         "run": {"status": chaos.status, "exit_code": chaos.exit_code, "reason": chaos.reason},
         "uninterrupted_run": {"status": uninterrupted.status, "exit_code": uninterrupted.exit_code},
         **figures,
+        "nodes_brought_back": chaos.nodes_brought_back,
         "invariants": (
             [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in report.checks] if report is not None else None
         ),
@@ -350,7 +378,7 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
     base, ratio, slowest = summary["uninterrupted_goodput"], summary["goodput_ratio_vs_uninterrupted"], None
     if summary["slowest_recovery"]:
         slowest = f"{summary['slowest_recovery']['mttr_s']:.2f} s ({summary['slowest_recovery']['cause']})"
-    survived, run = summary["faults_survived"], summary["run"]
+    survived, run, back = summary["faults_survived"], summary["run"], summary["nodes_brought_back"]
     run_end = "finished, an invariant failed" if run["exit_code"] == 0 else f"run {run['status']}: {run['reason']}"
     kinds = ", ".join(f"{kind} {count}" for kind, count in landed["by_kind"].items())
     rows: list[tuple[str, ...]] = [
@@ -369,6 +397,7 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
             f">= {GOODPUT_GOAL:.0%}",
         ),
         ("slowest recovery (mttr_s)", slowest or "-", "", ""),
+        ("nodes brought back (driver waited)", f"{back.get('nodes')} ({back.get('seconds')} s)", "", ""),
     ]
     rows += ray_train_rows(summary["ray_train"], lost["total"], good["goodput"], pct)
     print(table(rows))
@@ -387,7 +416,7 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
 def ray_train_rows(ray_train: dict[str, Any], ours_lost: int, ours_goodput, pct) -> list[tuple[str, ...]]:
     if not ray_train["applies"]:
         return [("Ray Train V2", "", f"not compared: {ray_train['why']}", "")]
-    restarts = ", ".join(f"{r['restart_s']} s" for r in ray_train["restarts"]) or "-"
+    restarts = ", ".join("-" if r["restart_s"] is None else f"{r['restart_s']:.1f} s" for r in ray_train["restarts"])
     return [
         ("Ray Train V2, same faults where they apply", "", f"{' '.join(ray_train['faults'])}", ""),
         ("  restart: fault -> first step, each", "", restarts, ""),
