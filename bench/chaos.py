@@ -1,7 +1,7 @@
 """Chaos soak: a long run under a seeded schedule of overlapping faults of every kind, every invariant checked.
 
-    python bench/chaos.py               # 200 steps, 30 faults (about 10-15 min on 2 cores)
-    python bench/chaos.py --quick       # 60 steps, 9 faults: one every ~7 steps (about 5-8 min)
+    python bench/chaos.py               # 200 steps, 30 faults (several times --quick's time)
+    python bench/chaos.py --quick       # 60 steps, 9 faults: one every ~7 steps (about 8 min on 2 cores)
     python bench/chaos.py --seed 7 --faults 12 --steps 90 --keep runs/chaos   # another schedule, run dirs kept
 
 One Ray cluster (``ray.cluster_utils.Cluster``: a head node plus two worker nodes that offer the
@@ -388,7 +388,12 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
         ("saves given up on storage", str(landed["saves_failed_on_storage"]), "", ""),
         ("faults survived", f"all {survived}" if survived is not None else f"NO: {run_end}", "", "all"),
         ("steps lost, a replica survived", str(lost["replica_survived"]), "", "0"),
-        ("steps lost, restored from storage", str(lost["from_storage"]), "", ""),
+        (
+            "steps lost, restored from storage",
+            f"{lost['from_storage']} (step events: {lost['redone_after_restores']} redone)",
+            "",
+            "",
+        ),
         ("restores from storage", str(summary["restores_from_storage"]), "", ""),
         (
             "goodput (time in counted steps / wall)",

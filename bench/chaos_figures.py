@@ -16,7 +16,8 @@ How each figure is counted:
   incident give one event.
 - steps lost: the ``lost_steps`` of every ``recovered`` event, apart for those that restored
   from storage (``cause: restore``) and the rest (a replica group survived: in-place shrink,
-  refill from spares, a drain's pause).
+  refill from spares, a drain's pause). Beside it, as a check on the events, the steps redone
+  after restores counted from the ``step`` events themselves (applied, rewound, applied again).
 - goodput: the time inside the steps that count (``step_time_s``, the slowest rank's, of each
   step's last application; a step a restore rewound is redone, and only the redo counts) over
   the wall time from the ``start`` event (before any actor starts) to ``done``.
@@ -85,6 +86,9 @@ def steps_lost(events: Sequence[dict[str, Any]]) -> dict[str, int]:
         "replica_survived": sum(e["lost_steps"] for e in in_place),
         "from_storage": sum(e["lost_steps"] for e in from_storage),
         "total": sum(e["lost_steps"] for e in recovered),
+        # Step events a restore rewound (exact while no step is applied twice without one: the
+        # invariant report's ``steps`` check).
+        "redone_after_restores": len(of_kind(events, "step")) - len(counted_steps(events)),
         "recoveries_replica_survived": len(in_place),
         "recoveries_from_storage": len(from_storage),
     }
