@@ -8,12 +8,13 @@ Runs on the benchmark's driver, after the runs. Two inputs:
 
 How each figure is counted:
 
-- faults landed: ``failure`` events plus ``drain`` events (one per incident the controller saw:
-  a kill, raise, hang or node loss gives a ``failure``, a drain notice or a SIGTERM a ``drain``).
-  A storage outage gives neither (the uploads retry, or a save gives up as ``checkpoint_failed``
-  with reason ``storage``: counted apart), a ``/configure`` fault whose step no recovery
-  configures never fires, nor does a fault whose rank left the mesh; two faults that hit one
-  incident give one event.
+- faults landed: ``failure`` events plus ``drain`` events (a kill, raise, hang or node loss
+  gives a ``failure``, a drain notice or a SIGTERM a ``drain``). Events, not faults: a storage
+  outage gives neither (the uploads retry, or a save gives up as ``checkpoint_failed`` with
+  reason ``storage``: counted apart); a fault never fires when its rank left the mesh, when an
+  earlier failure interrupted its step (the redo does not fire it again) or, for ``/configure``,
+  when no recovery configures at its step; and one fault can give several events (a drained
+  node's ranks dying, a lost node found again by a recovery that started over).
 - steps lost: the ``lost_steps`` of every ``recovered`` event, apart for those that restored
   from storage (``cause: restore``) and the rest (a replica group survived: in-place shrink,
   refill from spares, a drain's pause). Beside it, as a check on the events, the steps redone
