@@ -350,7 +350,7 @@ def _losses(events, *, upto: int) -> dict[int, float]:
 
 
 # ------------------------------------------------------------------ the reference
-def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = None, on_step=None):
+def reference_run(workdir: Path, *, steps: int, faults: list[dict[str, Any]] | None = None, on_step=None):
     from bench.recovery_reference import run_reference
     from orchestrator.driver.train_spec import data_bytes, train_spec
 
@@ -363,7 +363,7 @@ def reference_run(workdir: Path, *, steps: int, kill: dict[str, int] | None = No
         data=data,
         workdir=workdir,
         checkpoint_every=CHECKPOINT_EVERY,
-        kill=kill,
+        faults=faults,
         on_step=on_step,
         resources_per_worker={"CPU": 0.5, NODE_RESOURCE: 1},
     )
@@ -373,7 +373,7 @@ def reference_kill(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
     """A Ray Train worker (world rank 3) SIGKILLs itself at the start of FAULT_STEP."""
     nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     try:
-        records = reference_run(workdir, steps=steps, kill={"step": FAULT_STEP, "rank": 3})
+        records = reference_run(workdir, steps=steps, faults=[{"kind": "kill", "step": FAULT_STEP, "rank": 3}])
     finally:
         nodes.close()
     kill = next(r for r in records if r["kind"] == "kill")

@@ -8,10 +8,11 @@ up (gloo, CPU), so the two sides differ only in what happens when something fail
 
 As Ray Train users do: ``ray.train.report`` after every step, a checkpoint every
 ``checkpoint_every`` steps (each rank writes its own shards; Ray Train merges them into one
-directory under ``storage_path``), ``FailureConfig(max_failures=1)``, and on (re)start the
-workers resume from ``ray.train.get_checkpoint()``. Every rank appends one JSON line per
-event to ``records_dir/rank{R}.jsonl`` (local disk): ``start`` (attempt, resumed_from),
-``step`` (attempt, step, completed_at, loss) and ``kill`` (the time it SIGKILLed itself).
+directory under ``storage_path``), ``FailureConfig(max_failures=...)`` (1 by default), and on
+(re)start the workers resume from ``ray.train.get_checkpoint()``. Every rank appends one JSON
+line per event to ``records_dir/rank{R}.jsonl`` (local disk): ``start`` (attempt,
+resumed_from), ``step`` (attempt, step, completed_at, step_time_s, loss), and ``kill`` or
+``raise`` (the time it fired fault number ``fault`` of the run's list on itself).
 """
 
 from __future__ import annotations
@@ -55,13 +56,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             trainer.load_local_shards(load_file(os.path.join(directory, CHECKPOINT_FILE.format(rank=rank))))
             resumed_from = json.loads(Path(directory, "step.json").read_text())["step"]
     records.write("start", resumed_from=resumed_from, node=ray.get_runtime_context().get_node_id(), pid=os.getpid())
-    kill = config.get("kill")  # {"step": S, "rank": R}: SIGKILL this process at the start of step S, once
+    faults = config.get("faults") or []
     for step in range(resumed_from + 1, spec.steps + 1):
-        if kill and kill["rank"] == rank and kill["step"] == step and records.attempt == 1:
-            records.write("kill", time=time.time())
-            os.kill(os.getpid(), signal.SIGKILL)
+        _fire_faults_due(faults, records, step)
         result = trainer.train_step(step)
-        records.write("step", step=step, completed_at=time.time(), loss=result.loss)
+        records.write("step", step=step, completed_at=time.time(), step_time_s=result.step_time_s, loss=result.loss)
         metrics = {"step": step, "loss": result.loss}
         if step % config["checkpoint_every"] == 0:
             with tempfile.TemporaryDirectory() as directory:
@@ -73,13 +72,31 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ray.train.report(metrics)
 
 
+def _fire_faults_due(faults: list[dict[str, Any]], records: _Records, step: int) -> None:
+    """At the start of ``step``: fire this rank's faults of that step not fired in an earlier attempt.
+
+    ``faults``: ``[{"kind": "kill" | "raise", "step": S, "rank": R}, ...]``; ``kill`` SIGKILLs
+    this process, ``raise`` raises in the training function. Each is recorded before it fires,
+    so a restarted group that redoes step S does not fire it again.
+    """
+    for index, fault in enumerate(faults):
+        if fault["rank"] != records.rank or fault["step"] != step or index in records.fired:
+            continue
+        records.write(fault["kind"], fault=index, time=time.time())
+        if fault["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault {fault['kind']}@{step}:{records.rank}")
+
+
 class _Records:
-    """This rank's record file; the attempt number counts this rank's earlier starts."""
+    """This rank's record file; the attempt number counts this rank's earlier starts, and
+    ``fired`` holds the faults (their index in the run's list) this rank fired before."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         previous = read_records(path) if path.exists() else []
         self.attempt = 1 + sum(1 for r in previous if r["kind"] == "start")
+        self.fired = {r["fault"] for r in previous if "fault" in r}
         self.rank = int(path.stem.removeprefix("rank"))
 
     def write(self, kind: str, **fields: Any) -> None:
@@ -110,13 +127,16 @@ def run_reference(
     data: bytes,
     workdir: Path,
     checkpoint_every: int,
-    kill: dict[str, int] | None = None,
+    faults: list[dict[str, Any]] | None = None,
+    max_failures: int = 1,
     resources_per_worker: dict[str, float],
     on_step: Callable[[list[dict[str, Any]]], None] | None = None,
     poll_s: float = 0.02,
 ) -> list[dict[str, Any]]:
     """Driver: one ``TorchTrainer.fit()`` on the connected Ray cluster; returns every rank's records.
 
+    ``faults`` (see ``_fire_faults_due``) fire in the workers, each once; ``max_failures`` is
+    Ray Train's failure budget (``FailureConfig``).
     ``on_step(records)`` is called from a watcher thread whenever new records appear, so the
     caller can inject a driver-side fault (remove a node) at a known step.
     """
@@ -136,14 +156,14 @@ def run_reference(
             "data": data,
             "records_dir": str(records_dir),
             "checkpoint_every": checkpoint_every,
-            "kill": kill,
+            "faults": faults or [],
         },
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=world_size, use_gpu=False, resources_per_worker=resources_per_worker),
         run_config=RunConfig(
             name="reference",
             storage_path=str(workdir / "storage"),
-            failure_config=FailureConfig(max_failures=1),
+            failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
     )
