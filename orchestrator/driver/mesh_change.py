@@ -122,12 +122,18 @@ class MeshChanges:
             deadline=self._settle_deadline(purpose, now),
         )
 
-    def _settle_deadline(self, purpose: SettlePurpose, now: float) -> float:
-        """When ranks still out of the settling generation count as stuck. After an abort the
-        survivors only unwind: the configured hang threshold. A pause has none: its ranks finish
-        the step they are in (and a drain's save), and a hang or silence there is caught as
-        while running (``_settle``), by the configured timeouts."""
-        return now + self.detector.hang_threshold_s() if purpose == SettlePurpose.FAILURE else math.inf
+    def _settle_deadline(self, purpose: SettlePurpose, now: float, *, configuring: bool = False) -> float:
+        """When ranks still out of the settling generation count as stuck. A pause has no
+        deadline: its ranks finish the step they are in (and a drain's save), and a hang or
+        silence there is caught as while running (``_settle``), by the configured timeouts."""
+        return now + self._unwind_s(configuring) if purpose == SettlePurpose.FAILURE else math.inf
+
+    def _unwind_s(self, configuring: bool) -> float:
+        """How long survivors of an aborted generation may take to leave it: the configured hang
+        threshold; while configuring, at least the collective timeout, since a rank inside torch's
+        rendezvous (a peer died after the join barrier) cannot be interrupted."""
+        threshold = self.detector.hang_threshold_s()
+        return max(threshold, self.config.elastic.collective_timeout_s + 5.0) if configuring else threshold
 
     def _configuration_failed(self, state: Configuring) -> Settling:
         """A rank failed while a running job's new mesh was configured (a fault during a
@@ -135,7 +141,7 @@ class MeshChanges:
         the recovery starts again from what is left. Ranks that kept their state still hold it;
         joiners and restoring ranks hold none (``stateless``), so their replica groups are not
         kept. Survivors may wait in the new groups' rendezvous for a rank that will never come:
-        they are given the collective timeout to come back before counting as stuck."""
+        they are given the collective timeout to come back before counting as stuck (``_unwind_s``)."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
         # The detector still knows the last running generation's ranks: this one's are judged now.
@@ -146,9 +152,7 @@ class MeshChanges:
             calls=state.calls,
             purpose=SettlePurpose.FAILURE,
             started_at=now,
-            deadline=max(
-                self._settle_deadline(SettlePurpose.FAILURE, now), now + self.config.elastic.collective_timeout_s + 5.0
-            ),
+            deadline=self._settle_deadline(SettlePurpose.FAILURE, now, configuring=True),
             stateless=state.stateless,
             configuring=True,
         )
@@ -215,7 +219,9 @@ class MeshChanges:
             if time.monotonic() < state.deadline:
                 return replace(state, lost=lost)
             lost.update(
-                self.detector.stuck(waiting_for, generation=state.generation, within_s=self.detector.hang_threshold_s())
+                self.detector.stuck(
+                    waiting_for, generation=state.generation, within_s=self._unwind_s(state.configuring)
+                )
             )
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left and no cause is known yet: give Ray a moment to name it.
