@@ -86,8 +86,3 @@ def chaos_schedule(
                     )
                 )
     return tuple(faults)
-
-
-def describe(faults: Sequence[FaultSpec]) -> list[str]:
-    """The faults as ``--inject`` takes them."""
-    return [fault.describe() for fault in faults]

@@ -65,6 +65,10 @@ CASES = [
         "eval.at_start=true does nothing while eval.interval_steps=0 (evaluation off): "
         "set eval.interval_steps to a number of steps, or eval.at_start=false",
     ),
+    (["--chaos", "seven"], "--chaos 'seven': expected SEED[:N] with integers, e.g. --chaos 7:6"),
+    (["--chaos", "7:0"], "--chaos '7:0': SEED must be >= 0 and N >= 1"),
+    (["--chaos", "7:60"], "--chaos: 60 faults need at least 63 steps (training.steps=50)"),
+    (["--inject", "hang@5:1/configure"], "the only phase is /configure, for kill and raise"),
 ]
 
 
