@@ -136,8 +136,12 @@ def build_manifest(
     model: dict[str, Any],
     config_hash: str | None,
     committed_at: float | None = None,
+    checked: bool = True,
 ) -> Manifest:
-    """Merge one step's shard reports; raise CorruptCheckpointError if they do not tile every tensor."""
+    """Merge one step's shard reports; raise CorruptCheckpointError if they do not tile every tensor.
+
+    ``checked=False`` skips the parser's round trip: for an index of slices in memory (peer
+    snapshots), which carries no checksums and is never committed."""
     shapes: dict[str, TensorEntry] = {}
     chunks: dict[str, list[ChunkEntry]] = {}
     for report in sorted(reports, key=lambda r: r.rank):
@@ -173,6 +177,8 @@ def build_manifest(
         upload_s=max((r.upload_s for r in reports), default=0.0),
         stall_s=max((r.stall_s for r in reports), default=0.0),
     )
+    if not checked:
+        return manifest
     # Round-trip through the parser: the coordinator commits only what a reader will accept.
     return parse_manifest(manifest.to_json(), key=f"of step {step} (being committed)")
 

@@ -43,7 +43,7 @@ from checkpointing.catalog import check_compatible, latest_committed, list_commi
 from checkpointing.errors import CheckpointError, CorruptCheckpointError, ForeignCheckpointError
 from checkpointing.manifest import Manifest
 from checkpointing.spec import CHECKSUM_ALGORITHM, ChunkEntry
-from checkpointing.storage import StorageBackend
+from checkpointing.storage import RangeSource, StorageBackend
 
 # Neighbouring ranges are fetched in one GET when the gap between them is small: under
 # SMALL_GAP_BYTES always (many small pieces, e.g. half of every row), under MERGE_GAP_BYTES when
@@ -75,7 +75,7 @@ def restore(
 
 
 def read_into(
-    storage: StorageBackend,
+    storage: RangeSource,
     manifest: Manifest,
     tensors: dict[str, torch.Tensor],
     *,
@@ -86,7 +86,8 @@ def read_into(
 
     Also the path for indexes that are not committed checkpoints (a Hugging Face directory,
     ``checkpointing.hf_format``): their chunks carry no checksums, so they are read with
-    ``verify=False``. Each destination is cast to its own dtype on copy.
+    ``verify=False``; so are peer-memory snapshots (``workers.peer_snapshots``), which
+    ``storage`` may be. Each destination is cast to its own dtype on copy.
     """
     reader = ManifestStorageReader(storage, manifest, verify=verify, concurrency=concurrency)
     try:
@@ -168,9 +169,7 @@ class _Need:
 class ManifestStorageReader(StorageReader):
     """A DCP storage reader over a meshpilot manifest: ranged GETs, block checksums, no pickle."""
 
-    def __init__(
-        self, storage: StorageBackend, manifest: Manifest, *, verify: bool = True, concurrency: int = 8
-    ) -> None:
+    def __init__(self, storage: RangeSource, manifest: Manifest, *, verify: bool = True, concurrency: int = 8) -> None:
         super().__init__()
         self.storage = storage
         self.manifest = manifest

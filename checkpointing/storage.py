@@ -48,6 +48,14 @@ class PendingUpload:
     initiated: float  # seconds since the epoch
 
 
+class RangeSource(Protocol):
+    """What a restore reads from: byte ranges of named objects (storage, or peer memory)."""
+
+    uri: str
+
+    def get_range(self, key: str, start: int, end: int) -> bytes: ...
+
+
 @runtime_checkable
 class StorageBackend(Protocol):
     """Object storage as the checkpoint code sees it. Every method is safe to call from threads."""

@@ -1,7 +1,8 @@
 """Pure decisions, importable without Ray or torch: functions take values and return decisions.
 
     spec.py        MeshSpec: the parallel degrees, ranks and replica groups, validated
-    policy.py      failure and scaling policies -> Continue / Shrink / Grow / RestoreFromCheckpoint / Fail
+    policy.py      failure and scaling policies -> Continue / Shrink / Grow / Reshape /
+                   RestoreFromCheckpoint / Fail
     planner.py     the mesh for a model on a cluster; cost_model.py and hardware.py behind it
     placement.py   which node each replica group goes to
     simulator.py   goodput of the recovery policies over a failure trace

@@ -5,14 +5,22 @@ failure policy and the scaling policy each return one decision value; the contro
 it out. Replica groups (``dp_replicate`` slices) are the unit: a replica group with any lost
 or draining rank leaves the mesh whole, its healthy ranks become warm actors, and warm actors
 are what refills or grows the mesh (taking their state from a surviving replica, peer to
-peer). Only when no complete replica survives does the job restore from stored state.
+peer). When no complete replica survives, the job restores the newest state that is still
+whole: a peer-memory snapshot (every lost rank's copy lives on another rank) when it is at
+least as new as the newest committed checkpoint, else that checkpoint.
 
 Decisions:
     Continue()                              nothing to do
     Shrink(new_mesh, drop, refill)          go on without replica groups ``drop``; ``refill``
                                             of them are rebuilt at once from warm actors
     Grow(new_mesh, add)                     add ``add`` replica groups built from warm actors
-    RestoreFromCheckpoint(step, new_mesh)   no replica survived: reload stored state
+    Reshape(new_mesh)                       move to a mesh differing in any degree at a step
+                                            boundary, every rank loading the boundary's
+                                            peer-memory snapshot resharded (a grow of dp_shard,
+                                            tp or pp once capacity is back)
+    RestoreFromCheckpoint(step, new_mesh, source)
+                                            no replica survived: reload state from peer
+                                            memory or storage, resharded to ``new_mesh``
     Fail(reason)                            give up, saying why
 """
 
@@ -20,8 +28,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from elastic.spec import MeshSpec
+
+
+class StateSource(StrEnum):
+    """Where a mesh change takes the state of ranks that do not hold it."""
+
+    REPLICA = "replica"  # a surviving replica group, peer to peer
+    PEER_MEMORY = "peer_memory"  # the ranks' in-memory snapshots and their copies on other ranks
+    STORAGE = "storage"  # the newest committed checkpoint
 
 
 @dataclass(frozen=True)
@@ -43,9 +60,15 @@ class Grow:
 
 
 @dataclass(frozen=True)
+class Reshape:
+    new_mesh: MeshSpec
+
+
+@dataclass(frozen=True)
 class RestoreFromCheckpoint:
     step: int | None  # None: the latest committed checkpoint
     new_mesh: MeshSpec
+    source: StateSource = StateSource.STORAGE
 
 
 @dataclass(frozen=True)
@@ -53,7 +76,7 @@ class Fail:
     reason: str
 
 
-Decision = Continue | Shrink | Grow | RestoreFromCheckpoint | Fail
+Decision = Continue | Shrink | Grow | Reshape | RestoreFromCheckpoint | Fail
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,8 @@ class GroupStatus:
     warm_actors: int = 0
     # Newest committed checkpoint step, if checkpoints are on and one exists.
     checkpoint_step: int | None = None
+    # Newest peer-memory snapshot step that the ranks still hold whole (after these losses).
+    memory_step: int | None = None
     # When the detector made this status (seconds, any monotonic clock).
     time: float = 0.0
     # Steps the job completed so far (redone ones included: it never goes back): a loss before
@@ -131,10 +156,14 @@ class FailurePolicy:
             smallest = _fewest_replicas_that_fit(mesh, survivors, fits)
             if smallest is not None and smallest.dp_replicate >= self.min_replicas:
                 return Shrink(smallest, drop=hit + _extra_drops(mesh, hit, survivors - smallest.dp_replicate), refill=0)
-        if status.checkpoint_step is None:
+        from_memory = status.memory_step is not None and (
+            status.checkpoint_step is None or status.memory_step >= status.checkpoint_step
+        )
+        if status.checkpoint_step is None and not from_memory:
             return Fail(
-                f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit) and there is "
-                "no committed checkpoint to restore; set checkpoint.uri, or raise parallelism.dp_replicate"
+                f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit), no peer-memory "
+                "snapshot is whole, and there is no committed checkpoint to restore; set checkpoint.uri, or "
+                "raise parallelism.dp_replicate"
             )
         target = restore_mesh()
         if target is None:
@@ -142,6 +171,8 @@ class FailurePolicy:
                 "no complete replica group survived and the remaining resources cannot hold any mesh "
                 "for this model and batch"
             )
+        if from_memory:
+            return RestoreFromCheckpoint(step=status.memory_step, new_mesh=target, source=StateSource.PEER_MEMORY)
         return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
 
     def _count(self, status: GroupStatus) -> str | None:
@@ -164,12 +195,19 @@ class FailurePolicy:
 
 @dataclass
 class ScalingPolicy:
-    """Grow back, at a step boundary, when warm actors can form whole replica groups."""
+    """Grow back, at a step boundary, when warm actors can form whole replica groups; with
+    peer-memory snapshots, also back to the configured ``target_mesh`` when the mesh shrank in
+    another degree (a restore onto fewer ranks) and the warm actors can fill it."""
 
     target_replicas: int
     max_replicas: int | None = None
+    target_mesh: MeshSpec | None = None
 
-    def decide(self, mesh: MeshSpec, *, warm_actors: int, fits: MeshFits) -> Decision:
+    def decide(self, mesh: MeshSpec, *, warm_actors: int, fits: MeshFits, reshape: bool = False) -> Decision:
+        if reshape and (missing := self.reshape_shortfall(mesh)) and warm_actors >= missing:
+            assert self.target_mesh is not None, "a shortfall exists only towards a target mesh"
+            if fits(self.target_mesh):
+                return Reshape(self.target_mesh)
         ceiling = self.target_replicas if self.max_replicas is None else self.max_replicas
         room = ceiling - mesh.dp_replicate
         add = min(room, warm_actors // mesh.replica_size)
@@ -184,6 +222,14 @@ class ScalingPolicy:
         """Replica groups the job would add if it had the actors."""
         ceiling = self.target_replicas if self.max_replicas is None else self.max_replicas
         return max(0, ceiling - mesh.dp_replicate)
+
+    def reshape_shortfall(self, mesh: MeshSpec) -> int:
+        """Ranks a reshape back to ``target_mesh`` needs beyond ``mesh``'s (0: none is due,
+        the mesh differs from the target in the replica degree at most)."""
+        target = self.target_mesh
+        if target is None or mesh.with_replicas(target.dp_replicate) == target:
+            return 0
+        return max(0, target.world_size - mesh.world_size)
 
 
 def _budget_reason(policy: FailurePolicy, recent: int) -> str:

@@ -174,6 +174,12 @@ class ElasticConfig:
     # Warm spare actors started with the job (rounded up to whole replica groups): a failed
     # replica group is refilled from them at once, state copied from a surviving replica.
     spare_actors: int = 0
+    # Peer-memory snapshots: every this many steps each rank copies its state to host memory
+    # and a rank on another node keeps a copy, so a lost rank's state is rebuilt without
+    # storage (0: off). Each rank holds two of its own and two of its buddy's.
+    snapshot_interval_steps: int = 1
+    # The host memory the snapshots may take per rank; a job needing more is refused at start.
+    snapshot_memory_limit_mb: int = 32768
     # Failure budget: more than max_failures incidents within failure_window_s ends the run (a
     # loss before any step completed since the previous one is the same incident), and so do
     # more than max_failures recovery attempts of one incident.

@@ -35,6 +35,7 @@ _POSITIVE_KEYS = (
     "checkpoint.upload_concurrency",
     "checkpoint.max_in_flight",
     "elastic.min_replicas",
+    "elastic.snapshot_memory_limit_mb",
     "eval.batches",
 )
 _NON_NEGATIVE_KEYS = (
@@ -45,6 +46,7 @@ _NON_NEGATIVE_KEYS = (
     "training.seed",
     "checkpoint.keep_every",
     "elastic.spare_actors",
+    "elastic.snapshot_interval_steps",
     "runtime.cpus_per_rank",
     "eval.interval_steps",
 )

@@ -24,7 +24,6 @@ import faulthandler
 import gc
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -34,6 +33,7 @@ from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
 from workers.faults import FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
+from workers.peer_snapshots import SnapshotStore
 from workers.pretrained import load_pretrained
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
 from workers.reporting import RankLogHandler, ReportChannel
@@ -46,6 +46,8 @@ from workers.spec.messages import (
     Phase,
     RunOutcome,
     RunStatus,
+    SnapshotPlan,
+    SnapshotReport,
     StartFrom,
     StartMode,
 )
@@ -58,6 +60,7 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
     from workers.data import SampleSource
     from workers.device import RankDevice
     from workers.evaluation import Evaluator
+    from workers.peer_snapshots import RankSnapshots
     from workers.rendezvous import StepCommitter
     from workers.trainer import Trainer
 
@@ -93,6 +96,10 @@ class RankActor:
         self.trainer: Trainer | None = None
         self.source: SampleSource | None = None  # the generation's samples (the trainer reads them)
         self.checkpoints: RankCheckpoints | NoCheckpoints | None = None
+        # Peer-memory snapshots: this rank's and its peers' copies (kept across generations),
+        # and the current generation's writer (None: snapshots off).
+        self.snapshot_store = SnapshotStore()
+        self.snapshots: RankSnapshots | None = None
         self.store: dist.Store | None = None
         self.committer: StepCommitter | None = None
         self.last_step = 0
@@ -137,7 +144,9 @@ class RankActor:
 
     def poll(self) -> Heartbeat:
         phase, since = self._phase
-        waiting, where = self._loop_position() if phase in (Phase.STEP, Phase.EVAL) else (None, None)
+        waiting, where = (
+            self._peer_waits.position(self._loop_thread) if phase in (Phase.STEP, Phase.EVAL) else (None, None)
+        )
         return Heartbeat(
             rank=self.rank,
             phase=phase,
@@ -153,6 +162,17 @@ class RankActor:
             self._drain_reported = True
             self.channel.drain_notice(reason, scope)
 
+    def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> int:
+        """Control thread, called by rank ``owner``'s snapshot sender: hold a copy of its snapshot,
+        and say so to the driver (should the owner die before its own report gets there)."""
+        self.snapshot_store.put(key, (generation, step), bytes(memoryview(data)))
+        self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True, stall_s=0.0, send_s=0.0))
+        return len(data)
+
+    def read_snapshot(self, key: str, start: int, end: int) -> bytes:
+        """Control thread, called by a restoring rank: bytes of a snapshot object held here."""
+        return self.snapshot_store.read(key, start, end)
+
     def request_stop(self) -> None:
         """Stop after the step in flight (Ctrl-C, end of job)."""
         self._stop.set()
@@ -167,9 +187,11 @@ class RankActor:
         start: StartFrom,
         sync_replicas: bool = False,
         faults: tuple[FaultSpec, ...] = (),
+        snapshots: SnapshotPlan | None = None,
     ) -> int:
         """Collective over the new world. Returns the last applied step of the state it holds."""
         from workers.parallelize import forget_old_meshes
+        from workers.peer_snapshots import RankSnapshots
         from workers.rendezvous import connect_store
 
         self._set_phase(Phase.CONFIGURING)
@@ -189,6 +211,11 @@ class RankActor:
                 store=self.store, generation=generation, rank=rank, mesh=mesh, faults=faults
             )
             self._fill_state(start, trainer, checkpoints)
+            if snapshots is not None and snapshots.interval_steps > 0:
+                store, channel, hook = self.snapshot_store, self.channel, self.faults.while_snapshotting
+                self.snapshots = RankSnapshots(
+                    trainer, snapshots, store, channel, generation=generation, while_copying=hook
+                )
             self.faults.while_configuring(self.last_step + 1)
             if sync_replicas:
                 trainer.sync_from_first_replica()
@@ -256,6 +283,8 @@ class RankActor:
         """Inside ``configure``: fill the new generation's trainer as ``start`` says (the kept
         slices, a fresh initialisation, a peer's step or a checkpoint) and set ``last_step``.
         Collective where the trainer's calls are (a restore reshards)."""
+        from workers.peer_snapshots import restore_from_memory
+
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
             trainer.load_local_shards(self._kept_shards)
         elif start.mode == StartMode.FRESH:
@@ -269,6 +298,9 @@ class RankActor:
             self.last_step = start.step
         elif start.mode == StartMode.CHECKPOINT:
             checkpoints.restore(start.step)
+            self.last_step = start.step
+        elif start.mode == StartMode.MEMORY and start.memory is not None:
+            restore_from_memory(trainer, start, self.snapshot_store, self.channel)
             self.last_step = start.step
         else:
             raise ValueError(f"cannot start from {start!r} on rank {self.rank}")
@@ -320,10 +352,14 @@ class RankActor:
                 return RunOutcome(RunStatus.STOPPED, self.last_step)
             step = self.last_step + 1
             self._set_phase(Phase.STEP)
+            snapshots = self.snapshots
+            if snapshots is not None:
+                snapshots.before_step()
             self.faults.before_step(step)
             result = trainer.train_step(step)
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
+            snapshot_stall = snapshots.after_step(step) if snapshots is not None else None
             stall = self._live_checkpoints().after_step(
                 step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
             )
@@ -336,9 +372,12 @@ class RankActor:
                 grad_norm=result.grad_norm,
                 phases=result.phases,
                 checkpoint_stall_s=stall,
+                snapshot_stall_s=snapshot_stall,
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
             )
             if result.pause:
+                if snapshots is not None:
+                    snapshots.flush()  # the boundary's snapshot is complete before the mesh changes
                 self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends
                 return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())
             self._evaluate_if_due(evaluator, step)
@@ -404,6 +443,9 @@ class RankActor:
         if self.checkpoints is not None:
             self.checkpoints.close(wait=False)  # in-flight uploads finish and report on their own
             self.checkpoints = None
+        if self.snapshots is not None:
+            self.snapshots.close(wait=False)  # a copy in flight finishes (or fails) and reports
+            self.snapshots = None
         if self.trainer is not None:
             if keep_shards:
                 self._kept_shards = self.trainer.local_shards()
@@ -438,26 +480,6 @@ class RankActor:
 
     def _set_phase(self, phase: Phase) -> None:
         self._phase = (phase, time.monotonic())
-
-    def _loop_position(self) -> tuple[bool | None, str | None]:
-        """Control thread: where the loop thread is now, as (waiting on peers?, where).
-
-        The trainer's mark comes first (a device sync, the commit vote, a ``.item()``): on a
-        GPU a rank waiting for its peers sits in those, not in ``torch/distributed``. Without
-        a mark, the innermost frame decides: a collective or the store's vote is waiting.
-        ``where`` is the innermost frame as file:line, after the mark's name when marked.
-        """
-        loop_thread = self._loop_thread
-        frame = sys._current_frames().get(loop_thread) if loop_thread else None
-        if loop_thread is None or frame is None:
-            return None, None
-        where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        marked = self._peer_waits.of(loop_thread)
-        if marked is not None:
-            return True, f"{marked} ({where})"
-        path = frame.f_code.co_filename.replace(os.sep, "/")
-        waiting = "torch/distributed/" in path or path.endswith("workers/rendezvous.py")
-        return waiting, where
 
 
 def _abort_all_groups() -> None:

@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from workers.trainer import Trainer
 
 
+def owns_plain_tensors(trainer: Trainer) -> bool:
+    """Whether this rank saves the plain tensors (optimizer step counters): they are the same on
+    every rank of a pipeline stage, so one rank per stage writes them."""
+    coords = trainer.coords
+    return coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.tp == 0
+
+
 class NoCheckpoints:
     def after_step(self, step: int, *, last: bool, emergency: bool) -> float | None:
         return None
@@ -67,10 +74,7 @@ class RankCheckpoints:
             max_in_flight=target.max_in_flight,
             mesh=trainer.world_mesh,
         )
-        coords = trainer.coords
-        # Plain tensors (optimizer step counters) are the same on every rank of a pipeline
-        # stage: one rank per stage writes them.
-        self.owns_plain_tensors = coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.tp == 0
+        self.owns_plain_tensors = owns_plain_tensors(trainer)
 
     def after_step(self, step: int, *, last: bool, emergency: bool) -> float | None:
         """Save if this step is due (interval, last step, or an emergency); returns the stall."""

@@ -19,6 +19,8 @@ this module) for the class handle only, and never loads torch.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,3 +104,22 @@ class PeerWaitMarker:
     def of(self, thread: int) -> PeerWait | None:
         """What thread ``thread`` waits for now; None when it is not marked as waiting."""
         return self._waits.get(thread)
+
+    def position(self, thread: int | None) -> tuple[bool | None, str | None]:
+        """Control thread: where the loop thread ``thread`` is now, as (waiting on peers?, where).
+
+        The trainer's mark comes first (a device sync, the commit vote, a ``.item()``): on a
+        GPU a rank waiting for its peers sits in those, not in ``torch/distributed``. Without
+        a mark, the innermost frame decides: a collective or the store's vote is waiting.
+        ``where`` is the innermost frame as file:line, after the mark's name when marked.
+        """
+        frame = sys._current_frames().get(thread) if thread else None
+        if thread is None or frame is None:
+            return None, None
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        marked = self.of(thread)
+        if marked is not None:
+            return True, f"{marked} ({where})"
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        waiting = "torch/distributed/" in path or path.endswith("workers/rendezvous.py")
+        return waiting, where

@@ -58,14 +58,18 @@ KINDS = RANK_KINDS + DRIVER_KINDS
 
 
 class FaultPhase(StrEnum):
-    """When a rank fault fires: at the start of its step, or while a mesh resuming there is configured."""
+    """When a rank fault fires: at the start of its step, while a mesh resuming there is
+    configured, or while the rank's peer-memory snapshot of the step is copied to its buddy."""
 
     STEP = "step"
     CONFIGURE = "configure"
+    SNAPSHOT = "snapshot"
 
 
 # The kinds that can fire while configuring (a hang there would be a start-up timeout, not a hang).
 CONFIGURE_KINDS = (FaultKind.KILL, FaultKind.RAISE)
+# The kinds each phase other than STEP takes.
+PHASE_KINDS = {FaultPhase.CONFIGURE: CONFIGURE_KINDS, FaultPhase.SNAPSHOT: (FaultKind.KILL,)}
 
 
 class InjectedFault(RuntimeError):
@@ -83,19 +87,20 @@ class FaultSpec:
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """``KIND@STEP[:RANK][/configure]`` -> FaultSpec; ValueError naming what is wrong."""
+        """``KIND@STEP[:RANK][/PHASE]`` -> FaultSpec; ValueError naming what is wrong."""
         kind, at, where = text.partition("@")
         if not at or kind not in KINDS:
             raise ValueError(
-                f"--inject {text!r}: expected KIND@STEP[:RANK][/configure] with KIND one of {', '.join(KINDS)}"
+                f"--inject {text!r}: expected KIND@STEP[:RANK][/PHASE] with KIND one of {', '.join(KINDS)}"
             )
         where, slash, phase_text = where.partition("/")
-        if slash and (phase_text != FaultPhase.CONFIGURE or kind not in CONFIGURE_KINDS):
+        phase = FaultPhase(phase_text) if phase_text in PHASE_KINDS else FaultPhase.STEP
+        if slash and (phase == FaultPhase.STEP or kind not in PHASE_KINDS[phase]):
             raise ValueError(
-                f"--inject {text!r}: the only phase is /configure, for {' and '.join(CONFIGURE_KINDS)}, "
-                "e.g. kill@5:1/configure"
+                f"--inject {text!r}: the phases are /configure (for {' and '.join(CONFIGURE_KINDS)}, e.g. "
+                "kill@5:1/configure) and /snapshot (for kill: while the step's peer-memory snapshot is copied, "
+                "e.g. kill@5:1/snapshot)"
             )
-        phase = FaultPhase.CONFIGURE if slash else FaultPhase.STEP
         step_text, _, rank_text = where.partition(":")
         try:
             step = int(step_text)
@@ -184,6 +189,12 @@ class FaultInjector:
         """Inside ``configure``, once the state is filled: the faults of a mesh resuming at ``step``."""
         for fault in self.faults:
             if fault.step == step and fault.phase == FaultPhase.CONFIGURE:
+                self._fire(fault)
+
+    def while_snapshotting(self, step: int) -> None:
+        """On the snapshot sender thread, while this rank's snapshot of ``step`` is copied to its buddy."""
+        for fault in self.faults:
+            if fault.step == step and fault.phase == FaultPhase.SNAPSHOT:
                 self._fire(fault)
 
     def storage_down(self) -> bool:

@@ -11,6 +11,9 @@ process groups are rebuilt under a new generation, replica groups that lost a ra
 whole, and warm actors (spares, the healthy remainder of a broken replica) refill or grow the
 mesh with state copied peer to peer from a surviving replica.
 
+When no replica survives, every rank loads the newest whole state: the ranks' peer-memory
+snapshots (``SnapshotBook``), else a committed checkpoint (``Restores``).
+
 The controller steps the states and carries out the policies' decisions; the ``Detector``
 finds losses, ``Replicas`` keeps the replica books, ``TransitionTimer`` times mesh changes and
 ``DriverFaults`` fires injected driver and node faults.
@@ -24,17 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.placement import RankResources
-from elastic.policy import Fail, FailurePolicy, GroupStatus, Grow, ScalingPolicy
+from elastic.policy import FailurePolicy, Grow, Reshape, ScalingPolicy, StateSource
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
 from orchestrator.driver.checkpoint_commits import driver_checkpoints
-from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, group_errors
+from orchestrator.driver.detector import Detector, DrainWatch, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
-from orchestrator.driver.mesh_change import MeshChanges
+from orchestrator.driver.peer_memory import RecoveryPoint, snapshot_book
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_consistent
+from orchestrator.driver.restores import Restores
 from orchestrator.driver.sample_ledger import sample_ledger
 from orchestrator.driver.states import (
     AwaitingActors,
@@ -71,7 +75,7 @@ HEARTBEAT_EVENT_INTERVAL_S = 5.0
 ENDED_BADLY = (RunStatus.FAILED, RunStatus.ABORTED, CallFailedKind.DIED)
 
 
-class Controller(MeshChanges):
+class Controller(Restores):
     """Owns the worker group and carries the run from start to a terminal state (driver side)."""
 
     worker_group_class: type[WorkerGroupProtocol[Any]] = WorkerGroup
@@ -102,11 +106,9 @@ class Controller(MeshChanges):
         )
         self.checkpoints = driver_checkpoints(config, events)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
-        per_rank = RankResources(
-            cpus=config.runtime.cpus_per_rank,
-            gpus=config.runtime.gpus_per_rank,
-            custom=dict(config.runtime.resources_per_rank),
-        )
+        self.snapshots = snapshot_book(config, events, self.router)
+        runtime = config.runtime
+        per_rank = RankResources(runtime.cpus_per_rank, runtime.gpus_per_rank, dict(runtime.resources_per_rank))
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
             spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=config.runtime.start_timeout_s
         )
@@ -242,6 +244,7 @@ class Controller(MeshChanges):
         restoring: int | None = None,
         from_mesh: dict | None = None,
         stateless: frozenset[int] = frozenset(),
+        memory: RecoveryPoint | None = None,
     ) -> Configuring:
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
@@ -253,6 +256,7 @@ class Controller(MeshChanges):
             starts=starts,
             sync_replicas=sync_replicas,
             faults=self.faults.for_generation(restoring or self.last_step),
+            snapshots=self.snapshots.plans(self.generation, mesh, self.group.active),
         )
         now = time.monotonic()
         return Configuring(
@@ -265,21 +269,14 @@ class Controller(MeshChanges):
             deadline=now + self.config.runtime.start_timeout_s,
             recovering=recovering,
             stateless=frozenset(range(mesh.world_size)) if restoring is not None else stateless,
-        )
-
-    def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
-        """Every active rank loads checkpoint ``step``, resharded to ``mesh``."""
-        return self._configure(
-            mesh,
-            [StartFrom(StartMode.CHECKPOINT, step)] * mesh.world_size,
-            sync_replicas=False,
-            restoring=step,
-            from_mesh=from_mesh,
+            memory=memory,
         )
 
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s, first=True)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
+        if failed and state.memory is not None:
+            self.snapshots.unusable(state.memory)  # the recovery starts again, from what is left
         corrupt = [f for f in failed.values() if f.failure_kind == FailureKind.CORRUPT_CHECKPOINT]
         if corrupt and state.restoring is not None:
             return self._restore_around_corruption(state, state.restoring, corrupt[0])
@@ -302,74 +299,21 @@ class Controller(MeshChanges):
         self.last_step = max(state.calls.results.values())
         if state.restoring is not None:
             self.router.rewind(state.restoring)
+            self._drain_reports()  # the ranks' restore reports: bytes read
+            source = StateSource.PEER_MEMORY if state.memory is not None else StateSource.STORAGE
             self.events.emit(
                 "restored",
                 step=state.restoring,
-                uri=self.checkpoints.uri,
+                uri="peer-memory" if state.memory is not None else self.checkpoints.uri,
                 from_mesh=state.from_mesh,
                 to_mesh=state.mesh.as_dict(),
                 restore_s=round(time.monotonic() - state.started_at, 3),
+                source=source,
+                **({"bytes_from_peers": self.snapshots.take_restore_bytes()} if state.memory is not None else {}),
             )
         self.detector.reset(state.mesh.world_size, self.last_step)
         return Running(generation=state.generation, mesh=state.mesh, calls=self.group.run(last_step=self.spec.steps))
 
-    def _replace_out_of_memory(self, state: Configuring, out_of_memory: dict[int, CallFailed]) -> State:
-        """Ranks ran out of device memory while configuring: within the failure budget, their
-        actors are replaced (removed; ``AwaitingActors`` starts new ones) and every rank restores
-        the latest committed checkpoint. Without one the run fails, saying why.
-
-        Not an in-place shrink or refill: every other rank of the generation holds a trainer
-        whose state was never filled, and a retried configure with ``StartMode.KEPT`` would keep
-        that trainer's slices as if they were the previous generation's.
-        """
-        message = group_errors({rank: f.message for rank, f in out_of_memory.items()})
-        step = state.restoring if state.restoring is not None else self.checkpoints.latest_step()
-        if step is None:
-            return self._fail("configuration", f"out of device memory, no committed checkpoint to restore: {message}")
-        lost = {
-            rank: Lost(LossKind.RANK_ERROR, f.message, self.replicas.node_of(rank)) for rank, f in out_of_memory.items()
-        }
-        status = GroupStatus(
-            mesh=state.mesh,
-            lost_ranks=frozenset(lost),
-            draining_ranks=frozenset(),
-            warm_actors=0,
-            checkpoint_step=step,
-            time=time.monotonic(),
-            completed_step=self.router.steps_emitted,
-        )
-        decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
-        if isinstance(decision, Fail):
-            return self._fail("policy", f"{decision.reason}; last: out of device memory: {message}")
-        log.warning("out of device memory while configuring (%s): new actors restore step %s", message, step)
-        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
-        self.group.abort_step(state.generation, self.last_step + 1, survivors)  # frees ranks blocked on them
-        state.calls.collect(timeout=self.config.runtime.start_timeout_s)
-        self.events.emit("failure", **failure_fields(lost))
-        self.replicas.release(lost, ())
-        return AwaitingActors(
-            step=step,
-            mesh=state.mesh,
-            began_at=state.started_at,
-            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
-            lost_steps=max(0, self.last_step - step),
-        )
-
-    def _restore_around_corruption(self, state: Configuring, step: int, corrupt: CallFailed) -> State:
-        """A rank found a checksum mismatch restoring ``step``: fall back to the previous committed step."""
-        self._corrupt_steps.add(step)
-        log.warning(
-            "checkpoint step %s is corrupt (%s); falling back to the previous committed checkpoint",
-            step,
-            corrupt.message,
-        )
-        previous = self.checkpoints.choose_resume(skip_steps=self._corrupt_steps)
-        if previous is None:
-            return self._fail("restore", f"no intact checkpoint left to restore: {corrupt.message}")
-        state.calls.collect(timeout=self.config.runtime.start_timeout_s)  # let the others finish first
-        return self._restore(state.mesh, previous.step, from_mesh=previous.mesh)
-
-    # ----------------------------------------------------------------- running
     def _supervise(self, state: Running) -> State:
         # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
         # rank queued before returning are drained right after.
@@ -397,11 +341,16 @@ class Controller(MeshChanges):
         if draining:
             return self._begin_settling(state, SettlePurpose.DRAIN, draining=draining)
         self.group.refresh()
-        decision = self.scaling_policy.decide(state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits)
-        if isinstance(decision, Grow):
+        decision = self.scaling_policy.decide(
+            state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
+        )
+        if isinstance(decision, Grow | Reshape):
             return self._begin_settling(state, SettlePurpose.GROW)
-        # Actors for replica groups the job wants and cannot form yet, and the warm spares.
+        # Actors for replica groups the job wants and cannot form yet (or for the configured
+        # mesh, to reshape back to), and the warm spares.
         wanted = self.scaling_policy.wanted_replicas(state.mesh) * state.mesh.replica_size
+        if self.snapshots.enabled:
+            wanted = max(wanted, self.scaling_policy.reshape_shortfall(state.mesh))
         self.replicas.top_up(state.mesh, wanted_ranks=wanted + self.config.elastic.spare_actors)
         return None
 
@@ -489,5 +438,7 @@ def _policies(config: JobConfig) -> tuple[FailurePolicy, ScalingPolicy]:
         max_failures=elastic.max_failures,
         window_s=elastic.failure_window_s,
     )
-    scaling = ScalingPolicy(target_replicas=config.parallelism.dp_replicate, max_replicas=elastic.max_replicas)
+    scaling = ScalingPolicy(
+        target_replicas=config.parallelism.dp_replicate, max_replicas=elastic.max_replicas, target_mesh=config.mesh
+    )
     return failure, scaling

@@ -17,7 +17,7 @@ from elastic.spec import MeshSpec
 from orchestrator.driver.calls import CallFailed
 from workers.faults import FaultSpec
 from workers.spec import TrainSpec
-from workers.spec.messages import Heartbeat, StartFrom
+from workers.spec.messages import Heartbeat, SnapshotPlan, StartFrom
 
 
 class Slot(Protocol):
@@ -80,6 +80,7 @@ class WorkerGroupProtocol(Protocol[SlotT]):
         starts: list[StartFrom],
         sync_replicas: bool,
         faults: tuple[FaultSpec, ...] = (),
+        snapshots: Sequence[SnapshotPlan | None] = (),
     ) -> Calls: ...
     def run(self, *, last_step: int) -> Calls: ...
     def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]: ...

@@ -21,6 +21,7 @@ from elastic.policy import (
     FailurePolicy,
     GroupStatus,
     Grow,
+    Reshape,
     RestoreFromCheckpoint,
     ScalingPolicy,
     Shrink,
@@ -30,18 +31,10 @@ from orchestrator.config import JobConfig
 from orchestrator.driver.checkpoint_commits import DriverCheckpoints, NoCheckpoints
 from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
+from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_of
-from orchestrator.driver.states import (
-    AwaitingActors,
-    Configuring,
-    Finished,
-    RunEnd,
-    Running,
-    SettlePurpose,
-    Settling,
-    State,
-)
+from orchestrator.driver.states import Configuring, Finished, Running, SettlePurpose, Settling, State
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults
@@ -72,6 +65,7 @@ class MeshChanges:
     transitions: TransitionTimer
     faults: DriverFaults
     drains: DrainWatch
+    snapshots: SnapshotBook
     poll_interval_s: float
     last_step: int
 
@@ -91,10 +85,22 @@ class MeshChanges:
         restoring: int | None = None,
         from_mesh: dict | None = None,
         stateless: frozenset[int] = frozenset(),
+        memory: RecoveryPoint | None = None,
     ) -> Configuring:
         raise NotImplementedError
 
-    def _restore(self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None) -> Configuring:
+    def _restore(
+        self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None, memory: RecoveryPoint | None = None
+    ) -> Configuring:
+        raise NotImplementedError
+
+    # The restore steps (``orchestrator.driver.restores``).
+    def _begin_restore(
+        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
+    ) -> State:
+        raise NotImplementedError
+
+    def _reshape(self, state: Settling, new_mesh: MeshSpec, resume_step: int) -> State:
         raise NotImplementedError
 
     def _begin_settling(
@@ -236,6 +242,7 @@ class MeshChanges:
             r.last_step for rank, r in state.calls.results.items() if rank not in lost and isinstance(r, RunOutcome)
         ]
         resume_step = min(applied) if applied else self.last_step
+        self.snapshots.applied(state.generation, max(applied, default=0))
         self.router.flush(resume_step)
         self.last_step = max(self.last_step, resume_step)
         if state.purpose == SettlePurpose.FAILURE and not lost:
@@ -259,18 +266,21 @@ class MeshChanges:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
+        departing = self.replicas.of_ranks(set(lost) | state.draining)
+        memory = self.snapshots.recoverable(lambda slot: self.replicas.gone(slot) or id(slot) in departing)
         status = GroupStatus(
             mesh=state.mesh,
             lost_ranks=frozenset(lost),
             draining_ranks=leaving,
             warm_actors=warm,
             checkpoint_step=self.checkpoints.latest_step(),
+            memory_step=memory.step if memory is not None else None,
             time=time.monotonic(),
             completed_step=self.router.steps_emitted,
         )
         if state.purpose == SettlePurpose.GROW:
             decision = self.scaling_policy.decide(
-                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits
+                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
             )
         else:
             # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
@@ -282,6 +292,8 @@ class MeshChanges:
             return self._fail("policy", decision.reason)
         if isinstance(decision, RestoreFromCheckpoint):
             return self._begin_restore(decision, state, lost, resume_step)
+        if isinstance(decision, Reshape):
+            return self._reshape(state, decision.new_mesh, resume_step)
         if isinstance(decision, Continue):
             decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
         if isinstance(decision, Shrink):
@@ -323,60 +335,3 @@ class MeshChanges:
         self.drains.clear()
         joined = frozenset(range(len(kept), len(kept) + len(joining)))
         return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0, stateless=joined)
-
-    def _begin_restore(
-        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
-    ) -> State:
-        """No complete replica survived: every healthy actor drops its state and waits for a restore."""
-        step = decision.step if decision.step is not None else self.checkpoints.latest_step()
-        if step is None:
-            return self._fail("restore", "no committed checkpoint to restore")
-        self.replicas.release(lost, state.draining)
-        if state.purpose == SettlePurpose.DRAIN and (gone := self.drains.nowhere_to_go(self.group.avoid_nodes)):
-            # Every node that could hold a rank is going away: nothing to wait for. The drain
-            # saved first, so the run ends now with the place to resume from.
-            nodes = ", ".join(sorted(gone))
-            log.warning("every node that can hold a rank is draining (%s): stopping at checkpoint step %s", nodes, step)
-            return Finished.of(
-                RunEnd.PREEMPTED,
-                reason=f"every node that can hold a rank is draining ({nodes}); "
-                f"checkpoint step {step} is the place to resume from",
-            )
-        log.warning(
-            "no complete replica group survived: restoring checkpoint step %s (%d steps to redo)",
-            step,
-            resume_step - step,
-        )
-        return AwaitingActors(
-            step=step,
-            mesh=state.mesh,
-            began_at=state.started_at,
-            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
-            lost_steps=max(0, resume_step - step),
-        )
-
-    def _await_actors(self, state: AwaitingActors) -> State:
-        """Restore onto the largest mesh the warm actors can hold, starting more while they come."""
-        warm, target = self.replicas.gather(state.mesh)
-        out_of_time = time.monotonic() > state.deadline
-        if target is None or (target != state.mesh and self.group.starting() and not out_of_time):
-            if out_of_time:
-                return self._fail(
-                    "restore",
-                    "no capacity to restore the checkpoint onto within "
-                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
-                )
-            time.sleep(self.poll_interval_s)
-            return state
-        self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
-        self.transitions.begin(
-            TransitionKind.RECOVERED,
-            began_at=state.began_at,
-            old_mesh=state.mesh,
-            new_mesh=target,
-            resume_step=state.step,
-            lost_steps=state.lost_steps,
-            cause="restore",
-        )
-        self.last_step = state.step
-        return self._restore(target, state.step)

@@ -41,6 +41,14 @@ class Replicas:
         nodes = {slot.node_id for slot in self.group.active if slot.node_id}
         return cluster.dead_nodes(nodes) if nodes else set()
 
+    def gone(self, slot: Slot) -> bool:
+        """Whether ``slot``'s actor has left the pool (removed: lost, drained, or shut down)."""
+        return all(slot is not live for live in [*self.group.active, *self.group.warm(), *self.group.starting()])
+
+    def of_ranks(self, ranks: Collection[int]) -> set[int]:
+        """Identities (``id``) of the actors holding ``ranks`` of the current mesh."""
+        return {id(self.group.active[rank]) for rank in ranks if rank < len(self.group.active)}
+
     def shrink(
         self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], *, drop: tuple[int, ...], refill: int
     ) -> tuple[list[Slot], list[Slot]]:

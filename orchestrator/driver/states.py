@@ -26,6 +26,7 @@ from enum import StrEnum
 from elastic.spec import MeshSpec
 from orchestrator.driver.detector import Lost
 from orchestrator.driver.group import Calls
+from orchestrator.driver.peer_memory import RecoveryPoint
 
 
 class SettlePurpose(StrEnum):
@@ -80,17 +81,21 @@ class Configuring:
     # Ranks that hold no state of the job until this configuration fills it (joining actors, or
     # every rank of a restore): should it fail, their replica groups cannot be kept.
     stateless: frozenset[int] = frozenset()
+    # Set when the ranks load a peer-memory snapshot (``restoring`` is its step).
+    memory: RecoveryPoint | None = None
 
 
 @dataclass(frozen=True)
 class AwaitingActors:
-    """No replica survived: wait for enough actors to restore checkpoint ``step`` onto."""
+    """No replica survived: wait for enough actors to restore ``step`` onto (a checkpoint, or
+    the peer-memory snapshot ``memory``)."""
 
     step: int
     mesh: MeshSpec
     began_at: float
     deadline: float
     lost_steps: int
+    memory: RecoveryPoint | None = None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Runs on the driver. The controller starts a ``Transition`` when it carries out a recovery, a
 restore or a grow; ``TransitionTimer.report`` is called after every batch of step reports and
-emits the ``recovered`` event (``mttr_s``, ``lost_steps``, ``cause``) or the ``grow`` event
-(``join_s``) once, when the first step after ``resume_step`` has completed everywhere. Times
+emits the ``recovered`` event (``mttr_s``, ``lost_steps``, ``cause``, ``source``) or the
+``grow`` event (``join_s``, ``source``) once, when the first step after ``resume_step`` has completed everywhere. Times
 are the ranks' wall clocks, so they include the last step's run, not the driver's poll delay.
 """
 
@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
+from elastic.policy import StateSource
 from elastic.spec import MeshSpec
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.observe.events import EventLog
@@ -38,6 +39,8 @@ class Transition:
     lost_steps: int = 0
     added_ranks: tuple[int, ...] = ()
     cause: str = "failure"  # a SettlePurpose, or "restore"
+    # Where ranks that did not hold the state took it from.
+    source: StateSource = StateSource.REPLICA
     # The router's count of step events when it began: only a step completed since ends it.
     steps_emitted: int = 0
 
@@ -66,6 +69,7 @@ class TransitionTimer:
         lost_steps: int,
         cause: str,
         added_ranks: tuple[int, ...] = (),
+        source: StateSource = StateSource.REPLICA,
     ) -> None:
         """A change of mesh that began at monotonic time ``began_at`` resumes after ``resume_step``."""
         self.pending = Transition(
@@ -79,6 +83,7 @@ class TransitionTimer:
             added_ranks=added_ranks,
             cause=cause,
             steps_emitted=self.router.steps_emitted,
+            source=source,
         )
 
     def report(self) -> None:
@@ -101,6 +106,7 @@ class TransitionTimer:
                 added_ranks=list(transition.added_ranks),
                 join_s=elapsed,
                 old_mesh=transition.old_mesh.as_dict(),
+                source=transition.source,
             )
         else:
             self.events.emit(
@@ -111,5 +117,6 @@ class TransitionTimer:
                 new_mesh=transition.new_mesh.as_dict(),
                 cause=transition.cause,
                 refilled_ranks=list(transition.added_ranks),
+                source=transition.source,
             )
         self.pending = None

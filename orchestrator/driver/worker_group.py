@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import count
@@ -36,12 +37,13 @@ from workers.actor import RankActor  # the class handle only: ray.remote needs i
 from workers.faults import FaultSpec
 from workers.rendezvous import StoreHost
 from workers.spec import TrainSpec
-from workers.spec.messages import Heartbeat, StartFrom
+from workers.spec.messages import Heartbeat, SnapshotPlan, StartFrom
 
 log = logging.getLogger("meshpilot")
 
-# Threads per rank actor: the loop, plus control calls (poll, stop) answered while it runs.
-ACTOR_CONCURRENCY = 4
+# Threads per rank actor: the loop, plus control calls (poll, stop) answered while it runs,
+# and peer-memory snapshot calls (a buddy's copy, restoring ranks' reads).
+ACTOR_CONCURRENCY = 8
 
 
 _replica_ids = count()
@@ -223,7 +225,9 @@ class WorkerGroup:
         starts: list[StartFrom],
         sync_replicas: bool,
         faults: tuple[FaultSpec, ...] = (),
+        snapshots: Sequence[SnapshotPlan | None] = (),
     ) -> PendingCalls:
+        plans = list(snapshots) or [None] * len(self.active)
         return PendingCalls(
             [
                 slot.actor.configure.remote(
@@ -234,8 +238,9 @@ class WorkerGroup:
                     start=start,
                     sync_replicas=sync_replicas,
                     faults=faults,
+                    snapshots=plan,
                 )
-                for rank, (slot, start) in enumerate(zip(self.active, starts))
+                for rank, (slot, start, plan) in enumerate(zip(self.active, starts, plans))
             ]
         )
 

@@ -47,6 +47,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     # The faults the run was given (--inject, --chaos), as --inject takes them; seed: the
     # --chaos seed that drew them (None for --inject alone).
     "fault_schedule": ("seed", "faults"),
+    # Host memory the peer-memory snapshots take per rank ({rank: bytes}) in a generation, the
+    # largest of them and elastic.snapshot_memory_limit_mb in bytes.
+    "snapshot_memory": ("generation", "bytes_per_rank", "max_bytes", "limit_bytes"),
 }
 
 # Fields the driver adds on top; readers must treat them as possibly absent (older runs, fakes).
@@ -59,9 +62,12 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     "checkpoint_failed": ("reason",),
     # details: {rank: traceback} behind the one-line message
     "failure": ("details",),
-    # cause: failure | restore | drain | grow; refilled_ranks: ranks rebuilt from warm actors
-    "recovered": ("cause", "refilled_ranks"),
-    "grow": ("old_mesh",),
+    # cause: failure | restore | drain | grow; refilled_ranks: ranks rebuilt from warm actors;
+    # source: where ranks without the state took it (replica | peer_memory | storage)
+    "recovered": ("cause", "refilled_ranks", "source"),
+    "grow": ("old_mesh", "source"),
+    # source: peer_memory | storage; bytes_from_peers: what the ranks read from other ranks' memory
+    "restored": ("source", "bytes_from_peers"),
     # logger: the rank's logger that wrote the record
     "log": ("logger",),
     # replicas_consistent: with several replica groups, whether they ended bitwise identical

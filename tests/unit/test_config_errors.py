@@ -68,7 +68,10 @@ CASES = [
     (["--chaos", "seven"], "--chaos 'seven': expected SEED[:N] with integers, e.g. --chaos 7:6"),
     (["--chaos", "7:0"], "--chaos '7:0': SEED must be >= 0 and N >= 1"),
     (["--chaos", "7:60"], "--chaos: 60 faults need at least 63 steps (training.steps=50)"),
-    (["--inject", "hang@5:1/configure"], "the only phase is /configure, for kill and raise"),
+    (
+        ["--inject", "hang@5:1/configure"],
+        "the phases are /configure (for kill and raise, e.g. kill@5:1/configure) and /snapshot (for kill",
+    ),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from workers.spec.messages import (
     Phase,
     RunOutcome,
     RunStatus,
+    SnapshotPlan,
     StartFrom,
     StartMode,
     StepReport,
@@ -119,6 +121,7 @@ class FakeGroup:
         starts: list[StartFrom],
         sync_replicas: bool,
         faults: tuple[FaultSpec, ...] = (),
+        snapshots: Sequence[SnapshotPlan | None] = (),
     ) -> FakeCalls:
         self.configured.append(
             {"mesh": mesh, "starts": starts, "sync": sync_replicas, "slots": [slot.index for slot in self.active]}
@@ -567,8 +570,9 @@ def test_a_rank_lost_while_a_recovery_configures_restarts_the_recovery_from_what
 def test_configure_faults_parse_and_stay_armed_for_the_recovery_that_follows_a_step_fault() -> None:
     fault = FaultSpec.parse("kill@10:1/configure")
     assert fault == FaultSpec(FaultKind.KILL, 10, 1, FaultPhase.CONFIGURE) and fault.describe() == "kill@10:1/configure"
-    for bad in ("hang@10:1/configure", "kill@10:1/upload"):
-        with pytest.raises(ValueError, match=r"the only phase is /configure, for kill and raise"):
+    assert FaultSpec.parse("kill@4:2/snapshot") == FaultSpec(FaultKind.KILL, 4, 2, FaultPhase.SNAPSHOT)
+    for bad in ("hang@10:1/configure", "kill@10:1/upload", "raise@10:1/snapshot"):
+        with pytest.raises(ValueError, match=r"the phases are /configure \(for kill and raise"):
             FaultSpec.parse(bad)
     faults = DriverFaults([FaultSpec.parse("kill@10:3"), fault, FaultSpec.parse("raise@12:0")])
     faults.consume_after_failure(9)  # the step fault at 10 fired: the recovery configures for step 10

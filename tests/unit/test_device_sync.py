@@ -101,6 +101,7 @@ def bare_actor(device: RankDevice | None) -> RankActor:
     """A RankActor with only what leaving a generation and answering a poll read (no Ray)."""
     actor = RankActor.__new__(RankActor)
     actor.checkpoints = None
+    actor.snapshots = None
     actor.trainer = None
     actor.source = None
     actor.committer = None
@@ -155,7 +156,7 @@ def test_a_rank_marked_waiting_counts_as_waiting_wherever_its_frame_is():
         thread.start()
         entered.wait(10)
         actor._loop_thread = thread.ident
-        waiting, where = actor._loop_position()
+        waiting, where = actor._peer_waits.position(actor._loop_thread)
         release.set()
         thread.join()
         assert waiting is expected

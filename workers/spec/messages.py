@@ -11,8 +11,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-from checkpointing.spec import FailureReport, ShardReport
+from checkpointing.manifest import Manifest
+from checkpointing.spec import ChunkEntry, FailureReport, ShardReport, TensorEntry
 
 
 class RunStatus(StrEnum):
@@ -32,6 +34,7 @@ class StartMode(StrEnum):
     KEPT = "kept"  # the slices this process kept from the previous generation
     PEER = "peer"  # broadcast from replica group 0 of the new mesh
     CHECKPOINT = "checkpoint"  # a committed checkpoint, resharded to this mesh
+    MEMORY = "memory"  # a peer-memory snapshot held by the ranks, resharded to this mesh
 
 
 class FailureKind(StrEnum):
@@ -98,6 +101,9 @@ class ReportKind(StrEnum):
     DRAIN_NOTICE = "drain_notice"  # the rank's node (spot notice) or process (SIGTERM) is about to go away
     PRETRAINED_LOAD = "pretrained_load"  # the rank loaded its slices of released weights
     EVAL = "eval"  # the ranks evaluated the model at a step boundary
+    SNAPSHOT_LAYOUT = "snapshot_layout"  # where a rank's peer-memory snapshots hold each slice
+    SNAPSHOT = "snapshot"  # a rank's snapshot of a step is in its memory and its buddy's
+    MEMORY_RESTORE = "memory_restore"  # a rank filled its state from peer-memory snapshots
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class StepReport:
     grad_norm: float | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step
     checkpoint_stall_s: float | None = None  # set on steps that staged a checkpoint
+    snapshot_stall_s: float | None = None  # set on steps that took a peer-memory snapshot
     # With data.record_samples: the global sample indices this rank's data-parallel slice consumed.
     sample_indices: tuple[int, ...] | None = None
     kind: ReportKind = ReportKind.STEP
@@ -184,7 +191,82 @@ class EvalReport:
     kind: ReportKind = ReportKind.EVAL
 
 
-RankReport = StepReport | LogReport | CheckpointUploadReport | DrainNoticeReport | PretrainedLoadReport | EvalReport
+@dataclass(frozen=True)
+class SnapshotLayoutReport:
+    """How a rank lays out its peer-memory snapshots in one generation (sent once, when it
+    joins the generation): every snapshot of the generation has this layout, so the driver can describe any
+    of them to a reader. ``chunks`` carry no key (each snapshot's is ``snapshot_key``) and no
+    checksums (memory is not verified like storage)."""
+
+    rank: int
+    time: float
+    generation: int
+    buddy_rank: int | None  # the rank that holds a copy of each snapshot (None: no copy)
+    bytes: int  # one snapshot of this rank
+    tensors: tuple[TensorEntry, ...]
+    chunks: tuple[ChunkEntry, ...]
+    kind: ReportKind = ReportKind.SNAPSHOT_LAYOUT
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    """A rank's snapshot of ``step`` is in its own memory and, when ``copied``, its buddy's."""
+
+    rank: int
+    time: float
+    generation: int
+    step: int
+    copied: bool
+    stall_s: float  # the loop's wait while the slices were copied to host memory
+    send_s: float  # the background copy to the buddy
+    kind: ReportKind = ReportKind.SNAPSHOT
+
+
+@dataclass(frozen=True)
+class MemoryRestoreReport:
+    """A rank filled its state from a peer-memory snapshot: bytes from its own process and from peers."""
+
+    rank: int
+    time: float
+    step: int
+    bytes_local: int
+    bytes_remote: int
+    seconds: float
+    kind: ReportKind = ReportKind.MEMORY_RESTORE
+
+
+RankReport = (
+    StepReport
+    | LogReport
+    | CheckpointUploadReport
+    | DrainNoticeReport
+    | PretrainedLoadReport
+    | EvalReport
+    | SnapshotLayoutReport
+    | SnapshotReport
+    | MemoryRestoreReport
+)
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """A rank's peer-memory snapshots in one generation: every ``interval_steps`` steps, and
+    a copy sent to ``buddy`` (the actor holding rank ``buddy_rank``, on another node when the
+    cluster has one; None when the world has one rank)."""
+
+    interval_steps: int
+    buddy_rank: int | None = None
+    buddy: Any = None  # the buddy's actor handle
+    memory_limit_bytes: int | None = None  # refuse snapshots needing more host memory per rank
+
+
+@dataclass(frozen=True)
+class MemorySource:
+    """A peer-memory snapshot to restore from: its index, and which actors hold each object
+    (``holders[key]``, best first: the owner, then its buddy)."""
+
+    manifest: Manifest
+    holders: dict[str, tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -195,10 +277,12 @@ class StartFrom:
     from the previous generation. ``PEER``: receive them from replica group 0 of the new mesh
     (every rank of such a generation is configured with ``sync_replicas=True``).
     ``CHECKPOINT``: load committed checkpoint ``step`` from storage, resharded to this mesh.
+    ``MEMORY``: load the peer-memory snapshot ``memory`` (of ``step``), resharded to this mesh.
     """
 
     mode: StartMode = StartMode.FRESH
     step: int = 0
+    memory: MemorySource | None = None
 
 
 @dataclass(frozen=True)

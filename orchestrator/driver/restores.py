@@ -1,0 +1,205 @@
+"""Restoring the job's state onto a new mesh, from peer memory or from storage.
+
+Runs on the driver, as part of ``Controller`` (a mixin over ``MeshChanges``: these are its
+methods). When no complete replica group survives, ``_begin_restore`` releases the actors and
+``_await_actors`` gathers enough of them; ``_restore`` configures every rank to load the chosen
+state resharded to the mesh: a peer-memory snapshot (``orchestrator.driver.peer_memory``) or a
+committed checkpoint. ``_reshape`` moves a paused job onto a mesh differing in any degree the
+same way (growing back after a restore onto fewer ranks). Out-of-memory configurations and
+corrupt checkpoints are restored around here too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from elastic.policy import Fail, GroupStatus, RestoreFromCheckpoint, StateSource
+from elastic.spec import MeshSpec
+from orchestrator.driver.calls import CallFailed
+from orchestrator.driver.detector import LossKind, Lost, failure_fields, group_errors
+from orchestrator.driver.mesh_change import MeshChanges
+from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook
+from orchestrator.driver.states import AwaitingActors, Configuring, Finished, RunEnd, SettlePurpose, Settling, State
+from orchestrator.driver.transitions import TransitionKind
+from workers.spec.messages import StartFrom, StartMode
+
+log = logging.getLogger("meshpilot")
+
+
+class Restores(MeshChanges):
+    """The controller's restore steps (see ``Controller``, which inherits them)."""
+
+    snapshots: SnapshotBook
+    _corrupt_steps: set[int]
+
+    def _restore(
+        self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None, memory: RecoveryPoint | None = None
+    ) -> Configuring:
+        """Every active rank loads checkpoint ``step`` (or, with ``memory``, that peer-memory
+        snapshot), resharded to ``mesh``."""
+        start = StartFrom(StartMode.CHECKPOINT, step)
+        if memory is not None:
+            source = self.snapshots.source(memory, gone=self.replicas.gone)
+            start = StartFrom(StartMode.MEMORY, step, memory=source)
+            from_mesh = source.manifest.mesh
+        return self._configure(
+            mesh, [start] * mesh.world_size, sync_replicas=False, restoring=step, from_mesh=from_mesh, memory=memory
+        )
+
+    def _replace_out_of_memory(self, state: Configuring, out_of_memory: dict[int, CallFailed]) -> State:
+        """Ranks ran out of device memory while configuring: within the failure budget, their
+        actors are replaced (removed; ``AwaitingActors`` starts new ones) and every rank restores
+        the latest committed checkpoint. Without one the run fails, saying why.
+
+        Not an in-place shrink or refill: every other rank of the generation holds a trainer
+        whose state was never filled, and a retried configure with ``StartMode.KEPT`` would keep
+        that trainer's slices as if they were the previous generation's.
+        """
+        message = group_errors({rank: f.message for rank, f in out_of_memory.items()})
+        step = state.restoring if state.restoring is not None else self.checkpoints.latest_step()
+        if step is None:
+            return self._fail("configuration", f"out of device memory, no committed checkpoint to restore: {message}")
+        lost = {
+            rank: Lost(LossKind.RANK_ERROR, f.message, self.replicas.node_of(rank)) for rank, f in out_of_memory.items()
+        }
+        status = GroupStatus(
+            mesh=state.mesh,
+            lost_ranks=frozenset(lost),
+            draining_ranks=frozenset(),
+            warm_actors=0,
+            checkpoint_step=step,
+            time=time.monotonic(),
+            completed_step=self.router.steps_emitted,
+        )
+        decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
+        if isinstance(decision, Fail):
+            return self._fail("policy", f"{decision.reason}; last: out of device memory: {message}")
+        log.warning("out of device memory while configuring (%s): new actors restore step %s", message, step)
+        survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
+        self.group.abort_step(state.generation, self.last_step + 1, survivors)  # frees ranks blocked on them
+        state.calls.collect(timeout=self.config.runtime.start_timeout_s)
+        self.events.emit("failure", **failure_fields(lost))
+        self.replicas.release(lost, ())
+        return AwaitingActors(
+            step=step,
+            mesh=state.mesh,
+            began_at=state.started_at,
+            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
+            lost_steps=max(0, self.last_step - step),
+        )
+
+    def _restore_around_corruption(self, state: Configuring, step: int, corrupt: CallFailed) -> State:
+        """A rank found a checksum mismatch restoring ``step``: fall back to the previous committed step."""
+        self._corrupt_steps.add(step)
+        log.warning(
+            "checkpoint step %s is corrupt (%s); falling back to the previous committed checkpoint",
+            step,
+            corrupt.message,
+        )
+        previous = self.checkpoints.choose_resume(skip_steps=self._corrupt_steps)
+        if previous is None:
+            return self._fail("restore", f"no intact checkpoint left to restore: {corrupt.message}")
+        state.calls.collect(timeout=self.config.runtime.start_timeout_s)  # let the others finish first
+        return self._restore(state.mesh, previous.step, from_mesh=previous.mesh)
+
+    def _begin_restore(
+        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
+    ) -> State:
+        """No complete replica survived: every healthy actor drops its state and waits for a
+        restore, from peer memory (survivors keep serving their snapshots) or from storage."""
+        step = decision.step if decision.step is not None else self.checkpoints.latest_step()
+        if step is None:
+            return self._fail("restore", "no committed checkpoint to restore")
+        self.replicas.release(lost, state.draining)
+        memory = None
+        if decision.source == StateSource.PEER_MEMORY:
+            memory = self.snapshots.recoverable(self.replicas.gone)
+            if memory is None or memory.step != step:  # the policy saw it whole a moment ago
+                return self._fail("restore", f"peer-memory snapshot of step {step} is no longer whole")
+        storage_only = memory is None
+        if (
+            storage_only
+            and state.purpose == SettlePurpose.DRAIN
+            and (gone := self.drains.nowhere_to_go(self.group.avoid_nodes))
+        ):
+            # Every node that could hold a rank is going away: nothing to wait for. The drain
+            # saved first, so the run ends now with the place to resume from.
+            nodes = ", ".join(sorted(gone))
+            log.warning("every node that can hold a rank is draining (%s): stopping at checkpoint step %s", nodes, step)
+            return Finished.of(
+                RunEnd.PREEMPTED,
+                reason=f"every node that can hold a rank is draining ({nodes}); "
+                f"checkpoint step {step} is the place to resume from",
+            )
+        log.warning(
+            "no complete replica group survived: restoring %s step %s (%d steps to redo)",
+            "checkpoint" if storage_only else "the peer-memory snapshot of",
+            step,
+            resume_step - step,
+        )
+        return AwaitingActors(
+            step=step,
+            mesh=state.mesh,
+            began_at=state.started_at,
+            deadline=time.monotonic() + self.config.runtime.start_timeout_s,
+            lost_steps=max(0, resume_step - step),
+            memory=memory,
+        )
+
+    def _await_actors(self, state: AwaitingActors) -> State:
+        """Restore onto the largest mesh the warm actors can hold, starting more while they come.
+        From peer memory, at once onto what is warm: the mesh grows back (``Reshape``) once
+        the actors have started, without holding training up meanwhile."""
+        warm, target = self.replicas.gather(state.mesh)
+        out_of_time = time.monotonic() > state.deadline
+        wait_for_more = state.memory is None and self.group.starting() and not out_of_time
+        if target is None or (target != state.mesh and wait_for_more):
+            if out_of_time:
+                return self._fail(
+                    "restore",
+                    "no capacity to restore the checkpoint onto within "
+                    f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
+                )
+            time.sleep(self.poll_interval_s)
+            return state
+        self.group.set_active(self.replicas.pick_warm(warm, target.world_size))
+        self.transitions.begin(
+            TransitionKind.RECOVERED,
+            began_at=state.began_at,
+            old_mesh=state.mesh,
+            new_mesh=target,
+            resume_step=state.step,
+            lost_steps=state.lost_steps,
+            cause="restore",
+            source=StateSource.STORAGE if state.memory is None else StateSource.PEER_MEMORY,
+        )
+        self.last_step = state.step
+        return self._restore(target, state.step, memory=state.memory)
+
+    def _reshape(self, state: Settling, new_mesh: MeshSpec, resume_step: int) -> State:
+        """Every rank paused after ``resume_step``: move onto ``new_mesh`` with warm actors
+        joining, every rank loading the boundary's peer-memory snapshot resharded (no storage,
+        no step lost). Stays on the same mesh when that snapshot is not whole."""
+        memory = self.snapshots.recoverable(self.replicas.gone)
+        joining = self.replicas.pick_warm(self.group.warm(), new_mesh.world_size - state.mesh.world_size)
+        if memory is None or memory.step != resume_step or not joining:
+            log.info("no whole peer-memory snapshot of step %s: staying on %s", resume_step, state.mesh.describe())
+            return self._change_mesh(
+                state, state.mesh, list(self.group.active), [], kind=TransitionKind.GROW, resume_step=resume_step
+            )
+        kept = list(self.group.active)
+        self.group.set_active(kept + joining)
+        self.transitions.begin(
+            TransitionKind.GROW,
+            began_at=state.started_at,
+            old_mesh=state.mesh,
+            new_mesh=new_mesh,
+            resume_step=resume_step,
+            lost_steps=0,
+            added_ranks=tuple(range(len(kept), len(kept) + len(joining))),
+            cause=state.purpose,
+            source=StateSource.PEER_MEMORY,
+        )
+        self.drains.clear()
+        return self._restore(new_mesh, resume_step, memory=memory)
