@@ -388,13 +388,19 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
         ("saves given up on storage", str(landed["saves_failed_on_storage"]), "", ""),
         ("faults survived", f"all {survived}" if survived is not None else f"NO: {run_end}", "", "all"),
         ("steps lost, a replica survived", str(lost["replica_survived"]), "", "0"),
+        ("steps lost, restored from peer memory", str(lost["from_peer_memory"]), "", "0"),
         (
             "steps lost, restored from storage",
             f"{lost['from_storage']} (step events: {lost['redone_after_restores']} redone)",
             "",
             "",
         ),
-        ("restores from storage", str(summary["restores_from_storage"]), "", ""),
+        (
+            "restores from peer memory / storage",
+            f"{summary['restores_from_peer_memory']} / {summary['restores_from_storage']}",
+            "",
+            "",
+        ),
         (
             "goodput (time in counted steps / wall)",
             pct(good["goodput"]),

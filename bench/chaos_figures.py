@@ -16,9 +16,10 @@ How each figure is counted:
   when no recovery configures at its step; and one fault can give several events (a drained
   node's ranks dying, a lost node found again by a recovery that started over).
 - steps lost: the ``lost_steps`` of every ``recovered`` event, apart for those that restored
-  from storage (``cause: restore``) and the rest (a replica group survived: in-place shrink,
-  refill from spares, a drain's pause). Beside it, as a check on the events, the steps redone
-  after restores counted from the ``step`` events themselves (applied, rewound, applied again).
+  (``cause: restore``) from peer memory (``source: peer_memory``), from storage, and the rest
+  (a replica group survived: in-place shrink, refill from spares, a drain's pause). Beside
+  it, as a check on the events, the steps redone after restores counted from the ``step``
+  events themselves (applied, rewound, applied again).
 - goodput: the time inside the steps that count (``step_time_s``, the slowest rank's, of each
   step's last application; a step a restore rewound is redone, and only the redo counts) over
   the wall time from the ``start`` event (before any actor starts) to ``done``.
@@ -78,19 +79,26 @@ def goodput(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _restored_from_memory(event: dict[str, Any]) -> bool:
+    return event.get("source") == "peer_memory"
+
+
 def steps_lost(events: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Steps lost by the recoveries, apart for restores from storage and the rest."""
+    """Steps lost by the recoveries, apart for restores from peer memory, from storage and the rest."""
     recovered = of_kind(events, "recovered")
-    from_storage = [e for e in recovered if e.get("cause") == "restore"]
+    from_memory = [e for e in recovered if e.get("cause") == "restore" and _restored_from_memory(e)]
+    from_storage = [e for e in recovered if e.get("cause") == "restore" and not _restored_from_memory(e)]
     in_place = [e for e in recovered if e.get("cause") != "restore"]
     return {
         "replica_survived": sum(e["lost_steps"] for e in in_place),
+        "from_peer_memory": sum(e["lost_steps"] for e in from_memory),
         "from_storage": sum(e["lost_steps"] for e in from_storage),
         "total": sum(e["lost_steps"] for e in recovered),
         # Step events a restore rewound (exact while no step is applied twice without one: the
         # invariant report's ``steps`` check).
         "redone_after_restores": len(of_kind(events, "step")) - len(counted_steps(events)),
         "recoveries_replica_survived": len(in_place),
+        "recoveries_from_peer_memory": len(from_memory),
         "recoveries_from_storage": len(from_storage),
     }
 
@@ -139,7 +147,8 @@ def chaos_figures(
         "faults_landed": landed,
         "faults_survived": landed["total"] if survived else None,
         "steps_lost": steps_lost(events),
-        "restores_from_storage": len(of_kind(events, "restored")),
+        "restores_from_storage": len([e for e in of_kind(events, "restored") if not _restored_from_memory(e)]),
+        "restores_from_peer_memory": len([e for e in of_kind(events, "restored") if _restored_from_memory(e)]),
         "goodput": ours,
         "uninterrupted_goodput": reference,
         "goodput_ratio_vs_uninterrupted": ratio,

@@ -62,13 +62,15 @@ def test_steps_lost_are_split_by_whether_a_replica_survived():
     figures = chaos_figures(CHAOS, scheduled=5, survived=True, uninterrupted=None)
     assert figures["steps_lost"] == {
         "replica_survived": 0,
+        "from_peer_memory": 0,
         "from_storage": 3,
         "total": 3,
         "redone_after_restores": 3,
         "recoveries_replica_survived": 2,
+        "recoveries_from_peer_memory": 0,
         "recoveries_from_storage": 1,
     }
-    assert figures["restores_from_storage"] == 1
+    assert figures["restores_from_storage"] == 1 and figures["restores_from_peer_memory"] == 0
     assert figures["slowest_recovery"] == {"mttr_s": 9.0, "cause": "restore"}
     assert figures["goodput_ratio_vs_uninterrupted"] is None
 
