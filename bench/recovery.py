@@ -19,7 +19,15 @@ on CPU, global batch 16, seq_len 64. Measured, side by side:
    (from the last step completed on the old mesh to the first on the smaller one).
 4. meshpilot, grow: right after the shrink of (2) a node is added; from the node being up to
    the first step on the grown mesh, and the ``grow`` event's ``join_s`` (the pause itself).
-5. The reference: Ray Train V2's ``TorchTrainer`` (``bench/recovery_reference.py``) on the same
+5. One replica (dp_replicate=1 x dp_shard=4 over the two worker nodes), SIGKILL of rank 3 at
+   the start of step S, no spare: meshpilot restoring from peer memory (every rank snapshots its
+   state to host memory after each step, a rank of the other node keeps a copy; the job goes on
+   at once on dp_shard=2), beside meshpilot with snapshots off restoring its newest checkpoint
+   from S3 (a local SeaweedFS, a checkpoint every CHECKPOINT_EVERY steps like the reference's):
+   fault to first step and steps lost. Ray Train has no replica groups: its figure is (6)'s (a).
+   Also the snapshots' cost: the median step time of an uninterrupted one-replica run with
+   snapshots on over one with them off, and the host memory they take per rank.
+6. The reference: Ray Train V2's ``TorchTrainer`` (``bench/recovery_reference.py``) on the same
    model, FSDP2 layout, data and world size, checkpointing every few steps: (a) a worker
    SIGKILLs itself at the start of step S; (b) the node of a worker is removed (a spare node
    stands by, since Ray Train restarts the whole group at full size).
@@ -73,7 +81,11 @@ FAULT_STEP = 8  # the step whose start a kill or a drain hits; a node goes once 
 CHECKPOINT_EVERY = 5  # the reference's checkpoint interval (steps)
 # How long the node scenario waits for the new node's replica group to join before giving up.
 GROW_WAIT_S = 90.0
-GOALS = {"kill_s": 3.0, "node_s": 5.0, "drain_pause_s": 1.0, "grow_s": 10.0}
+GOALS = {"kill_s": 3.0, "node_s": 5.0, "drain_pause_s": 1.0, "grow_s": 10.0, "one_replica_s": 3.0}
+SNAPSHOT_STEP_COST_GOAL = 1.03  # step time with peer-memory snapshots over without
+# One replica: no surviving replica group can hand the lost rank's state over.
+ONE_REPLICA = ("parallelism.dp_replicate=1", "parallelism.dp_shard=4")
+SNAPSHOTS_OFF = ("elastic.snapshot_interval_steps=0",)
 HEAD_CPUS = 16
 
 
@@ -177,13 +189,21 @@ class _Subscriber:
         self.on_event = on_event
 
 
-def job_config(steps: int):
+def job_config(steps: int, overrides: tuple[str, ...] = ()):
     from orchestrator.config import load_config
 
-    return load_config(DEMO_CONFIG, [*LAYOUT, f"training.steps={steps}"])
+    return load_config(DEMO_CONFIG, [*LAYOUT, f"training.steps={steps}", *overrides])
 
 
-def run_meshpilot(run_dir: Path, *, steps: int, faults: tuple[str, ...], on_event=None, node_fault=None):
+def run_meshpilot(
+    run_dir: Path,
+    *,
+    steps: int,
+    faults: tuple[str, ...],
+    on_event=None,
+    node_fault=None,
+    overrides: tuple[str, ...] = (),
+):
     """One meshpilot job on the benchmark's cluster; its events. ``on_event`` may raise
     ``StopRun`` to end the job early (as Ctrl-C does: after the step in flight)."""
     from orchestrator.driver.run import run_training
@@ -201,7 +221,7 @@ def run_meshpilot(run_dir: Path, *, steps: int, faults: tuple[str, ...], on_even
             raise KeyboardInterrupt from None  # the controller's Ctrl-C path: stop after the step in flight
 
     result = run_training(
-        job_config(steps),
+        job_config(steps, overrides),
         run_dir,
         faults=tuple(FaultSpec.parse(f) for f in faults),
         node_fault=node_fault,
@@ -216,8 +236,8 @@ class StopRun(Exception):
     """Raised by a scenario's event hook once it has seen what it measures."""
 
 
-def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
-    """SIGKILL of rank 3 (replica group 1) at the start of FAULT_STEP."""
+def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """SIGKILL of rank 3 (replica group 1 with the default layout) at the start of FAULT_STEP."""
     nodes, watch = WorkerNodes(cluster, 2, ranks_per_node=2), DeathWatch()
 
     def arm_before_the_kill(event):
@@ -225,7 +245,9 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
             watch.arm()
 
     try:
-        events = run_meshpilot(run_dir, steps=steps, faults=(f"kill@{FAULT_STEP}:3",), on_event=arm_before_the_kill)
+        events = run_meshpilot(
+            run_dir, steps=steps, faults=(f"kill@{FAULT_STEP}:3",), on_event=arm_before_the_kill, overrides=overrides
+        )
     finally:
         watch.close()
         nodes.close()
@@ -246,11 +268,36 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
         "mttr_s": recovered["mttr_s"],
         "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
         "from_previous_step_s": change.first_step_at - previous_step_at,
+        "source": recovered.get("source"),
+        "new_mesh": recovered["new_mesh"],
         "kill_seen": fault_at == watch.died_at,
         "kill_window_s": (
             None if watch.died_at is None or watch.seen_dead_at is None else watch.seen_dead_at - watch.died_at
         ),
         "losses": _losses(events, upto=FAULT_STEP - 1),
+    }
+
+
+def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
+    """Uninterrupted one-replica runs with peer-memory snapshots on and off, one after the other:
+    median step time of each (the first steps left out: start-up), and the host memory per rank."""
+    nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
+    try:
+        on = run_meshpilot(run_dir / "on", steps=steps, faults=(), overrides=ONE_REPLICA)
+        off = run_meshpilot(run_dir / "off", steps=steps, faults=(), overrides=(*ONE_REPLICA, *SNAPSHOTS_OFF))
+    finally:
+        nodes.close()
+
+    def step_time(events) -> float | None:
+        return median(e["step_time_s"] for e in of_kind(events, "step") if e["step"] > 3)
+
+    on_s, off_s = step_time(on), step_time(off)
+    memory = of_kind(on, "snapshot_memory")
+    return {
+        "step_on_s": on_s,
+        "step_off_s": off_s,
+        "ratio": None if not on_s or not off_s else on_s / off_s,
+        "host_bytes_per_rank": memory[0]["max_bytes"] if memory else None,
     }
 
 
@@ -423,13 +470,36 @@ def _reference_losses(records) -> dict[int, float]:
 
 
 # ------------------------------------------------------------------ the run
-SCENARIOS = ("meshpilot_kill", "meshpilot_node", "meshpilot_drain", "reference_kill", "reference_node")
+SCENARIOS = (
+    "meshpilot_kill",
+    "meshpilot_node",
+    "meshpilot_drain",
+    "reference_kill",
+    "reference_node",
+    "one_replica_memory",
+    "one_replica_storage",
+    "snapshot_cost",
+)
 
 
-def run_all(cluster, workdir: Path, *, repeats: int, quick: bool) -> tuple[dict[str, list[dict]], list[str]]:
-    """Every scenario ``repeats`` times, rounds interleaved so that noise hits all alike."""
+def run_all(
+    cluster, workdir: Path, *, repeats: int, quick: bool, storage: tuple[str, str]
+) -> tuple[dict[str, list[dict]], list[str]]:
+    """Every scenario ``repeats`` times, rounds interleaved so that noise hits all alike.
+    ``storage``: (S3 URI prefix, endpoint) for the one-replica restore from storage."""
     # Enough steps after the fault for the figures; the node run stops on its own once grown.
     steps, node_steps = FAULT_STEP + 8, FAULT_STEP + 400
+
+    def one_replica_storage(run_dir: Path) -> tuple[str, ...]:
+        uri, endpoint = storage
+        return (
+            *ONE_REPLICA,
+            *SNAPSHOTS_OFF,
+            f"checkpoint.uri={uri}/{run_dir.name}",  # a prefix per run: nothing to resume from
+            f"checkpoint.endpoint_url={endpoint}",
+            f"checkpoint.interval_steps={CHECKPOINT_EVERY}",
+        )
+
     results: dict[str, list[dict]] = {name: [] for name in (*SCENARIOS, "meshpilot_grow")}
     errors: list[str] = []
     scenarios: list[tuple[str, Callable[[Path], Any]]] = [
@@ -437,6 +507,9 @@ def run_all(cluster, workdir: Path, *, repeats: int, quick: bool) -> tuple[dict[
         ("meshpilot_node", lambda d: meshpilot_node_then_grow(cluster, d, steps=node_steps)),
         ("meshpilot_drain", lambda d: meshpilot_drain(cluster, d, steps=steps)),
         ("reference_kill", lambda d: reference_kill(cluster, d, steps=steps)),
+        ("one_replica_memory", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=ONE_REPLICA)),
+        ("one_replica_storage", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=one_replica_storage(d))),
+        ("snapshot_cost", lambda d: snapshot_step_cost(cluster, d, steps=20 if quick else 40)),
     ]
     if not quick:
         scenarios.append(("reference_node", lambda d: reference_node(cluster, d, steps=steps)))
@@ -502,12 +575,39 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_add_node_s": mid("meshpilot_grow", "add_node_s"),
         "goal_s": GOALS["grow_s"],
     }
-    for entry in (kill, node):
+    one_replica: dict[str, Any] = {
+        "ours_s": mid("one_replica_memory", "fault_to_step_s"),
+        "ours_lost_steps": worst("one_replica_memory", "lost_steps"),
+        "ours_source": next((r["source"] for r in results["one_replica_memory"]), None),
+        "ours_new_mesh": next((r["new_mesh"] for r in results["one_replica_memory"]), None),
+        "storage_s": mid("one_replica_storage", "fault_to_step_s"),
+        "storage_lost_steps": worst("one_replica_storage", "lost_steps"),
+        "reference_s": kill["reference_s"],
+        "reference_lost_steps": kill["reference_lost_steps"],
+        "goal_s": GOALS["one_replica_s"],
+    }
+    one_replica["ratio_vs_storage"] = _round(ratio(one_replica["storage_s"], one_replica["ours_s"]))
+    snapshots: dict[str, Any] = {
+        "step_on_s": mid("snapshot_cost", "step_on_s"),
+        "step_off_s": mid("snapshot_cost", "step_off_s"),
+        "ratio": mid("snapshot_cost", "ratio"),
+        "host_bytes_per_rank": worst("snapshot_cost", "host_bytes_per_rank"),
+        "goal_ratio": SNAPSHOT_STEP_COST_GOAL,
+    }
+    snapshots["met"] = _met(snapshots["ratio"], SNAPSHOT_STEP_COST_GOAL)
+    for entry in (kill, node, one_replica):
         entry["ratio"] = _round(ratio(entry["reference_s"], entry["ours_s"]))
         entry["met"] = _met(entry["ours_s"], entry["goal_s"]) and entry["ours_lost_steps"] == 0
     drain["met"] = _met(drain["ours_pause_s"], drain["goal_pause_s"]) and drain["ours_lost_steps"] == 0
     grow["met"] = _met(grow["ours_node_to_step_s"], grow["goal_s"])
-    return {"kill": kill, "node": node, "drain": drain, "grow": grow}
+    return {
+        "kill": kill,
+        "node": node,
+        "drain": drain,
+        "grow": grow,
+        "one_replica": one_replica,
+        "snapshots": snapshots,
+    }
 
 
 def loss_parity(results: dict[str, list[dict]]) -> float | None:
@@ -529,6 +629,7 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
         return "-" if value is None else f"{value:.1f}x"
 
     kill, node, drain, grow = summary["kill"], summary["node"], summary["drain"], summary["grow"]
+    one, snap = summary["one_replica"], summary["snapshots"]
     rows = [
         ("scenario", "figure", "meshpilot", "Ray Train V2", "ratio", "goal"),
         (
@@ -566,6 +667,33 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
             f"<= {GOALS['grow_s']:g} s",
         ),
         ("", "join pause (join_s)", s(grow["ours_join_s"]), "", "", ""),
+        (
+            "one replica, SIGKILL",
+            "fault -> first step (peer memory)",
+            s(one["ours_s"]),
+            s(one["reference_s"]),
+            x(one["ratio"]),
+            f"<= {GOALS['one_replica_s']:g} s",
+        ),
+        ("", "completed steps lost", s(one["ours_lost_steps"]), s(one["reference_lost_steps"]), "", "0"),
+        ("", "  snapshots off: from S3", s(one["storage_s"]), "", x(one["ratio_vs_storage"]), ""),
+        ("", "  snapshots off: steps lost", s(one["storage_lost_steps"]), "", "", ""),
+        (
+            "snapshots, every step",
+            "step time on / off",
+            f"{s(snap['step_on_s'])} / {s(snap['step_off_s'])}",
+            "",
+            "-" if snap["ratio"] is None else f"{snap['ratio']:.3f}x",
+            f"<= {SNAPSHOT_STEP_COST_GOAL}x",
+        ),
+        (
+            "",
+            "host memory per rank",
+            "-" if snap["host_bytes_per_rank"] is None else f"{snap['host_bytes_per_rank'] / 2**20:.1f} MiB",
+            "",
+            "",
+            "",
+        ),
     ]
     print(table(rows))
     if node_reference_note:
@@ -627,11 +755,16 @@ def main() -> int:
         f"{repeats} round(s)",
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="meshpilot-recovery-") as tmp:
+    from checkpointing.local_s3 import LocalS3Server
+
+    with tempfile.TemporaryDirectory(prefix="meshpilot-recovery-") as tmp, LocalS3Server() as s3:
         workdir = args.keep or Path(tmp)
+        s3.create_bucket("bench")
+        os.environ.update(s3.env())  # before the cluster starts: its ranks inherit the credentials
+        storage = ("s3://bench/recovery", s3.endpoint_url)
         cluster = start_cluster()
         try:
-            results, errors = run_all(cluster, workdir, repeats=repeats, quick=args.quick)
+            results, errors = run_all(cluster, workdir, repeats=repeats, quick=args.quick, storage=storage)
         finally:
             ray.shutdown()
             cluster.shutdown()

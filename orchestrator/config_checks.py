@@ -148,7 +148,32 @@ def _elastic_problems(config: JobConfig) -> list[str]:
     for key in _ELASTIC_DURATION_KEYS:
         if getattr(el, key) <= 0:
             problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
+    problems.extend(_snapshot_memory_problems(config))
     return problems
+
+
+# Bytes of state per parameter a snapshot holds: the float32 parameter and AdamW's two moments.
+SNAPSHOT_BYTES_PER_PARAM = 12
+# Snapshots a rank holds: two of its own state and two of its buddy's.
+SNAPSHOTS_HELD = 4
+
+
+def _snapshot_memory_problems(config: JobConfig) -> list[str]:
+    """Peer-memory snapshots that cannot fit ``elastic.snapshot_memory_limit_mb``, estimated from
+    the model's size (the ranks check their exact layout again when they start)."""
+    el, mesh = config.elastic, config.mesh
+    if el.snapshot_interval_steps <= 0 or el.snapshot_memory_limit_mb <= 0:
+        return []
+    state = SNAPSHOT_BYTES_PER_PARAM * config.model_spec.num_params / (mesh.dp_shard * mesh.tp * mesh.pp)
+    needed = SNAPSHOTS_HELD * state
+    if needed <= el.snapshot_memory_limit_mb * 2**20:
+        return []
+    return [
+        f"elastic.snapshot_memory_limit_mb={el.snapshot_memory_limit_mb} is too small for peer-memory snapshots: "
+        f"each rank holds about {needed / 2**20:.1f} MiB ({SNAPSHOTS_HELD // 2} snapshots of its "
+        f"{state / 2**20:.1f} MiB share of parameters and optimizer state, and as many of its buddy's); raise the "
+        "limit, shard the state over more ranks (dp_shard, tp, pp), or set elastic.snapshot_interval_steps=0"
+    ]
 
 
 def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bool) -> list[str]:

@@ -128,12 +128,14 @@ class Replicas:
         """Whether the trainer can run ``mesh``: the global batch splits into its rounds."""
         return self.spec.batch.fits(mesh.dp)
 
-    def gather(self, mesh: MeshSpec) -> tuple[list[Slot], MeshSpec | None]:
+    def gather(self, mesh: MeshSpec, *, start_more: bool = True) -> tuple[list[Slot], MeshSpec | None]:
         """Warm actors for a restore onto ``mesh``, and the mesh they can hold now; while too few
-        are warm and none are starting, a replica group's worth more starts in the background."""
+        are warm and none are starting, a replica group's worth more starts in the background
+        (unless not ``start_more``: the restore goes on with what is warm, and the running job
+        starts actors for the mesh it runs)."""
         self.group.refresh()
         warm = self.group.warm()
-        if len(warm) < mesh.world_size and not self.group.starting():
+        if start_more and len(warm) < mesh.world_size and not self.group.starting():
             self.group.start_replica_in_background(mesh)  # False when no node has room
         return warm, self.restore_target(mesh, len(warm))
 

@@ -151,7 +151,7 @@ class Restores(MeshChanges):
         """Restore onto the largest mesh the warm actors can hold, starting more while they come.
         From peer memory, at once onto what is warm: the mesh grows back (``Reshape``) once
         the actors have started, without holding training up meanwhile."""
-        warm, target = self.replicas.gather(state.mesh)
+        warm, target = self.replicas.gather(state.mesh, start_more=state.memory is None)
         out_of_time = time.monotonic() > state.deadline
         wait_for_more = state.memory is None and self.group.starting() and not out_of_time
         if target is None or (target != state.mesh and wait_for_more):

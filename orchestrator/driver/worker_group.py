@@ -25,7 +25,7 @@ from itertools import count
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from elastic.placement import RankResources, shortfall, spread_replicas, tp_bundles
@@ -68,6 +68,7 @@ class RankSlot:
     node_id: str | None = None
     state: SlotState = SlotState.STARTING
     ready_ref: Any = None
+    bundle_index: int = 0  # its bundle (one tensor-parallel group's worth) in the placement group
 
 
 class WorkerGroup:
@@ -84,6 +85,8 @@ class WorkerGroup:
         self.store_address: tuple[str, int] | None = None
         # Nodes announced as going away (a cloud notice Ray does not know of): never used again.
         self.avoid_nodes: set[str] = set()
+        # Ranks per bundle of each placement group (by id): the tensor-parallel degree it was made for.
+        self._bundle_ranks: dict[int, int] = {}
 
     # ------------------------------------------------------------------ start
     def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
@@ -118,13 +121,35 @@ class WorkerGroup:
         self.set_active(started[: mesh.world_size])
 
     def start_replica_in_background(self, mesh: MeshSpec) -> bool:
-        """Start one replica group's worth of actors without waiting; False if nothing has room now."""
+        """Start one replica group's worth of actors without waiting (or fill the vacated bundles
+        of the job's placement groups, see ``_refill_vacated_bundles``); False if nothing has
+        room now."""
+        if self._refill_vacated_bundles():
+            return True
         nodes = [node for node in cluster.free_nodes() if node.node_id not in self.avoid_nodes]
         if shortfall(mesh.with_replicas(1), self.per_rank, nodes):
             return False
         target = spread_replicas(1, self.per_rank, mesh.replica_size, nodes)[0]
         self._start_replica(mesh, target)
         return True
+
+    def _refill_vacated_bundles(self) -> bool:
+        """Start actors in bundles whose actors are all gone, once Ray has placed the bundle on a
+        live node: when a node dies, Ray re-places a placement group's bundles that were there
+        onto a node with room (a new one), and holds its resources for them; other actors could
+        not use them. True if any were started."""
+        alive = {node.node_id for node in cluster.alive_nodes()} - self.avoid_nodes
+        started = False
+        for group in {id(slot.placement_group): slot.placement_group for slot in self.slots}.values():
+            used = {slot.bundle_index for slot in self.slots if slot.placement_group is group}
+            placed = _placed_bundles(group)
+            per_bundle = self._bundle_ranks.get(id(group), 1)
+            for index, node_id in sorted(placed.items()):
+                if index not in used and node_id in alive:
+                    batch_id = next(_replica_ids)
+                    self.slots.extend(self._start_actor(group, index, batch_id) for _ in range(per_bundle))
+                    started = True
+        return started
 
     def refresh(self) -> list[RankSlot]:
         """Move actors that finished starting to ``warm``; returns them. Never blocks."""
@@ -164,24 +189,31 @@ class WorkerGroup:
             group = ray_compat.placement_group_on(target, bundles, strategy="STRICT_PACK", name=name)
         else:
             group = placement_group(bundles, strategy="PACK", name=name)
-        slots = []
-        for local_rank in range(mesh.replica_size):
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local_rank // mesh.tp)
-            actor: Any = (
-                ray.remote(RankActor)
-                .options(
-                    num_cpus=self.per_rank.cpus,
-                    num_gpus=self.per_rank.gpus,
-                    resources=dict(self.per_rank.custom) or None,
-                    max_concurrency=ACTOR_CONCURRENCY,
-                    scheduling_strategy=strategy,
-                )
-                .remote(spec=self.spec, data=self.data_ref)
-            )
-            slot = RankSlot(actor=actor, placement_group=group, batch_id=batch_id, ready_ref=actor.info.remote())
-            slots.append(slot)
+        self._bundle_ranks[id(group)] = mesh.tp
+        slots = [self._start_actor(group, local_rank // mesh.tp, batch_id) for local_rank in range(mesh.replica_size)]
         self.slots.extend(slots)
         return slots
+
+    def _start_actor(self, group: PlacementGroup, bundle_index: int, batch_id: int) -> RankSlot:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
+        actor: Any = (
+            ray.remote(RankActor)
+            .options(
+                num_cpus=self.per_rank.cpus,
+                num_gpus=self.per_rank.gpus,
+                resources=dict(self.per_rank.custom) or None,
+                max_concurrency=ACTOR_CONCURRENCY,
+                scheduling_strategy=strategy,
+            )
+            .remote(spec=self.spec, data=self.data_ref)
+        )
+        return RankSlot(
+            actor=actor,
+            placement_group=group,
+            batch_id=batch_id,
+            ready_ref=actor.info.remote(),
+            bundle_index=bundle_index,
+        )
 
     # ------------------------------------------------------------- membership
     def set_active(self, slots: list[RankSlot]) -> None:
@@ -278,3 +310,9 @@ class WorkerGroup:
         if self.store_host is not None:
             ray.kill(self.store_host, no_restart=True)
             self.store_host = None
+
+
+def _placed_bundles(group: PlacementGroup) -> dict[int, str]:
+    """Bundle index -> the node Ray placed it on, for the bundles placed now."""
+    table = placement_group_table(group)
+    return {int(index): node for index, node in (table.get("bundles_to_node_id") or {}).items() if node}

@@ -135,6 +135,15 @@ METRICS: dict[str, MetricSpec] = {
     "recovery_time": _histogram("recovery_seconds", "Failure to training again (MTTR).", _RECOVERY_BUCKETS),
     "lost_steps": _counter("lost_steps", "Completed steps lost and redone because of failures."),
     "restores": _counter("restores", "Restores from a checkpoint."),
+    "restores_by_source": _counter(
+        "restores_by_source", "Restores, by where the state came from (peer_memory, storage).", ("source",)
+    ),
+    "restore_peer_bytes": _counter(
+        "restore_peer_bytes", "Bytes restores read from other ranks' memory (peer-memory snapshots)."
+    ),
+    "snapshot_host_bytes": _gauge(
+        "snapshot_host_bytes", "Host memory peer-memory snapshots take on the most loaded rank (0: snapshots off)."
+    ),
     "restore_time": _histogram("restore_seconds", "Time to load a checkpoint into the mesh.", _TRANSFER_BUCKETS),
     "drains": _counter("drains", "Nodes drained ahead of a spot reclaim or shutdown."),
     "drain_time": _histogram("drain_seconds", "Drain notice to training again on the smaller mesh.", _RECOVERY_BUCKETS),

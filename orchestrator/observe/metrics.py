@@ -222,6 +222,8 @@ class MetricsExporter:
     def _on_restored(self, event: dict[str, Any]) -> None:
         m = self.m
         m.restores.inc()
+        m.restores_by_source.labels(source=str(event.get("source") or "storage")).inc()
+        m.restore_peer_bytes.inc(int(event.get("bytes_from_peers") or 0))
         if event.get("restore_s") is not None:
             m.restore_time.observe(float(event["restore_s"]))
         restored_step = int(event["step"])
@@ -232,6 +234,9 @@ class MetricsExporter:
         m.effective_seconds.set(self._productive)
         self._recent_step_seconds = {step: s for step, s in self._recent_step_seconds.items() if step <= restored_step}
         self._set_mesh(event.get("to_mesh"), None)
+
+    def _on_snapshot_memory(self, event: dict[str, Any]) -> None:
+        self.m.snapshot_host_bytes.set(float(event["max_bytes"]))
 
     def _on_failure(self, event: dict[str, Any]) -> None:
         self.m.failures.labels(kind=str(event.get("kind") or "unknown")).inc()

@@ -68,6 +68,14 @@ CASES = [
     (["--chaos", "seven"], "--chaos 'seven': expected SEED[:N] with integers, e.g. --chaos 7:6"),
     (["--chaos", "7:0"], "--chaos '7:0': SEED must be >= 0 and N >= 1"),
     (["--chaos", "7:60"], "--chaos: 60 faults need at least 63 steps (training.steps=50)"),
+    (["--set", "elastic.snapshot_interval_steps=-1"], "elastic.snapshot_interval_steps=-1 must be >= 0"),
+    (["--set", "elastic.snapshot_memory_limit_mb=0"], "elastic.snapshot_memory_limit_mb=0 must be >= 1"),
+    (
+        ["--set", "elastic.snapshot_memory_limit_mb=1"],
+        "elastic.snapshot_memory_limit_mb=1 is too small for peer-memory snapshots: each rank holds about 1.3 MiB "
+        "(2 snapshots of its 0.3 MiB share of parameters and optimizer state, and as many of its buddy's); raise "
+        "the limit, shard the state over more ranks (dp_shard, tp, pp), or set elastic.snapshot_interval_steps=0",
+    ),
     (
         ["--inject", "hang@5:1/configure"],
         "the phases are /configure (for kill and raise, e.g. kill@5:1/configure) and /snapshot (for kill",

@@ -1,0 +1,161 @@
+"""One replica, no second copy of any shard: a lost rank's state comes from its buddy's memory.
+
+Every rank snapshots its state to host memory after each step and a rank of another node (here:
+another process, or the other worker node) keeps a copy (``workers/peer_snapshots.py``). These
+jobs have ``dp_replicate=1`` and, unless a test says so, no checkpoint URI at all: before peer
+memory, any lost rank here ended the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, of_kind, run_job
+from tests.fixtures.worker_nodes import WorkerNodes
+from tests.jobs import losses
+
+STEPS = 10
+ONE_REPLICA = (
+    "parallelism.dp_replicate=1",
+    "parallelism.dp_shard=4",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.seq_len=32",
+    "elastic.hang_timeout_s=8",
+)
+# tp=2 x dp_shard=2: one tensor-parallel group per worker node, so a node takes one dp_shard slice.
+TWO_NODES = (
+    "parallelism.dp_replicate=1",
+    "parallelism.dp_shard=2",
+    "parallelism.tp=2",
+    "parallelism.pp=1",
+    "training.seq_len=32",
+)
+GROW_STEPS = 60  # long enough for a new node's actors to start and join before the end
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """Losses of uninterrupted jobs, per layout and run length."""
+    cache: dict[tuple, dict[int, float]] = {}
+
+    def of(layout: tuple[str, ...], steps: int = STEPS) -> dict[int, float]:
+        key = (layout, steps)
+        if key not in cache:
+            result, events = run_job(tmp_path_factory.mktemp("uninterrupted"), *layout, f"training.steps={steps}")
+            assert result.exit_code == 0, result.reason
+            cache[key] = losses(events)
+        return cache[key]
+
+    return of
+
+
+def test_killed_rank_is_rebuilt_from_peer_memory_with_bitwise_equal_state(reference, tmp_path):
+    """A warm spare takes the lost rank's place on the same mesh: after the restore every loss is
+    the uninterrupted run's to the bit, which it is only if the state was restored bit for bit."""
+    result, events = run_job(
+        tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", "elastic.spare_actors=4", faults=("kill@4:3",)
+    )
+    assert result.exit_code == 0, result.reason
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [3]
+    [restored] = of_kind(events, "restored")
+    assert restored["source"] == "peer_memory" and restored["step"] == 3  # no step lost
+    assert restored["to_mesh"] == restored["from_mesh"]  # the spare took rank 3's place
+    assert restored["bytes_from_peers"] > 0
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
+    # Exactly: same mesh, same state, same math. (A step whose report died with rank 3 lacks its
+    # share of the loss.)
+    partial = {e["step"] for e in of_kind(events, "step") if e.get("loss_partial")}
+    expected = {step: loss for step, loss in reference(ONE_REPLICA).items() if step not in partial}
+    assert {step: loss for step, loss in losses(events).items() if step not in partial} == expected
+    assert max(expected) == STEPS and min(expected) <= 2
+    [memory] = of_kind(events, "snapshot_memory")[:1]
+    assert 0 < memory["max_bytes"] <= memory["limit_bytes"]
+
+
+def test_without_a_spare_the_mesh_shrinks_dp_shard_in_place(reference, tmp_path):
+    result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@6:1",))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(ONE_REPLICA), STEPS, rel=1e-3)
+    [restored] = of_kind(events, "restored")
+    assert restored["source"] == "peer_memory" and restored["step"] == 5
+    assert restored["to_mesh"]["dp_shard"] < 4
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0
+
+
+def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(reference, tmp_path):
+    """Rank 3 dies while its snapshot of step 4 is on its way to its buddy: that snapshot is not
+    whole, so the one of step 3 is loaded (one step redone), never a mix of the two."""
+    result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@4:3/snapshot",))
+    assert result.exit_code == 0, result.reason
+    [restored] = of_kind(events, "restored")
+    assert restored["source"] == "peer_memory" and restored["step"] == 3
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 1
+    assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored["step"])
+
+
+def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(reference, s3_bucket, tmp_path):
+    checkpoints = (
+        f"checkpoint.uri={s3_bucket.uri}",
+        f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
+        "checkpoint.interval_steps=2",
+    )
+    # On one node rank 1's buddy is rank 2: both die in step 7.
+    result, events = run_job(
+        tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", *checkpoints, faults=("kill@7:1", "kill@7:2")
+    )
+    assert result.exit_code == 0, result.reason
+    restored = of_kind(events, "restored")
+    assert restored and restored[0]["source"] == "storage" and restored[0]["uri"] == s3_bucket.uri
+    committed = [e["step"] for e in of_kind(events, "checkpoint_committed") if e["time"] < restored[0]["time"]]
+    assert restored[0]["step"] == max(committed)
+    assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored[-1]["step"])
+
+
+@pytest.mark.slow
+def test_lost_node_shrinks_dp_shard_in_place_then_grows_back_from_peer_memory(reference, ray_cluster, tmp_path):
+    nodes = WorkerNodes(ray_cluster, 2, ranks_per_node=2)
+    added = []
+
+    def add_a_node_once_lost(event):
+        if event["event"] == "failure" and not added:
+            added.append(nodes.add())
+
+    try:
+        result, events = run_job(
+            tmp_path,
+            *TWO_NODES,
+            ON_WORKER_NODES,
+            f"training.steps={GROW_STEPS}",
+            faults=("node@5:2",),
+            node_fault=nodes.remove,
+            on_event=add_a_node_once_lost,
+        )
+    finally:
+        nodes.close()
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(TWO_NODES, GROW_STEPS), GROW_STEPS, rel=1e-3)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "node_lost" and failure["ranks"] == [2, 3]
+    [shrunk, grown] = of_kind(events, "restored")
+    assert shrunk["source"] == grown["source"] == "peer_memory"
+    assert shrunk["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "tp": 2}
+    assert grown["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "tp": 2}
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    [grow] = of_kind(events, "grow")
+    assert grow["source"] == "peer_memory" and grow["added_ranks"] == [2, 3]
+
+
+def assert_completed_like_after_restore(events, reference, restored_step: int) -> None:
+    """Every step applied, the last application of each with the uninterrupted run's loss."""
+    applied = {e["step"]: e["loss"] for e in of_kind(events, "step")}
+    assert sorted(applied) == list(range(1, STEPS + 1))
+    assert applied == pytest.approx(reference, rel=1e-3)
+    rewound = [e["step"] for e in of_kind(events, "step") if e["step"] > restored_step]
+    assert rewound[-(STEPS - restored_step) :] == list(range(restored_step + 1, STEPS + 1))
