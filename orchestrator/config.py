@@ -178,8 +178,9 @@ class ElasticConfig:
     # and a rank on another node keeps a copy, so a lost rank's state is rebuilt without
     # storage (0: off). Each rank holds two of its own and two of its buddy's.
     snapshot_interval_steps: int = 1
-    # The host memory the snapshots may take per rank; a job needing more is refused at start.
-    snapshot_memory_limit_mb: int = 32768
+    # The host memory the snapshots may take per rank; a job needing more is refused at start
+    # (None: no limit; the memory they take is reported either way).
+    snapshot_memory_limit_mb: int | None = None
     # Failure budget: more than max_failures incidents within failure_window_s ends the run (a
     # loss before any step completed since the previous one is the same incident), and so do
     # more than max_failures recovery attempts of one incident.

@@ -162,7 +162,7 @@ def _snapshot_memory_problems(config: JobConfig) -> list[str]:
     """Peer-memory snapshots that cannot fit ``elastic.snapshot_memory_limit_mb``, estimated from
     the model's size (the ranks check their exact layout again when they start)."""
     el, mesh = config.elastic, config.mesh
-    if el.snapshot_interval_steps <= 0 or el.snapshot_memory_limit_mb <= 0:
+    if el.snapshot_interval_steps <= 0 or el.snapshot_memory_limit_mb is None or el.snapshot_memory_limit_mb <= 0:
         return []
     state = SNAPSHOT_BYTES_PER_PARAM * config.model_spec.num_params / (mesh.dp_shard * mesh.tp * mesh.pp)
     needed = SNAPSHOTS_HELD * state

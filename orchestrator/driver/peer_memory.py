@@ -221,7 +221,7 @@ def snapshot_book(config: JobConfig, events: EventLog, router: ReportRouter) -> 
     book = SnapshotBook(
         events,
         interval_steps=config.elastic.snapshot_interval_steps,
-        memory_limit_bytes=config.elastic.snapshot_memory_limit_mb << 20,
+        memory_limit_bytes=None if (limit := config.elastic.snapshot_memory_limit_mb) is None else limit << 20,
         model=config.model_spec.to_dict(),
     )
     router.on(ReportKind.SNAPSHOT_LAYOUT, book.on_layout)

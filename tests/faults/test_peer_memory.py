@@ -31,7 +31,7 @@ TWO_NODES = (
     "parallelism.pp=1",
     "training.seq_len=32",
 )
-GROW_STEPS = 60  # long enough for a new node's actors to start and join before the end
+GROW_STEPS = 40  # long enough for a new node's actors to start and join before the end
 
 
 @pytest.fixture(scope="module")
