@@ -266,8 +266,7 @@ class MeshChanges:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
-        departing = self.replicas.of_ranks(set(lost) | state.draining)
-        memory = self.snapshots.recoverable(lambda slot: self.replicas.gone(slot) or id(slot) in departing)
+        memory = self.snapshots.recoverable(self.replicas.gone_besides(set(lost) | state.draining))
         status = GroupStatus(
             mesh=state.mesh,
             lost_ranks=frozenset(lost),

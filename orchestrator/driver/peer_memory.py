@@ -112,8 +112,9 @@ class SnapshotBook:
 
     def on_snapshot(self, report: SnapshotReport) -> None:
         generation = self._generations.get(report.generation)
-        if generation is not None:
-            generation.reported.setdefault(report.step, {})[report.rank] = report.copied
+        if generation is not None:  # the owner and the buddy both report a copy: either one's word holds
+            ranks = generation.reported.setdefault(report.step, {})
+            ranks[report.rank] = ranks.get(report.rank, False) or report.copied
 
     def on_restore(self, report: MemoryRestoreReport) -> None:
         self._restore_bytes += report.bytes_remote

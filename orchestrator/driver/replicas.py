@@ -11,7 +11,7 @@ finished run ended with identical state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from elastic.hardware import gpu_spec
@@ -41,13 +41,12 @@ class Replicas:
         nodes = {slot.node_id for slot in self.group.active if slot.node_id}
         return cluster.dead_nodes(nodes) if nodes else set()
 
-    def gone(self, slot: Slot) -> bool:
-        """Whether ``slot``'s actor has left the pool (removed: lost, drained, or shut down)."""
-        return all(slot is not live for live in [*self.group.active, *self.group.warm(), *self.group.starting()])
-
-    def of_ranks(self, ranks: Collection[int]) -> set[int]:
-        """Identities (``id``) of the actors holding ``ranks`` of the current mesh."""
-        return {id(self.group.active[rank]) for rank in ranks if rank < len(self.group.active)}
+    def gone_besides(self, ranks: Collection[int] = ()) -> Callable[[Slot], bool]:
+        """A predicate: has an actor left the pool (removed: lost, drained, shut down), or does it
+        hold one of ``ranks`` of the current mesh (about to leave)? Judged on the pool as it is now."""
+        leaving = {id(self.group.active[rank]) for rank in ranks if rank < len(self.group.active)}
+        live = {id(slot) for slot in [*self.group.active, *self.group.warm(), *self.group.starting()]} - leaving
+        return lambda slot: id(slot) not in live
 
     def shrink(
         self, mesh: MeshSpec, lost: Collection[int], draining: Collection[int], *, drop: tuple[int, ...], refill: int
@@ -140,26 +139,31 @@ class Replicas:
         return warm, self.restore_target(mesh, len(warm))
 
     def restore_target(self, mesh: MeshSpec, available: int) -> MeshSpec | None:
-        """The mesh to restore onto with ``available`` ranks: the planner's pick when it fits
-        what the trainer can run, else the largest mesh keeping tp and pp."""
+        """The mesh to restore onto with ``available`` ranks: the planner's pick keeping tp and pp
+        when it fits what the trainer can run, else the largest mesh keeping them; when none
+        does (fewer ranks than a tensor-parallel group or a pipeline), the planner's pick among
+        every degree (a restore reshards any of them)."""
         if available >= mesh.world_size:
             return mesh
-        planned = (
-            best_mesh(
-                self.spec.model,
-                available_ranks=available,
-                gpus_per_node=max(1, mesh.tp),
-                hardware=gpu_spec(),
-                global_batch=self.spec.global_batch,
-                seq_len=self.spec.seq_len,
-                fixed={"tp": mesh.tp, "pp": mesh.pp},
-            )
-            if available > 0
-            else None
-        )
-        if planned is not None and planned.world_size <= available and self.fits(planned):
+        if available < 1:
+            return None
+        planned = self._planned(mesh, available, fixed={"tp": mesh.tp, "pp": mesh.pp})
+        if planned is not None:
             return planned
-        return restore_mesh(mesh, available_ranks=available, fits=self.fits)
+        kept = restore_mesh(mesh, available_ranks=available, fits=self.fits)
+        return kept if kept is not None else self._planned(mesh, available, fixed={})
+
+    def _planned(self, mesh: MeshSpec, available: int, *, fixed: dict[str, int]) -> MeshSpec | None:
+        planned = best_mesh(
+            self.spec.model,
+            available_ranks=available,
+            gpus_per_node=max(1, fixed.get("tp", 1)),
+            hardware=gpu_spec(),
+            global_batch=self.spec.global_batch,
+            seq_len=self.spec.seq_len,
+            fixed=fixed,
+        )
+        return planned if planned is not None and planned.world_size <= available and self.fits(planned) else None
 
 
 def replicas_consistent(mesh: MeshSpec, outcomes: Mapping[int, Any]) -> bool | None:

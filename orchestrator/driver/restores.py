@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from elastic.policy import Fail, GroupStatus, RestoreFromCheckpoint, StateSource
+from elastic.policy import Continue, Fail, GroupStatus, RestoreFromCheckpoint, StateSource
 from elastic.spec import MeshSpec
 from orchestrator.driver.calls import CallFailed
 from orchestrator.driver.detector import LossKind, Lost, failure_fields, group_errors
@@ -40,7 +40,7 @@ class Restores(MeshChanges):
         snapshot), resharded to ``mesh``."""
         start = StartFrom(StartMode.CHECKPOINT, step)
         if memory is not None:
-            source = self.snapshots.source(memory, gone=self.replicas.gone)
+            source = self.snapshots.source(memory, gone=self.replicas.gone_besides())
             start = StartFrom(StartMode.MEMORY, step, memory=source)
             from_mesh = source.manifest.mesh
         return self._configure(
@@ -114,7 +114,7 @@ class Restores(MeshChanges):
         self.replicas.release(lost, state.draining)
         memory = None
         if decision.source == StateSource.PEER_MEMORY:
-            memory = self.snapshots.recoverable(self.replicas.gone)
+            memory = self.snapshots.recoverable(self.replicas.gone_besides())
             if memory is None or memory.step != step:  # the policy saw it whole a moment ago
                 return self._fail("restore", f"peer-memory snapshot of step {step} is no longer whole")
         storage_only = memory is None
@@ -181,13 +181,11 @@ class Restores(MeshChanges):
         """Every rank paused after ``resume_step``: move onto ``new_mesh`` with warm actors
         joining, every rank loading the boundary's peer-memory snapshot resharded (no storage,
         no step lost). Stays on the same mesh when that snapshot is not whole."""
-        memory = self.snapshots.recoverable(self.replicas.gone)
+        memory = self.snapshots.recoverable(self.replicas.gone_besides())
         joining = self.replicas.pick_warm(self.group.warm(), new_mesh.world_size - state.mesh.world_size)
         if memory is None or memory.step != resume_step or not joining:
             log.info("no whole peer-memory snapshot of step %s: staying on %s", resume_step, state.mesh.describe())
-            return self._change_mesh(
-                state, state.mesh, list(self.group.active), [], kind=TransitionKind.GROW, resume_step=resume_step
-            )
+            return self._carry_out(Continue(), state, {}, resume_step)
         kept = list(self.group.active)
         self.group.set_active(kept + joining)
         self.transitions.begin(

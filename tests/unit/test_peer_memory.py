@@ -165,3 +165,17 @@ def test_a_mesh_shrunk_in_another_degree_reshapes_back_once_warm_actors_can_fill
     replicas = ScalingPolicy(target_replicas=2, target_mesh=target.with_replicas(2))
     assert replicas.reshape_shortfall(target) == 0
     assert isinstance(replicas.decide(target, warm_actors=4, fits=lambda mesh: True, reshape=True), Grow)
+
+
+def test_a_restore_onto_fewer_ranks_than_tp_x_pp_lowers_tp_or_pp():
+    from orchestrator.config import load_config
+    from orchestrator.driver.replicas import Replicas
+    from orchestrator.driver.train_spec import train_spec
+    from tests.jobs import DEMO_CONFIG
+
+    replicas = Replicas(None, train_spec(load_config(DEMO_CONFIG, [])))  # no group: restore_target needs none
+    configured = MeshSpec(dp_shard=2, tp=2, pp=2)
+    assert replicas.restore_target(configured, 7) == MeshSpec(dp_shard=1, tp=2, pp=2)  # dp_shard gives way first
+    smaller = replicas.restore_target(configured, 3)
+    assert smaller is not None and smaller.world_size <= 3 and smaller.tp * smaller.pp < 4
+    assert replicas.restore_target(configured, 1) == MeshSpec()
