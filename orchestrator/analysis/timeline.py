@@ -48,6 +48,10 @@ class RunSummary:
     grow_pause_s: tuple[float, ...] = field(default=())
     # Steps whose loss is the mean over the ranks that reported (a rank left before its report).
     partial_loss_steps: tuple[int, ...] = field(default=())
+    # Restores from peer-memory snapshots (``restores`` counts those from a checkpoint), and the
+    # bytes they read from other ranks' memory.
+    memory_restores: int = 0
+    memory_restore_bytes: int = 0
 
     @property
     def goodput(self) -> float:
@@ -140,7 +144,7 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         failures=tuple(str(e.get("kind")) for e in of("failure")),
         recovery_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered") if is_failure_recovery(e)),
         lost_steps=sum(int(e.get("lost_steps") or 0) for e in of("recovered")),
-        restores=len(of("restored")),
+        restores=sum(e.get("source") != "peer_memory" for e in of("restored")),
         checkpoints_committed=len(of("checkpoint_committed")),
         checkpoint_failures=len(of("checkpoint_failed")),
         stall_s=sum(float(e.get("stall_s") or 0.0) for e in of("checkpoint_staged")),
@@ -153,6 +157,8 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         drain_pause_s=tuple(float(e.get("mttr_s") or 0.0) for e in of("recovered") if e.get("cause") == "drain"),
         grow_pause_s=tuple(float(e.get("join_s") or 0.0) for e in of("grow")),
         partial_loss_steps=tuple(int(e["step"]) for e in steps if e.get("loss_partial")),
+        memory_restores=sum(e.get("source") == "peer_memory" for e in of("restored")),
+        memory_restore_bytes=sum(int(e.get("bytes_from_peers") or 0) for e in of("restored")),
     )
 
 
@@ -176,7 +182,12 @@ def format_summary(summary: RunSummary) -> str:
         f"wall time {format_duration(summary.wall_s)}{startup}",
         f"effective training time: {format_duration(summary.effective_s)} ({summary.goodput:.1%} of wall time)",
         f"failures: {len(summary.failures)}" + (f" ({failures})" if failures else ""),
-        f"recovery times: {recoveries}; lost steps: {summary.lost_steps}; restores from checkpoint: {summary.restores}",
+        f"recovery times: {recoveries}; lost steps: {summary.lost_steps}; restores from checkpoint: {summary.restores}"
+        + (
+            f"; from peer memory: {summary.memory_restores} ({summary.memory_restore_bytes / 2**20:.1f} MiB from peers)"
+            if summary.memory_restores
+            else ""
+        ),
         _checkpoint_line(summary, failed),
         f"world size: {' -> '.join(str(size) for size in summary.world_sizes) or 'no steps'}; "
         f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; "

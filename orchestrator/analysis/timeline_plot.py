@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 MARKERS: dict[str, tuple[str, LineStyleType, str]] = {
     "failure": ("#d62728", "-", "failure"),
     "recovered": ("#2ca02c", "--", "recovered"),
-    "restored": ("#9467bd", "-.", "restored from checkpoint"),
+    "restored": ("#9467bd", "-.", "restored (checkpoint or peer memory)"),
     "drain": ("#ff7f0e", ":", "drain"),
     "grow": ("#1f77b4", "-.", "grow"),
 }

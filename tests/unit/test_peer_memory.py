@@ -179,3 +179,20 @@ def test_a_restore_onto_fewer_ranks_than_tp_x_pp_lowers_tp_or_pp():
     smaller = replicas.restore_target(configured, 3)
     assert smaller is not None and smaller.world_size <= 3 and smaller.tp * smaller.pp < 4
     assert replicas.restore_target(configured, 1) == MeshSpec()
+
+
+def test_the_report_says_which_restores_came_from_peer_memory_and_what_they_read():
+    from orchestrator.analysis.timeline import format_summary, summarize
+
+    events = [
+        {"event": "start", "time": 0.0, "name": "job", "steps": 4, "mesh": {}, "world_size": 4},
+        *({"event": "step", "time": t, "step": t, "loss": 1.0, "step_time_s": 0.5, "world_size": 4} for t in (1, 2)),
+        {"event": "failure", "time": 2.5, "kind": "rank_died", "ranks": [3]},
+        {"event": "restored", "time": 3.0, "step": 2, "source": "peer_memory", "bytes_from_peers": 3 << 20},
+        {"event": "recovered", "time": 3.5, "mttr_s": 1.0, "lost_steps": 0, "cause": "restore"},
+        *({"event": "step", "time": t, "step": t, "loss": 1.0, "step_time_s": 0.5, "world_size": 2} for t in (4, 5)),
+        {"event": "done", "time": 6.0, "status": "finished", "steps": 4},
+    ]
+    summary = summarize(events)
+    assert (summary.restores, summary.memory_restores, summary.memory_restore_bytes) == (0, 1, 3 << 20)
+    assert "restores from checkpoint: 0; from peer memory: 1 (3.0 MiB from peers)" in format_summary(summary)
