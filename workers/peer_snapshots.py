@@ -111,7 +111,7 @@ class RankSnapshots:
         while_copying: Callable[[int], None] = lambda step: None,
     ) -> None:
         """``while_copying(step)``: called by the sender as it copies the snapshot of ``step`` (fault injection)."""
-        from checkpointing.staging import LayoutCache, Placement
+        from checkpointing.staging import Placement, local_data, plan_layout
         from workers.checkpoints import owns_plain_tensors
 
         self.trainer = trainer
@@ -122,7 +122,6 @@ class RankSnapshots:
         self.channel = channel
         self._owns_plain = owns_plain_tensors(trainer)
         self._placement = Placement.of(trainer.world_mesh)
-        self._layouts = LayoutCache()
         self._pin = trainer.device.type == "cuda"
         self._buffers: list[HostBuffer | None] = [None] * LABELS_KEPT
         self._keys: list[str | None] = [None] * LABELS_KEPT
@@ -130,15 +129,16 @@ class RankSnapshots:
         # The optimizer state exists before the first step (allocated as that step would), so
         # the layout, and with it the memory needed, is known now.
         trainer.ensure_optimizer_state()
-        layout = self._layout(trainer.checkpoint_state())
-        _check_memory(layout.size, plan.memory_limit_bytes)
-        self._send_layout(layout)
+        state = trainer.checkpoint_state()
+        self._layout = plan_layout(state, rank=rank, owns_plain_tensors=self._owns_plain, placement=self._placement)
+        # The tensors (and their local shards) are the same objects every step: the optimizer
+        # updates them in place. Looked up once, each snapshot is only the copies.
+        self._sources = {fqn: local_data(value).detach() for fqn, value in state.items()}
+        _check_memory(self._layout.size, plan.memory_limit_bytes)
+        self._send_layout(self._layout)
         self._while_copying = while_copying
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"meshpilot-snapshot-r{rank}")
         self._in_flight: Future | None = None
-
-    def _layout(self, state: dict[str, Any]) -> Layout:
-        return self._layouts.get(state, rank=self.rank, owns_plain_tensors=self._owns_plain, placement=self._placement)
 
     def before_step(self) -> None:
         """Loop thread, before a step: the previous snapshot's copy must have reached the buddy."""
@@ -150,8 +150,7 @@ class RankSnapshots:
             return None
         started = time.perf_counter()
         self.flush()
-        state = self.trainer.checkpoint_state()
-        layout = self._layout(state)
+        layout = self._layout
         slot = self._turn
         self._turn = (self._turn + 1) % LABELS_KEPT
         if (old := self._keys[slot]) is not None:
@@ -161,7 +160,7 @@ class RankSnapshots:
             from checkpointing.staging import HostBuffer
 
             buffer = self._buffers[slot] = HostBuffer(layout, pin_memory=self._pin)
-        buffer.stage(state)
+        buffer.stage(self._sources)
         key = snapshot_key(self.generation, step, self.rank)
         self._keys[slot] = key
         data = buffer.memoryview()
