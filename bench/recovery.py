@@ -25,8 +25,8 @@ on CPU, global batch 16, seq_len 64. Measured, side by side:
    at once on dp_shard=2), beside meshpilot with snapshots off restoring its newest checkpoint
    from S3 (a local SeaweedFS, a checkpoint every CHECKPOINT_EVERY steps like the reference's):
    fault to first step and steps lost. Ray Train has no replica groups: its figure is (6)'s (a).
-   Also the snapshots' cost: the median step time of an uninterrupted one-replica run with
-   snapshots on over one with them off, and the host memory they take per rank.
+   Also the snapshots' cost: the median step time of uninterrupted one-replica runs with
+   snapshots on over runs with them off (off, on, on, off), and the host memory per rank.
 6. The reference: Ray Train V2's ``TorchTrainer`` (``bench/recovery_reference.py``) on the same
    model, FSDP2 layout, data and world size, checkpointing every few steps: (a) a worker
    SIGKILLs itself at the start of step S; (b) the node of a worker is removed (a spare node
@@ -279,25 +279,28 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, 
 
 
 def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
-    """Uninterrupted one-replica runs with peer-memory snapshots on and off, one after the other:
-    median step time of each (the first steps left out: start-up), and the host memory per rank."""
+    """Uninterrupted one-replica runs with peer-memory snapshots off, on, on, off (the order
+    balanced, since the first runs after another scenario start on a busier machine): the median
+    step time of each setting (the first steps left out: start-up), and the host memory per rank."""
     nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    memory: list[int] = []
     try:
-        on = run_meshpilot(run_dir / "on", steps=steps, faults=(), overrides=ONE_REPLICA)
-        off = run_meshpilot(run_dir / "off", steps=steps, faults=(), overrides=(*ONE_REPLICA, *SNAPSHOTS_OFF))
+        for number, snapshots_on in enumerate((False, True, True, False)):
+            overrides = ONE_REPLICA if snapshots_on else (*ONE_REPLICA, *SNAPSHOTS_OFF)
+            events = run_meshpilot(
+                run_dir / f"{number}-{'on' if snapshots_on else 'off'}", steps=steps, faults=(), overrides=overrides
+            )
+            times[snapshots_on] += [e["step_time_s"] for e in of_kind(events, "step") if e["step"] > 3]
+            memory += [e["max_bytes"] for e in of_kind(events, "snapshot_memory")]
     finally:
         nodes.close()
-
-    def step_time(events) -> float | None:
-        return median(e["step_time_s"] for e in of_kind(events, "step") if e["step"] > 3)
-
-    on_s, off_s = step_time(on), step_time(off)
-    memory = of_kind(on, "snapshot_memory")
+    on_s, off_s = median(times[True]), median(times[False])
     return {
         "step_on_s": on_s,
         "step_off_s": off_s,
         "ratio": None if not on_s or not off_s else on_s / off_s,
-        "host_bytes_per_rank": memory[0]["max_bytes"] if memory else None,
+        "host_bytes_per_rank": max(memory, default=None),
     }
 
 
@@ -483,7 +486,7 @@ SCENARIOS = (
 
 
 def run_all(
-    cluster, workdir: Path, *, repeats: int, quick: bool, storage: tuple[str, str]
+    cluster, workdir: Path, *, repeats: int, quick: bool, storage: tuple[str, str], only: set[str] | None = None
 ) -> tuple[dict[str, list[dict]], list[str]]:
     """Every scenario ``repeats`` times, rounds interleaved so that noise hits all alike.
     ``storage``: (S3 URI prefix, endpoint) for the one-replica restore from storage."""
@@ -509,10 +512,12 @@ def run_all(
         ("reference_kill", lambda d: reference_kill(cluster, d, steps=steps)),
         ("one_replica_memory", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=ONE_REPLICA)),
         ("one_replica_storage", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=one_replica_storage(d))),
-        ("snapshot_cost", lambda d: snapshot_step_cost(cluster, d, steps=20 if quick else 40)),
+        ("snapshot_cost", lambda d: snapshot_step_cost(cluster, d, steps=16 if quick else 30)),
     ]
     if not quick:
         scenarios.append(("reference_node", lambda d: reference_node(cluster, d, steps=steps)))
+    if only is not None:
+        scenarios = [(name, scenario) for name, scenario in scenarios if name in only]
     for round_number in range(1, repeats + 1):
         for name, scenario in scenarios:
             started = time.monotonic()
@@ -741,6 +746,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="each scenario once, Ray Train's lost node left out")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of every scenario (default 3, --quick 1)")
     parser.add_argument(
+        "--only", default=None, help=f"comma-separated scenarios to run (default: all of {', '.join(SCENARIOS)})"
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         default=None,
@@ -764,7 +772,8 @@ def main() -> int:
         storage = ("s3://bench/recovery", s3.endpoint_url)
         cluster = start_cluster()
         try:
-            results, errors = run_all(cluster, workdir, repeats=repeats, quick=args.quick, storage=storage)
+            only = set(args.only.split(",")) if args.only else None
+            results, errors = run_all(cluster, workdir, repeats=repeats, quick=args.quick, storage=storage, only=only)
         finally:
             ray.shutdown()
             cluster.shutdown()
