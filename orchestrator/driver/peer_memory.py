@@ -115,6 +115,9 @@ class SnapshotBook:
         if generation is not None:  # the owner and the buddy both report a copy: either one's word holds
             ranks = generation.reported.setdefault(report.step, {})
             ranks[report.rank] = ranks.get(report.rank, False) or report.copied
+            # The ranks keep the newest LABELS_KEPT snapshots: older steps can no longer be restored.
+            for old in sorted(generation.reported)[: -(LABELS_KEPT + 1)]:
+                del generation.reported[old]
 
     def on_restore(self, report: MemoryRestoreReport) -> None:
         self._restore_bytes += report.bytes_remote

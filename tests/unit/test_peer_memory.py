@@ -196,3 +196,12 @@ def test_the_report_says_which_restores_came_from_peer_memory_and_what_they_read
     summary = summarize(events)
     assert (summary.restores, summary.memory_restores, summary.memory_restore_bytes) == (0, 1, 3 << 20)
     assert "restores from checkpoint: 0; from peer memory: 1 (3.0 MiB from peers)" in format_summary(summary)
+
+
+def test_the_book_forgets_snapshots_the_ranks_no_longer_keep(book):
+    book, _, _ = book
+    for step in range(1, 101):
+        for rank in range(4):
+            book.on_snapshot(snapshot(1, step, rank))
+    assert book.recoverable(lambda slot: False) == RecoveryPoint(1, 100)
+    assert sorted(book._generations[1].reported) == [98, 99, 100]  # not a growing record of the run
