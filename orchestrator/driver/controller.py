@@ -275,8 +275,8 @@ class Controller(Restores):
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s, first=True)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
-        if failed and state.memory is not None:
-            self.snapshots.unusable(state.memory)  # the recovery starts again, from what is left
+        if state.memory is not None and any(f.failure_kind == FailureKind.STORAGE for f in failed.values()):
+            self.snapshots.unusable(state.memory)  # a holder did not answer: the recovery picks another
         corrupt = [f for f in failed.values() if f.failure_kind == FailureKind.CORRUPT_CHECKPOINT]
         if corrupt and state.restoring is not None:
             return self._restore_around_corruption(state, state.restoring, corrupt[0])
