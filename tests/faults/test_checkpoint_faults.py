@@ -58,11 +58,17 @@ def committed_before(events, index: int) -> list[int]:
     return [e["step"] for e in events[:index] if e["event"] == "checkpoint_committed"]
 
 
-def test_no_surviving_replica_restores_the_latest_checkpoint(reference, s3_bucket, tmp_path):
+def test_no_surviving_replica_without_snapshots_restores_the_latest_checkpoint(reference, s3_bucket, tmp_path):
     # Late enough that some save has committed on a loaded machine too: steps take ~0.15 s here,
     # and a rank's first upload (new S3 connections) once took longer than steps 2 to 6.
+    # Peer-memory snapshots off: with them the state comes from memory (tests/faults/test_peer_memory.py).
     result, events = run_job(
-        tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket), faults=("kill@12:1",)
+        tmp_path,
+        *SINGLE_REPLICA,
+        f"training.steps={STEPS}",
+        *checkpoints_to(s3_bucket),
+        "elastic.snapshot_interval_steps=0",
+        faults=("kill@12:1",),
     )
     assert result.exit_code == 0, result.reason
     [failure] = of_kind(events, "failure")
