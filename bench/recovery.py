@@ -755,6 +755,10 @@ def main() -> int:
         help="keep every run's directory (events, logs, the reference's records) here",
     )
     args = parser.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(SCENARIOS)) if args.only else []
+    if unknown or args.only == "":
+        missing = ", ".join(unknown) or "(empty)"
+        parser.error(f"--only {args.only!r}: no scenario {missing}; choose from {', '.join(SCENARIOS)}")
     repeats = args.repeats or (1 if args.quick else 3)
     import ray
 

@@ -166,7 +166,7 @@ class RankActor:
         """Control thread, called by rank ``owner``'s snapshot sender: hold a copy of its snapshot,
         and say so to the driver (should the owner die before its own report gets there)."""
         self.snapshot_store.put(key, (generation, step), bytes(memoryview(data)))
-        self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True, stall_s=0.0, send_s=0.0))
+        self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True))
         return len(data)
 
     def read_snapshot(self, key: str, start: int, end: int) -> bytes:
@@ -359,7 +359,8 @@ class RankActor:
             result = trainer.train_step(step)
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
-            snapshot_stall = snapshots.after_step(step) if snapshots is not None else None
+            if snapshots is not None:
+                snapshots.after_step(step)
             stall = self._live_checkpoints().after_step(
                 step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
             )
@@ -372,7 +373,6 @@ class RankActor:
                 grad_norm=result.grad_norm,
                 phases=result.phases,
                 checkpoint_stall_s=stall,
-                snapshot_stall_s=snapshot_stall,
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
             )
             if result.pause:

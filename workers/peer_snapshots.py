@@ -4,9 +4,9 @@ Runs on every rank. ``SnapshotStore`` lives as long as the actor (across generat
 this rank's own snapshots and the copies it keeps for its peers, and answers the reads of ranks
 restoring from memory. ``RankSnapshots`` is one generation's writer, called by the loop thread:
 
-    snapshots.before_step(step)    # waits for the previous snapshot's copy to reach the buddy
-    stall_s = snapshots.after_step(step)   # at the interval: copy the slices to a host buffer
-                                           # (the only stall), send the copy in the background
+    snapshots.before_step()        # waits for the previous snapshot's copy to reach the buddy
+    snapshots.after_step(step)     # at the interval: copy the slices to a host buffer (the only
+                                   # stall), send the copy to the buddy in the background
 
 Why a step waits for the previous copy: once any rank completes a step, every rank has entered
 it (the commit vote), so every rank's copy of the snapshot before it is with its buddy. A store
@@ -144,11 +144,11 @@ class RankSnapshots:
         """Loop thread, before a step: the previous snapshot's copy must have reached the buddy."""
         self.flush()
 
-    def after_step(self, step: int) -> float | None:
-        """Loop thread, after ``step`` was applied: snapshot it when due; returns the stall."""
+    def after_step(self, step: int) -> None:
+        """Loop thread, after ``step`` was applied: snapshot it when due (the loop waits only
+        for the copy to host memory)."""
         if self.plan.interval_steps <= 0 or step % self.plan.interval_steps:
-            return None
-        started = time.perf_counter()
+            return
         self.flush()
         layout = self._layout
         slot = self._turn
@@ -165,9 +165,7 @@ class RankSnapshots:
         self._keys[slot] = key
         data = buffer.memoryview()
         self.store.put(key, (self.generation, step), data)
-        stall_s = time.perf_counter() - started
-        self._in_flight = self._sender.submit(self._copy_to_buddy, key, step, data, stall_s)
-        return stall_s
+        self._in_flight = self._sender.submit(self._copy_to_buddy, key, step, data)
 
     def flush(self) -> None:
         """Wait for the copy in flight (its failure was reported and logged by the sender)."""
@@ -208,12 +206,11 @@ class RankSnapshots:
             )
         )
 
-    def _copy_to_buddy(self, key: str, step: int, data: memoryview, stall_s: float) -> None:
+    def _copy_to_buddy(self, key: str, step: int, data: memoryview) -> None:
         """Sender thread: hand the snapshot to the buddy and wait for it to be held there."""
         import numpy as np
         import ray
 
-        started = time.perf_counter()
         copied = False
         self._while_copying(step)
         if self.plan.buddy is not None:
@@ -228,15 +225,7 @@ class RankSnapshots:
                 buddy = self.plan.buddy_rank
                 log.warning("rank %d: snapshot of step %d not copied to rank %s: %s", self.rank, step, buddy, error)
         self.channel.send(
-            SnapshotReport(
-                rank=self.rank,
-                time=time.time(),
-                generation=self.generation,
-                step=step,
-                copied=copied,
-                stall_s=stall_s,
-                send_s=time.perf_counter() - started,
-            )
+            SnapshotReport(rank=self.rank, time=time.time(), generation=self.generation, step=step, copied=copied)
         )
 
 

@@ -175,10 +175,6 @@ class SnapshotBook:
         )
         return MemorySource(manifest=manifest, holders=holders)
 
-    def state_bytes(self, point: RecoveryPoint) -> int:
-        """Bytes of one whole snapshot (every rank's objects)."""
-        return sum(layout.bytes for layout in self._generations[point.generation].layouts.values())
-
     # ---------------------------------------------------------------- helpers
     def _complete(self, generation: _Generation, step: int) -> bool:
         return len(generation.reported.get(step, {})) == generation.mesh.world_size or generation.applied > step

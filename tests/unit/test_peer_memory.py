@@ -79,7 +79,7 @@ def layout(generation: int, rank: int, buddy: int | None) -> SnapshotLayoutRepor
 
 
 def snapshot(generation: int, step: int, rank: int, copied: bool = True) -> SnapshotReport:
-    return SnapshotReport(rank, 0.0, generation, step, copied=copied, stall_s=0.001, send_s=0.002)
+    return SnapshotReport(rank, 0.0, generation, step, copied=copied)
 
 
 @pytest.fixture

@@ -120,7 +120,6 @@ class StepReport:
     grad_norm: float | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step
     checkpoint_stall_s: float | None = None  # set on steps that staged a checkpoint
-    snapshot_stall_s: float | None = None  # set on steps that took a peer-memory snapshot
     # With data.record_samples: the global sample indices this rank's data-parallel slice consumed.
     sample_indices: tuple[int, ...] | None = None
     kind: ReportKind = ReportKind.STEP
@@ -217,8 +216,6 @@ class SnapshotReport:
     generation: int
     step: int
     copied: bool
-    stall_s: float  # the loop's wait while the slices were copied to host memory
-    send_s: float  # the background copy to the buddy
     kind: ReportKind = ReportKind.SNAPSHOT
 
 
