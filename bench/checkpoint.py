@@ -51,6 +51,7 @@ def model_spec(quick: bool):
 def build_state(spec, mesh_spec, rank: int) -> dict[str, torch.Tensor]:
     """Model parameters (DTensors) and AdamW state as the trainer names them."""
     from workers import parallelize as par
+    from workers.initial_values import init_weights
     from workers.models import resolve_family
 
     family = resolve_family(spec.family)
@@ -61,7 +62,7 @@ def build_state(spec, mesh_spec, rank: int) -> dict[str, torch.Tensor]:
         par.apply_tensor_parallel(module, family, spec, world_mesh["tp"])
     par.apply_fsdp(module, par.data_parallel_mesh(world_mesh, mesh_spec), param_dtype=torch.float32, pipelined=False)
     par.materialize(module, torch.device("cpu"))
-    par.init_weights(module, family, spec, seed=0)
+    init_weights(module, family, spec, seed=0)
     state: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         state[name] = param.detach()

@@ -3,14 +3,13 @@
 Runs on every rank, inside ``Trainer`` construction. The order is fixed and the per-step
 functions are thin: split into pipeline stages, then tensor parallel (DTensor plans with
 sequence parallelism), then activation checkpointing, then FSDP2 (``fully_shard``), then
-materialise and initialise. Every function here is collective-free except where it says so.
+materialise (``workers.initial_values`` initialises). Every function here is collective-free except where it says so.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, local_shape_and_offset
+from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.models import ModelFamily, StageModel
 from workers.spec import ModelSpec
@@ -135,37 +134,9 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device)
 
 
-@torch.no_grad()
-def init_weights(module: StageModel, family: ModelFamily, model: ModelSpec, *, seed: int) -> None:
-    """Initialise every parameter exactly as a single-process run with the same seed would.
-
-    Each full parameter is drawn from a generator seeded by (seed, parameter name) on the CPU
-    and this rank copies its own slice, so the initial model is identical whatever the mesh
-    (the loss-parity tests rely on that). Costs one full parameter of host memory at a time.
-    """
-    for fqn, param in module.named_parameters():
-        full = torch.empty(param.shape, dtype=torch.float32)
-        rule = family.init_rule(fqn, model)
-        if rule.std is None:
-            full.fill_(rule.value)
-        else:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            full.normal_(0.0, rule.std, generator=generator)
-        local_slice(param).copy_(slice_of(full, param))
-
-
 def local_slice(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores for ``param`` (its DTensor shard, or the plain tensor)."""
     return param.to_local() if isinstance(param, DTensor) else param.data
-
-
-def slice_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The part of the full tensor that this rank's shard of ``param`` holds (uneven shards too)."""
-    if not isinstance(param, DTensor):
-        return full
-    shape, offset = local_shape_and_offset(param)
-    index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
-    return full[index]
 
 
 def forget_old_meshes() -> None:

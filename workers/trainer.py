@@ -33,6 +33,7 @@ from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
+from workers.initial_values import init_weights
 from workers.models import StageModel, resolve_family
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 from workers.tensor_groups import by_mesh, flat_chunks, scatter_back
@@ -164,7 +165,7 @@ class Trainer:
     def init_weights(self) -> None:
         """Fresh start: the same initial model as a single process with the same seed."""
         for module in self.modules:
-            par.init_weights(module, self.family, self.spec.model, seed=self.spec.seed)
+            init_weights(module, self.family, self.spec.model, seed=self.spec.seed)
 
     # ---------------------------------------------------------------------- step
     @property

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from elastic.spec import MeshSpec
 from tests.unit.eval_ranks import EVAL_BATCHES, GLOBAL_BATCH, MODEL, SEQ_LEN, eval_source, run_rank
 from tests.unit.spawned_ranks import spawn_ranks
-from workers import parallelize as par
+from workers.initial_values import init_weights
 from workers.models import resolve_family
 from workers.spec.train import EvalSpec
 
@@ -29,7 +29,7 @@ def plain_eval_loss() -> float:
     """One process, no mesh: the seeded model's mean token cross entropy over every eval sample."""
     family = resolve_family(MODEL.family)
     model = family.build(MODEL)
-    par.init_weights(model, family, MODEL, seed=0)
+    init_weights(model, family, MODEL, seed=0)
     source = eval_source()
     samples = torch.stack([source.eval_sample(index) for index in range(EVAL_BATCHES * GLOBAL_BATCH)])
     with torch.no_grad():

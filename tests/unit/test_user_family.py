@@ -15,7 +15,7 @@ from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from tests.families.gpt2 import Gpt2Family
 from tests.jobs import DEMO_CONFIG
-from workers.parallelize import init_weights
+from workers.initial_values import init_weights
 
 FAMILY = "model.family=tests.families.gpt2:Gpt2Family"
 
