@@ -14,13 +14,16 @@ manifest, checks that the chunks tile every tensor exactly once, and writes the 
 put-if-absent: that write is the commit. Then retention runs. A failure report, an incomplete
 tiling or a refused commit marks the step failed (``failed_steps``, ``on_failure(step, reason,
 cause)`` with cause ``storage``), and so does a change of mesh before every rank reported (cause
-``interrupted``); nothing is committed for it and training is never interrupted by it.
+``interrupted``); nothing is committed for it and training is never interrupted by it. A mesh
+that paused with every rank alive (a grow, a drain) is not waited for: its uploads go on in the
+background and its steps still commit, each with the mesh that saved it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.errors import CheckpointError, CommitConflictError
@@ -32,6 +35,15 @@ from checkpointing.storage import StorageBackend
 log = logging.getLogger(__name__)
 # Why a step is not committed when the mesh changes before every rank reported its shards.
 MESH_CHANGED = "the mesh changed before every rank reported"
+
+
+@dataclass(frozen=True)
+class _PausedMesh:
+    """A mesh that paused after ``last_step`` with every rank alive: its saves may still report."""
+
+    last_step: int
+    world_size: int
+    mesh: dict[str, Any]
 
 
 class CommitCoordinator:
@@ -58,6 +70,7 @@ class CommitCoordinator:
         self.keep_every = keep_every
         self._on_failure = on_failure
         self._pending: dict[int, dict[int, ShardReport]] = {}
+        self._paused_meshes: list[_PausedMesh] = []  # oldest first
         self.committed_steps: list[int] = []
         self.failed_steps: dict[int, str] = {}
         self.last_retention: RetentionResult | None = None
@@ -66,13 +79,30 @@ class CommitCoordinator:
     def pending_steps(self) -> list[int]:
         return sorted(self._pending)
 
-    def reset(self, *, world_size: int, mesh: dict[str, Any]) -> None:
-        """The mesh changed (shrink, grow, restore): forget half-reported steps of the old one."""
-        for step in self._pending:
-            self._fail(step, MESH_CHANGED, cause="interrupted")
-        self._pending.clear()
+    def reset(self, *, world_size: int, mesh: dict[str, Any], paused_after: int | None = None) -> None:
+        """The mesh changed (shrink, grow, restore).
+
+        ``paused_after=S``: the old mesh paused after step S with every rank alive, and its
+        ranks finish their uploads in the background, so its steps (up to S) still commit with
+        the old mesh. Otherwise (a rank was lost, or a restore rewinds) half-reported steps of
+        every earlier mesh fail.
+        """
+        if paused_after is None:
+            for step in self._pending:
+                self._fail(step, MESH_CHANGED, cause="interrupted")
+            self._pending.clear()
+            self._paused_meshes.clear()
+        else:
+            self._paused_meshes.append(_PausedMesh(paused_after, self.world_size, self.mesh))
         self.world_size = world_size
         self.mesh = dict(mesh)
+
+    def _mesh_of(self, step: int) -> tuple[int, dict[str, Any]]:
+        """The world size and mesh that saved ``step``: a paused mesh's, or the current one."""
+        for paused in self._paused_meshes:
+            if step <= paused.last_step:
+                return paused.world_size, paused.mesh
+        return self.world_size, self.mesh
 
     def on_report(self, report: ShardReport | FailureReport | dict[str, Any]) -> Manifest | None:
         """Record one rank's report; return the manifest when this report completed a commit.
@@ -90,12 +120,13 @@ class CommitCoordinator:
         step = parsed.step
         if step in self.failed_steps or step in self.committed_steps:
             return None
-        if not 0 <= parsed.rank < self.world_size:
+        world_size, mesh = self._mesh_of(step)
+        if not 0 <= parsed.rank < world_size:
             log.warning(
                 "ignoring a checkpoint report of step %d from rank %d outside world size %d",
                 step,
                 parsed.rank,
-                self.world_size,
+                world_size,
             )
             return None
         if isinstance(parsed, FailureReport):
@@ -104,20 +135,17 @@ class CommitCoordinator:
             return None
         reports = self._pending.setdefault(step, {})
         reports[parsed.rank] = parsed
-        if len(reports) < self.world_size:
+        if len(reports) < world_size:
             return None
         del self._pending[step]
-        return self._commit(step, list(reports.values()))
+        return self._commit(step, list(reports.values()), world_size=world_size, mesh=mesh)
 
-    def _commit(self, step: int, reports: list[ShardReport]) -> Manifest | None:
+    def _commit(
+        self, step: int, reports: list[ShardReport], *, world_size: int, mesh: dict[str, Any]
+    ) -> Manifest | None:
         try:
             manifest = build_manifest(
-                reports,
-                step=step,
-                world_size=self.world_size,
-                mesh=self.mesh,
-                model=self.model,
-                config_hash=self.config_hash,
+                reports, step=step, world_size=world_size, mesh=mesh, model=self.model, config_hash=self.config_hash
             )
             if not self.storage.put_if_absent(manifest_key(step), manifest.to_json()):
                 raise CommitConflictError(

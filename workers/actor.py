@@ -378,7 +378,9 @@ class RankActor:
             if result.pause:
                 if snapshots is not None:
                     snapshots.flush()  # the boundary's snapshot is complete before the mesh changes
-                self._live_checkpoints().close(wait=True)  # uploads of this generation are reported before it ends
+                # Uploads in flight go on and report while the next mesh configures: the driver
+                # commits them with this mesh (a pause loses no rank). An emergency save is
+                # already durable (saved synchronously).
                 return RunOutcome(RunStatus.PAUSED, self.last_step, state_digest=trainer.state_digest())
             self._evaluate_if_due(evaluator, step)
         self._live_checkpoints().close(wait=True)

@@ -33,7 +33,7 @@ class NoCheckpoints:
     def on_report(self, report: CheckpointUploadReport) -> None:
         return None
 
-    def reset(self, mesh: MeshSpec) -> None:
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
         return None
 
     def latest_step(self) -> int | None:
@@ -86,9 +86,10 @@ class DriverCheckpoints:
                 upload_s=round(manifest.upload_s, 3),
             )
 
-    def reset(self, mesh: MeshSpec) -> None:
-        """A new generation: half-reported saves of the old mesh will never complete."""
-        self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict())
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
+        """A new generation. After a failure, half-reported saves of the old mesh will never
+        complete; after a pause (``paused_after``: every rank alive) they still do."""
+        self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict(), paused_after=paused_after)
 
     def latest_step(self) -> int | None:
         try:

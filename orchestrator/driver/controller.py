@@ -245,11 +245,15 @@ class Controller(Restores):
         from_mesh: dict | None = None,
         stateless: frozenset[int] = frozenset(),
         memory: RecoveryPoint | None = None,
+        paused_after: int | None = None,
     ) -> Configuring:
+        """Start generation ``mesh`` on the active actors. ``paused_after=S``: the previous
+        generation paused after step S with every rank alive, so the checkpoint uploads its
+        ranks still have in flight (they no longer wait for them) commit with its mesh."""
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
-        self.checkpoints.reset(mesh)
+        self.checkpoints.reset(mesh, paused_after=paused_after)
         calls = self.group.configure(
             generation=self.generation,
             mesh=mesh,

@@ -86,11 +86,18 @@ class MeshChanges:
         from_mesh: dict | None = None,
         stateless: frozenset[int] = frozenset(),
         memory: RecoveryPoint | None = None,
+        paused_after: int | None = None,
     ) -> Configuring:
         raise NotImplementedError
 
     def _restore(
-        self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None, memory: RecoveryPoint | None = None
+        self,
+        mesh: MeshSpec,
+        step: int,
+        *,
+        from_mesh: dict | None = None,
+        memory: RecoveryPoint | None = None,
+        paused_after: int | None = None,
     ) -> Configuring:
         raise NotImplementedError
 
@@ -305,7 +312,9 @@ class MeshChanges:
             kind = TransitionKind.GROW
         else:
             return self._fail("policy", f"cannot carry out {decision!r}")
-        return self._change_mesh(state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step)
+        return self._change_mesh(
+            state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step, all_alive=not lost
+        )
 
     def _change_mesh(
         self,
@@ -316,9 +325,11 @@ class MeshChanges:
         *,
         kind: TransitionKind,
         resume_step: int,
+        all_alive: bool,
     ) -> Configuring:
         """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
-        surviving replica (every rank then syncs replicas)."""
+        surviving replica (every rank then syncs replicas). With ``all_alive`` (a pause, nobody
+        lost) the old mesh's checkpoint uploads still in flight go on and commit."""
         self.group.set_active(kept + joining)
         starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
         self.transitions.begin(
@@ -333,4 +344,10 @@ class MeshChanges:
         )
         self.drains.clear()
         joined = frozenset(range(len(kept), len(kept) + len(joining)))
-        return self._configure(new_mesh, starts, sync_replicas=len(joining) > 0, stateless=joined)
+        return self._configure(
+            new_mesh,
+            starts,
+            sync_replicas=len(joining) > 0,
+            stateless=joined,
+            paused_after=resume_step if all_alive else None,
+        )

@@ -34,17 +34,29 @@ class Restores(MeshChanges):
     _corrupt_steps: set[int]
 
     def _restore(
-        self, mesh: MeshSpec, step: int, *, from_mesh: dict | None = None, memory: RecoveryPoint | None = None
+        self,
+        mesh: MeshSpec,
+        step: int,
+        *,
+        from_mesh: dict | None = None,
+        memory: RecoveryPoint | None = None,
+        paused_after: int | None = None,
     ) -> Configuring:
         """Every active rank loads checkpoint ``step`` (or, with ``memory``, that peer-memory
-        snapshot), resharded to ``mesh``."""
+        snapshot), resharded to ``mesh``. ``paused_after``: see ``_configure``."""
         start = StartFrom(StartMode.CHECKPOINT, step)
         if memory is not None:
             source = self.snapshots.source(memory, gone=self.replicas.gone_besides())
             start = StartFrom(StartMode.MEMORY, step, memory=source)
             from_mesh = source.manifest.mesh
         return self._configure(
-            mesh, [start] * mesh.world_size, sync_replicas=False, restoring=step, from_mesh=from_mesh, memory=memory
+            mesh,
+            [start] * mesh.world_size,
+            sync_replicas=False,
+            restoring=step,
+            from_mesh=from_mesh,
+            memory=memory,
+            paused_after=paused_after,
         )
 
     def _replace_out_of_memory(self, state: Configuring, out_of_memory: dict[int, CallFailed]) -> State:
@@ -200,4 +212,4 @@ class Restores(MeshChanges):
             source=StateSource.PEER_MEMORY,
         )
         self.drains.clear()
-        return self._restore(new_mesh, resume_step, memory=memory)
+        return self._restore(new_mesh, resume_step, memory=memory, paused_after=resume_step)

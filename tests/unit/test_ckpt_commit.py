@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from checkpointing.catalog import list_committed
+from checkpointing.catalog import list_committed, load_manifest
 from checkpointing.commit import CommitCoordinator
 from checkpointing.local import LocalStorage
 from checkpointing.retention import steps_to_delete
@@ -125,6 +125,33 @@ def test_mesh_change_drops_half_reported_steps(tmp_path):
     coord.on_report(first)
     coord.reset(world_size=1, mesh={"dp_shard": 1})
     assert coord.pending_steps == [] and "mesh changed" in coord.failed_steps[3]
+
+
+def test_a_paused_meshs_uploads_commit_with_that_mesh_after_the_next_one_starts(tmp_path):
+    """A grow pauses after step 4 without waiting for uploads: step 4's reports arrive once the
+    bigger mesh runs, and step 4 commits with the two-rank mesh that saved it; step 6 needs the
+    new mesh's four ranks."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    old_mesh = shard_reports(storage, 4, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    coord.on_report(old_mesh[0])
+    coord.reset(world_size=4, mesh={"dp_shard": 4}, paused_after=4)
+    assert coord.on_report(old_mesh[1]) is not None
+    assert coord.committed_steps == [4] and coord.failed_steps == {}
+    assert load_manifest(storage, 4).mesh == {"dp_shard": 2}
+    new_mesh = shard_reports(storage, 6, [{f"p{rank}": torch.ones(1)} for rank in range(4)], [True] * 4)
+    assert [coord.on_report(report) is not None for report in new_mesh] == [False, False, False, True]
+    assert load_manifest(storage, 6).mesh == {"dp_shard": 4} and load_manifest(storage, 6).world_size == 4
+
+
+def test_a_failure_after_a_pause_fails_the_paused_meshs_half_reported_steps(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage)
+    first, _ = shard_reports(storage, 4, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    coord.on_report(first)
+    coord.reset(world_size=4, mesh={"dp_shard": 4}, paused_after=4)
+    coord.reset(world_size=3, mesh={"dp_shard": 3})  # a rank lost: the paused mesh's saves end too
+    assert coord.pending_steps == [] and "mesh changed" in coord.failed_steps[4]
 
 
 def test_driver_side_modules_do_not_import_torch():

@@ -334,7 +334,7 @@ class FakeCheckpoints:
     def check_access(self) -> None:
         pass
 
-    def reset(self, mesh: MeshSpec) -> None:
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
         pass
 
     def latest_step(self) -> int | None:
