@@ -6,15 +6,19 @@ Measures, in one run, (1) steady-state step time — the median wall-clock gap b
 consecutive step completions after warm-up — and (2) the time from the command to the first
 completed step, for `meshpilot train` (embedded Ray cluster, rank actors, reporting, commit
 vote) and for `torchrun bench/torchrun_reference.py` (the same Trainer, nothing else).
-Rounds alternate the order (torchrun first, then meshpilot first, ...) and the medians over
-rounds are reported, because a shared 2-core machine drifts by more than the effect.
-Goals: step-time ratio <= 1.05; start-up at most 5 s more than torchrun.
+Rounds alternate the order (torchrun first, then meshpilot first, ...). The step-time goal is
+judged on 2 ranks (dp_shard=2, one per core, a ~0.4 s step): the geometric mean of the
+per-round ratios with its 95% interval. The demo's 8-rank mesh is measured too, labelled as
+oversubscribed (8 ranks and Ray's processes on 2 cores drift by more than the effect).
+Goals: step-time ratio <= 1.02 with an interval narrower than +-2%; command to first step at
+most 2 s more than torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -33,7 +37,32 @@ def median_phases(steps: list[dict], warmup: int) -> dict[str, float]:
     return {phase: round(statistics.median(p[phase] for p in steady), 4) for phase in (steady[0] if steady else {})}
 
 
-def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tuple[float, list[dict]]:
+# The step-time comparison the overhead goal is judged on: 2 ranks (dp_shard=2), one per core,
+# so neither run is oversubscribed, with a model big enough that a step takes ~0.4 s here.
+TWO_RANKS = (
+    "parallelism.dp_shard=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "parallelism.microbatches=1",
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.ffn_dim=768",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "training.global_batch=8",
+    "training.seq_len=128",
+)
+# Two-sided 95% Student t quantiles by degrees of freedom (rounds - 1); 1.96 beyond the table.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def with_sets(overrides: tuple[str, ...]) -> list[str]:
+    return [argument for override in overrides for argument in ("--set", override)]
+
+
+def measure_torchrun(
+    config: Path, steps: int, world: int, workdir: Path, overrides: tuple[str, ...] = ()
+) -> tuple[float, list[dict]]:
     out = workdir / "torchrun.json"
     launched, _ = run_command(
         [
@@ -47,6 +76,7 @@ def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tup
             str(steps),
             "--out",
             str(out),
+            *with_sets(overrides),
         ],
         timeout=1800,
     )
@@ -54,7 +84,9 @@ def measure_torchrun(config: Path, steps: int, world: int, workdir: Path) -> tup
     return records[0]["completed_at"] - launched, records
 
 
-def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, list[dict]]:
+def measure_meshpilot(
+    config: Path, steps: int, workdir: Path, overrides: tuple[str, ...] = ()
+) -> tuple[float, list[dict]]:
     run_dir = workdir / "meshpilot-run"
     launched, _ = run_command(
         [
@@ -65,10 +97,7 @@ def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, l
             str(config),
             "--run-dir",
             str(run_dir),
-            "--set",
-            f"training.steps={steps}",
-            "--set",
-            "metrics.enabled=false",
+            *with_sets((*overrides, f"training.steps={steps}", "metrics.enabled=false")),
             "--plain",
         ],
         timeout=1800,
@@ -77,21 +106,25 @@ def measure_meshpilot(config: Path, steps: int, workdir: Path) -> tuple[float, l
     return records[0]["completed_at"] - launched, records
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny-3d.yaml"))
-    parser.add_argument("--quick", action="store_true", help="one short round (noisy)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds, alternating the order (default 2)")
-    args = parser.parse_args()
-    steps, warmup = (12, 3) if args.quick else (40, 5)
-    rounds = args.rounds or (1 if args.quick else 2)
-    config = Path(args.config)
-    world = load_config(config).mesh.world_size
-    ours_steps: list[float] = []
-    reference_steps: list[float] = []
-    ours_starts: list[float] = []
-    reference_starts: list[float] = []
-    phases: dict[str, list[dict[str, float]]] = {"meshpilot": [], "torchrun": []}
+def ratio_interval(ours: list[float], reference: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the per-round ratios and its 95% interval (t over the log ratios).
+
+    Rounds pair a meshpilot run with the torchrun run beside it, so the machine's drift
+    between rounds cancels in each ratio."""
+    logs = [math.log(a / b) for a, b in zip(ours, reference)]
+    centre = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(centre), math.nan, math.nan
+    half = T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(centre), math.exp(centre - half), math.exp(centre + half)
+
+
+def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int, rounds: int, label: str) -> dict:
+    """``rounds`` rounds of meshpilot and torchrun on the same job, alternating which goes first."""
+    world = load_config(config, overrides=list(overrides)).mesh.world_size
+    runs: dict[str, dict[str, list]] = {
+        which: {"step_s": [], "first_step_s": [], "phases": []} for which in ("meshpilot", "torchrun")
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             workdir = Path(tmp) / f"round-{round_index}"
@@ -99,50 +132,79 @@ def main() -> None:
             order = ("torchrun", "meshpilot") if round_index % 2 == 0 else ("meshpilot", "torchrun")
             for which in order:
                 if which == "torchrun":
-                    start, records = measure_torchrun(config, steps, world, workdir)
-                    starts, step_times = reference_starts, reference_steps
+                    start, records = measure_torchrun(config, steps, world, workdir, overrides)
                 else:
-                    start, records = measure_meshpilot(config, steps, workdir)
-                    starts, step_times = ours_starts, ours_steps
-                starts.append(start)
-                step_times.append(steady_step_time([r["completed_at"] for r in records], warmup))
-                phases[which].append(median_phases(records, warmup))
+                    start, records = measure_meshpilot(config, steps, workdir, overrides)
+                runs[which]["first_step_s"].append(round(start, 3))
+                runs[which]["step_s"].append(round(steady_step_time([r["completed_at"] for r in records], warmup), 4))
+                runs[which]["phases"].append(median_phases(records, warmup))
             print(
-                f"round {round_index + 1}: step {ours_steps[-1]:.3f} s vs {reference_steps[-1]:.3f} s; "
-                f"first step {ours_starts[-1]:.1f} s vs {reference_starts[-1]:.1f} s",
+                f"{label}, round {round_index + 1}: step {runs['meshpilot']['step_s'][-1]:.3f} s vs "
+                f"{runs['torchrun']['step_s'][-1]:.3f} s; first step {runs['meshpilot']['first_step_s'][-1]:.1f} s "
+                f"vs {runs['torchrun']['first_step_s'][-1]:.1f} s",
                 flush=True,
             )
-    ours, reference = statistics.median(ours_steps), statistics.median(reference_steps)
-    ours_start, torchrun_start = statistics.median(ours_starts), statistics.median(reference_starts)
-    result = {
-        "benchmark": "overhead",
-        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
+    ours, reference = runs["meshpilot"], runs["torchrun"]
+    ratio, low, high = ratio_interval(ours["step_s"], reference["step_s"])
+    ours_start, torchrun_start = statistics.median(ours["first_step_s"]), statistics.median(reference["first_step_s"])
+    return {
         "world_size": world,
         "steps": steps,
         "rounds": rounds,
-        "meshpilot_step_s": round(ours, 4),
-        "torchrun_step_s": round(reference, 4),
-        "step_time_ratio": round(ours / reference, 3),
+        "meshpilot_step_s": round(statistics.median(ours["step_s"]), 4),
+        "torchrun_step_s": round(statistics.median(reference["step_s"]), 4),
+        "step_time_ratio": round(ratio, 4),
+        "step_time_ratio_95": [round(low, 4), round(high, 4)],
         "meshpilot_first_step_s": round(ours_start, 2),
         "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
         # Where the step's time goes (slowest rank, medians): sync_s is the gradient clip plus,
         # for meshpilot, the commit vote.
         "phases_s": {
-            which: {phase: round(statistics.median(r[phase] for r in rounds_), 4) for phase in rounds_[0]}
-            for which, rounds_ in phases.items()
-            if rounds_ and rounds_[0]
+            which: {phase: round(statistics.median(p[phase] for p in run["phases"]), 4) for phase in run["phases"][0]}
+            for which, run in runs.items()
+            if run["phases"] and run["phases"][0]
         },
         "per_round": {
-            "meshpilot_step_s": ours_steps,
-            "torchrun_step_s": reference_steps,
-            "meshpilot_first_step_s": ours_starts,
-            "torchrun_first_step_s": reference_starts,
+            f"{which}_{figure}": run[figure] for which, run in runs.items() for figure in ("step_s", "first_step_s")
         },
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny-3d.yaml"))
+    parser.add_argument("--quick", action="store_true", help="few short rounds (a wide interval)")
+    parser.add_argument("--rounds", type=int, default=None, help="2-rank rounds, alternating the order (default 8)")
+    args = parser.parse_args()
+    config = Path(args.config)
+    steps, warmup = (16, 4) if args.quick else (40, 5)
+    two_ranks = compare(
+        config, TWO_RANKS, steps=steps, warmup=warmup, rounds=args.rounds or (3 if args.quick else 8), label="2 ranks"
+    )
+    demo_mesh = compare(config, (), steps=steps, warmup=warmup, rounds=1 if args.quick else 2, label="demo mesh")
+    result = {
+        "benchmark": "overhead",
+        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
+        "quick": args.quick,
+        # The goal's figure: 2 ranks on 2 cores, nothing oversubscribed.
+        "two_ranks": two_ranks,
+        # The demo's 8-rank mesh on the same 2 cores: 8 ranks and Ray's processes share them,
+        # so this ratio drifts by more than any overhead; kept for continuity, not for the goal.
+        "demo_mesh_oversubscribed": demo_mesh,
+        "step_time_ratio": two_ranks["step_time_ratio"],
+        "step_time_ratio_95": two_ranks["step_time_ratio_95"],
+        "first_step_extra_s": {
+            "two_ranks": two_ranks["first_step_extra_s"],
+            "demo_mesh": demo_mesh["first_step_extra_s"],
+        },
+    }
+    low, high = two_ranks["step_time_ratio_95"]
     print(
-        f"steady step: meshpilot {ours:.3f} s vs torchrun {reference:.3f} s (x{ours / reference:.3f}); "
-        f"command to first step: {ours_start:.1f} s vs {torchrun_start:.1f} s"
+        f"steady step, 2 ranks: meshpilot {two_ranks['meshpilot_step_s']:.3f} s vs torchrun "
+        f"{two_ranks['torchrun_step_s']:.3f} s: x{two_ranks['step_time_ratio']:.3f} (95%: {low:.3f}-{high:.3f}); "
+        f"command to first step: +{two_ranks['first_step_extra_s']:.1f} s (2 ranks), "
+        f"+{demo_mesh['first_step_extra_s']:.1f} s (8 ranks)"
     )
     emit(result)
 
