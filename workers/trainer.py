@@ -120,6 +120,7 @@ class Trainer:
         cache_generation = par.new_cache_generation()
         for module in self.modules:
             par.register_fresh_cache_hooks(module, cache_generation)
+            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))  # as microbatch_loss
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
         # The loss is reported once per data-parallel slice: by tp rank 0 of the last stage.

@@ -70,6 +70,15 @@ class StageModel(nn.Module):
         """Hidden states -> logits [batch, seq, vocab] (last stage only)."""
         raise NotImplementedError
 
+    def scale_auxiliary_losses(self, scale: float) -> None:
+        """Multiply the gradient of every auxiliary loss (a mixture of experts' load balancing) by
+        ``scale``, as the trainer scales its loss: 1 / microbatches per step. Called on every rank
+        once the stage is built; a model without auxiliary losses ignores it."""
+
+    def expert_load(self) -> dict[str, float]:
+        """Load balance of the last forward pass, per name (a mixture of experts); empty for others."""
+        return {}
+
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens_or_hidden) if self.is_first_stage else tokens_or_hidden
         for layer in self.layers.values():
