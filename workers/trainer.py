@@ -74,6 +74,7 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
+    expert_load: dict[str, float] = field(default_factory=dict)  # see StageModel.expert_load
 
 
 # Largest single broadcast of ``sync_from_first_replica``: bounds the staging buffer it
@@ -259,6 +260,7 @@ class Trainer:
             samples=local_samples(
                 step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
             ),
+            expert_load={key: value for module in self.modules for key, value in module.expert_load().items()},
         )
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, last_round: bool = True) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 For tests/unit/test_moe_family.py: each rank builds the Trainer for its mesh, initialises the
 model from the seed, trains on synthetic tokens and reports its per-step losses (None where
-the rank does not report the loss) and the expert load of its last step.
+the rank does not report the loss) and the expert load of its last step (``StepResult.expert_load``).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
-    losses = [trainer.train_step(step).loss for step in range(1, STEPS + 1)]
-    load = {key: value for module in trainer.modules for key, value in module.expert_load().items()}
-    results.put((rank, losses, load))
+    results_by_step = [trainer.train_step(step) for step in range(1, STEPS + 1)]
+    results.put((rank, [result.loss for result in results_by_step], results_by_step[-1].expert_load))
     results.close()
     results.join_thread()
     dist.barrier()

@@ -76,7 +76,8 @@ class StageModel(nn.Module):
         once the stage is built; a model without auxiliary losses ignores it."""
 
     def expert_load(self) -> dict[str, float]:
-        """Load balance of the last forward pass, per name (a mixture of experts); empty for others."""
+        """A mixture of experts' load balance per layer since the last call (the trainer reads it
+        once per step, on every rank); empty for a model without experts."""
         return {}
 
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,8 @@ class MixtureOfExperts(nn.Module):
         self.auxiliary_loss_scale = 1.0
         # Tokens routed to each expert in the last forward pass (top-k assignments, on the host).
         self.tokens_per_expert: torch.Tensor | None = None
+        # The same, summed over the forward passes since ``MoeTransformer.expert_load`` last read it.
+        self.routed_since_read: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:
@@ -112,6 +114,8 @@ class MixtureOfExperts(nn.Module):
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.spec.n_experts)
         self.tokens_per_expert = counts.detach().cpu()
+        read = self.routed_since_read
+        self.routed_since_read = self.tokens_per_expert if read is None else read + self.tokens_per_expert
         token_index = order // self.spec.top_k_experts
         # .tolist() is a device sync point: the split sizes are needed on the host.
         chunks = tokens[token_index].split(counts.tolist())
@@ -169,13 +173,18 @@ class MoeTransformer(StageModel):
                 module.auxiliary_loss_scale = scale
 
     def expert_load(self) -> dict[str, float]:
-        """The busiest expert's tokens over the mean, per layer this stage holds, in the last forward."""
+        """Per layer this stage holds (``"layer<i>"``): the busiest expert's tokens over the mean
+        expert's, over the forward passes since the last call (1.0: perfectly even; n_experts:
+        every token on one expert). Activation checkpointing's recomputation counts every
+        microbatch twice, which leaves the ratio unchanged."""
         load = {}
         for layer_id, layer in self.layers.items():
             mlp = getattr(layer, "mlp", None)
-            counts = mlp.tokens_per_expert if isinstance(mlp, MixtureOfExperts) else None
-            if counts is not None and counts.sum() > 0:
-                load[f"expert_load_max_over_mean.layer{layer_id}"] = float(counts.max() / counts.float().mean())
+            if not isinstance(mlp, MixtureOfExperts) or mlp.routed_since_read is None:
+                continue
+            counts, mlp.routed_since_read = mlp.routed_since_read.float(), None
+            if counts.sum() > 0:
+                load[f"layer{layer_id}"] = round(float(counts.max() / counts.mean()), 4)
         return load
 
 
