@@ -21,14 +21,23 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def moe_train_spec() -> TrainSpec:
+def moe_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
     """A global batch of 8 in microbatches of 2 sequences of 32 tokens, so accumulation, pipelining and
     data parallelism all split it differently."""
     model = PRESETS["debug-moe"]
-    return TrainSpec(model=model, steps=STEPS, global_batch=8, seq_len=32, microbatch_size=2, microbatches=2, lr=3e-3)
+    return TrainSpec(
+        model=model,
+        steps=STEPS,
+        global_batch=8,
+        seq_len=32,
+        microbatch_size=2,
+        microbatches=2,
+        lr=3e-3,
+        activation_checkpointing=activation_checkpointing,
+    )
 
 
-def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
+def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
     torch.set_num_threads(1)
     init_generation(
         store=dist.FileStore(store_path, mesh.world_size),
@@ -38,7 +47,7 @@ def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
         backend="gloo",
         timeout_s=120,
     )
-    spec = moe_train_spec()
+    spec = moe_train_spec(activation_checkpointing=activation_checkpointing)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()

@@ -1,5 +1,6 @@
 """The ``moe`` family: a Qwen2-MoE written by ``transformers`` loads with equal logits, the
-``debug-moe`` preset trains alike on any mesh, and the load-balancing loss reaches the gradient.
+``debug-moe`` preset trains alike on any mesh, the load-balancing loss reaches the gradient, and
+``ckpt import`` then ``ckpt export`` gives ``transformers`` the same model back.
 
 Spawned processes on real gloo (``tests/unit/moe_ranks.py``, ``tests/unit/pretrained_ranks.py``).
 """
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 from elastic.spec import MeshSpec
+from orchestrator.cli import main
 from orchestrator.config import load_config
 from tests.hf_models import reference_logits, save_random_model
 from tests.jobs import DEMO_CONFIG, REPO
@@ -26,7 +28,12 @@ from workers.spec.hf_config import HfConfigError
 from workers.spec.moe_hf_config import moe_hf_config, moe_spec_from_hf
 
 HF_LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "pp2-dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=2)}
-TRAIN_LAYOUTS = {"dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=1), "pp2-dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=2)}
+TRAIN_LAYOUTS = {
+    "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False),
+    # Recomputation routes every token again: the same experts, the same auxiliary gradient.
+    "dp_shard2-activation_checkpointing": (MeshSpec(dp_shard=2, tp=1, pp=1), True),
+}
 
 
 @pytest.mark.parametrize("layout", list(HF_LAYOUTS))
@@ -54,9 +61,11 @@ def single_rank_run(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
 def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
-    mesh = TRAIN_LAYOUTS[layout]
+    mesh, activation_checkpointing = TRAIN_LAYOUTS[layout]
     ranks = spawn_ranks(
-        functools.partial(moe_ranks.run_rank, mesh=mesh), world_size=mesh.world_size, store_path=str(tmp_path / "s")
+        functools.partial(moe_ranks.run_rank, mesh=mesh, activation_checkpointing=activation_checkpointing),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "s"),
     )
     expected, _ = single_rank_run
     # Each data-parallel slice reports its own mean loss: the step's loss is their mean.
@@ -152,3 +161,14 @@ def test_debug_moe_preset_selects_the_moe_family(monkeypatch):
     monkeypatch.chdir(REPO)
     config = load_config(DEMO_CONFIG, ["model.preset=debug-moe", "parallelism.tp=1"])
     assert config.model_spec.family == "moe" and config.model_spec.n_experts == 8
+
+
+def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tmp_path, capsys):
+    source = save_random_model("qwen2_moe", tmp_path / "hf")
+    checkpoints = tmp_path / "ckpt"
+    assert main(["ckpt", "import", str(tmp_path / "hf"), str(checkpoints)]) == 0, capsys.readouterr()
+    assert main(["ckpt", "export", str(checkpoints), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen2MoeForCausalLM"
+    tokens = pretrained_ranks.fixed_tokens(source.config.vocab_size)
+    torch.testing.assert_close(reference_logits(exported, tokens), reference_logits(source, tokens), rtol=0, atol=0)
