@@ -124,7 +124,8 @@ class MixtureOfExperts(nn.Module):
         return torch.zeros_like(tokens).index_add_(0, token_index, weighted)
 
     def load_balancing_loss(self, scores: torch.Tensor) -> torch.Tensor:
-        """Switch Transformer's ``n_experts * sum_e(f_e * p_e)`` over this layer's tokens (1 when even)."""
+        """Switch Transformer's ``n_experts * sum_e(f_e * p_e)`` over this layer's tokens, with ``f_e``
+        the fraction of tokens that chose expert ``e`` (as Hugging Face counts it): ``top_k`` when even."""
         n_tokens = scores.shape[0]
         assert self.tokens_per_expert is not None, "routed() counts the tokens first"
         fraction_routed = self.tokens_per_expert.to(scores.device, torch.float32) / n_tokens
