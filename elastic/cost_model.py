@@ -207,8 +207,8 @@ def activation_bytes_per_token(model: ModelSpec) -> float:
 
 
 def layer_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Forward + backward FLOPs of one decoder layer per token (6·params + attention scores)."""
-    return 6.0 * model.params_per_layer + 12.0 * model.n_heads * model.head_dim * seq_len
+    """Forward + backward FLOPs of one decoder layer per token (6·active params + attention scores)."""
+    return 6.0 * model.active_params_per_layer + 12.0 * model.n_heads * model.head_dim * seq_len
 
 
 def chunk_layers(n_layers: int, chunks: int) -> int:

@@ -65,6 +65,14 @@ class ModelConfig:
     head_dim: int | None = None
     qkv_bias: bool | None = None
     tie_embeddings: bool | None = None
+    # Mixture of experts (family moe, preset debug-moe): see ModelSpec.
+    n_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_ffn_dim: int | None = None
+    n_shared_experts: int | None = None
+    router_aux_loss_coef: float | None = None
+    router_score: str | None = None
+    normalize_top_k: bool | None = None
     # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.
     resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
 
@@ -78,7 +86,9 @@ class ModelConfig:
     def spec(self) -> ModelSpec:
         if self.resolved is not None:
             return self.resolved
-        return dataclasses.replace(model_spec(self.preset, **self.overrides()), family=self.family)
+        base = model_spec(self.preset, **self.overrides())
+        # A preset names its family (debug-moe: moe) unless the config names one of its own.
+        return base if self.family == "llama" else dataclasses.replace(base, family=self.family)
 
 
 @dataclass

@@ -196,6 +196,11 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
             "for pp_schedule=interleaved_1f1b"
         )
+    if model.is_moe and par.tp > 1:
+        problems.append(
+            f"parallelism.tp={par.tp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
+            "with tp=1; set parallelism.tp=1 and shard over parallelism.dp_shard"
+        )
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from
         prefix = f"parallelism (model shape from {shape_from}): " if shape_from else "parallelism: "

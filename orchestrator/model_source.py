@@ -20,6 +20,7 @@ from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
 from workers.spec import ModelSpec, model_spec
 from workers.spec.hf_config import LLAMA_COMPATIBLE, HfConfigError, architecture_of, llama_spec_from_hf
+from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_spec_from_hf
 
 if TYPE_CHECKING:
     from orchestrator.config import JobConfig
@@ -72,16 +73,20 @@ def check_released_weights(config: JobConfig, spec: ModelSpec, where: str) -> No
 
 
 def llama_spec(config: JobConfig, where: str | None) -> ModelSpec:
-    """The shipped family's shape: the preset, or what a config.json of a supported architecture says."""
+    """The shipped families' shape: the preset (which names its family: ``debug-moe`` is ``moe``), or
+    what a config.json of a supported architecture says (``Qwen2MoeForCausalLM``: the ``moe`` family)."""
     if where is None:
-        return dataclasses.replace(model_spec(config.model.preset), family=SHIPPED_FAMILY)
+        return model_spec(config.model.preset)
     location = locate(where, config.source_dir)
     hf_config = read_json(location, config)
     architecture = architecture_of(hf_config, location.describe())
+    if architecture == MOE_ARCHITECTURE:
+        return moe_spec_from_hf(hf_config, location.describe())
     if architecture not in LLAMA_COMPATIBLE:
         raise HfConfigError(
             f"{location.describe()}: architecture {architecture} is not supported; supported: "
-            f"{', '.join(sorted(LLAMA_COMPATIBLE))} (or bring your own family: model.family: package.module:Class)"
+            f"{', '.join(sorted([*LLAMA_COMPATIBLE, MOE_ARCHITECTURE]))} "
+            "(or bring your own family: model.family: package.module:Class)"
         )
     return llama_spec_from_hf(hf_config, location.describe(), family=SHIPPED_FAMILY)
 

@@ -46,12 +46,27 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"rope_theta": 1000000.0, "tie_word_embeddings": False}),
 }
 
+# Mixture-of-experts architectures (the ``moe`` family), apart from the llama family's above.
+MOE_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "rope_theta": 1000000.0,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    )
+}
+
 
 def save_random_model(name: str, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """Build the named architecture with random weights, save it (safetensors) and return the model."""
     import transformers
 
-    config_class, extra = ARCHITECTURES[name]
+    config_class, extra = {**ARCHITECTURES, **MOE_ARCHITECTURES}[name]
     config = getattr(transformers, config_class)(**COMMON, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

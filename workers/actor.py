@@ -374,6 +374,7 @@ class RankActor:
                 phases=result.phases,
                 checkpoint_stall_s=stall,
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
+                expert_load=result.expert_load,
             )
             if result.pause:
                 if snapshots is not None:

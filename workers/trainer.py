@@ -75,6 +75,7 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
+    expert_load: dict[str, float] = field(default_factory=dict)  # see StageModel.expert_load
 
 
 # Largest single broadcast of ``sync_from_first_replica``: bounds the staging buffer it
@@ -121,6 +122,7 @@ class Trainer:
         cache_generation = par.new_cache_generation()
         for module in self.modules:
             par.register_fresh_cache_hooks(module, cache_generation)
+            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))  # as microbatch_loss
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
         # The loss is reported once per data-parallel slice: by tp rank 0 of the last stage.
@@ -259,6 +261,7 @@ class Trainer:
             samples=local_samples(
                 step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
             ),
+            expert_load={key: value for module in self.modules for key, value in module.expert_load().items()},
         )
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, last_round: bool = True) -> torch.Tensor:

@@ -108,7 +108,9 @@ class ReportRouter:
     def _emit(self, step: int, ranks: dict[int, StepReport]) -> None:
         losses = [r.loss for r in ranks.values() if r.loss is not None]
         any_report = next(iter(ranks.values()))
-        extra = {}
+        extra: dict[str, Any] = {}
+        if load := _worst_expert_load(ranks.values()):
+            extra["expert_load_max_over_mean"] = load
         if len(ranks) < self.mesh.world_size:
             # A rank died after applying the step but before its report reached the driver:
             # the loss is the mean over the data-parallel slices that did report.
@@ -159,3 +161,12 @@ def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:
         for phase, seconds in (report.phases or {}).items():
             slowest[phase] = round(max(seconds, slowest.get(phase, 0.0)), 6)
     return slowest
+
+
+def _worst_expert_load(reports: Iterable[StepReport]) -> dict[str, float]:
+    """Per mixture-of-experts layer, the most uneven load any data-parallel slice saw in the step."""
+    worst: dict[str, float] = {}
+    for report in reports:
+        for layer, ratio in (report.expert_load or {}).items():
+            worst[layer] = max(ratio, worst.get(layer, 0.0))
+    return worst

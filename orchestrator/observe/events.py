@@ -57,7 +57,8 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     # completed_at: the slowest rank's clock when the step ended; loss_partial / reported_ranks
     # only when a rank died between applying the step and reporting it; phases_s: per phase of
     # the step, the longest any rank spent in it.
-    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks", "phases_s"),
+    # expert_load_max_over_mean: a mixture of experts' load per layer, the most uneven slice's.
+    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks", "phases_s", "expert_load_max_over_mean"),
     # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
     "checkpoint_failed": ("reason",),
     # details: {rank: traceback} behind the one-line message

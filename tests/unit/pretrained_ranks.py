@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from elastic.spec import MeshSpec
 from workers.data import SyntheticSource
+from workers.models import family_for_architecture
 from workers.pretrained import load_pretrained
 from workers.runtime import init_generation
 from workers.spec import TrainSpec
-from workers.spec.hf_config import llama_spec_from_hf
 from workers.spec.train import PretrainedSource
 from workers.trainer import Trainer
 
@@ -39,7 +39,10 @@ def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshS
         backend="gloo",
         timeout_s=120,
     )
-    model = llama_spec_from_hf(json.loads((Path(model_dir) / "config.json").read_text()), "config.json")
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    family = family_for_architecture(config["architectures"][0])
+    assert family is not None, config["architectures"]
+    model = family.spec_from_hf_config(config, "config.json")
     spec = TrainSpec(model=model, steps=1, global_batch=4, seq_len=32, microbatch_size=1, microbatches=2)
     source = SyntheticSource(vocab_size=model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)

@@ -5,6 +5,7 @@ Pure and fast: no cluster, no torch. Run: python -m pytest tests/unit/test_plann
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -286,3 +287,13 @@ def test_elastic_modules_import_without_torch_or_ray():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "[]"
+
+
+def test_a_mixture_of_experts_is_planned_with_tp1_and_priced_by_its_active_experts():
+    moe = PRESETS["debug-moe"]
+    result = plan_layouts(Workload(moe, 256, 16), Cluster(8, 8, H100))
+    assert result.plans and all(plan.mesh.tp == 1 for plan in result.plans)
+    assert any("a mixture of experts (model.n_experts=8) trains with tp=1" in r.reason for r in result.rejections)
+    every_expert = dataclasses.replace(moe, top_k_experts=moe.n_experts)
+    assert moe.flops_per_token(256) < every_expert.flops_per_token(256)
+    assert moe.num_params == every_expert.num_params

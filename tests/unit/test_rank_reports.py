@@ -74,3 +74,20 @@ def test_an_event_without_a_required_field_is_refused_with_its_name():
     with pytest.raises(ValueError, match="unknown event 'checkpoint_done'"):
         events.emit("checkpoint_done", step=4)
     events.emit("checkpoint_staged", step=4, stall_s=0.1)  # complete: accepted
+
+
+def test_a_mixture_of_experts_step_reports_the_most_uneven_load_per_layer(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    router = ReportRouter(events, mesh=MeshSpec(dp_shard=2), tokens_per_step=256)
+    loads = [{"layer0": 1.5, "layer1": 1.1}, {"layer0": 1.2, "layer1": 2.0}]
+    router.route(
+        [
+            StepReport(rank=r, time=1.0, step=1, loss=2.0, dp_rank=r, step_time_s=0.1, expert_load=loads[r])
+            for r in (0, 1)
+        ]
+    )
+    router.route([step_report(0, 2, loss=2.0), step_report(1, 2, loss=2.0)])  # a dense model reports none
+    events.close()
+    moe_step, dense_step = read_events(tmp_path / "events.jsonl")
+    assert moe_step["expert_load_max_over_mean"] == {"layer0": 1.5, "layer1": 2.0}
+    assert "expert_load_max_over_mean" not in dense_step

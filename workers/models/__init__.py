@@ -3,6 +3,7 @@
     family.py  ModelFamily (what a family provides), StageModel (what a built model must be),
                InitRule, TensorParallelPlan, and the registry (resolve_family)
     llama.py   the ``llama`` family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM
+    moe.py     the ``moe`` family: a mixture-of-experts MLP on llama's attention (Qwen2-MoE)
 
 Importing this package registers the shipped families.
 """
@@ -19,12 +20,15 @@ from workers.models.family import (
     resolve_family,
 )
 from workers.models.llama import LlamaFamily, Transformer
+from workers.models.moe import MoeFamily, MoeTransformer
 
 __all__ = [
     "FamilyError",
     "InitRule",
     "LlamaFamily",
     "ModelFamily",
+    "MoeFamily",
+    "MoeTransformer",
     "StageModel",
     "TensorParallelPlan",
     "Transformer",

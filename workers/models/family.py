@@ -70,6 +70,16 @@ class StageModel(nn.Module):
         """Hidden states -> logits [batch, seq, vocab] (last stage only)."""
         raise NotImplementedError
 
+    def scale_auxiliary_losses(self, scale: float) -> None:
+        """Multiply the gradient of every auxiliary loss (a mixture of experts' load balancing) by
+        ``scale``, as the trainer scales its loss: 1 / microbatches per step. Called on every rank
+        once the stage is built; a model without auxiliary losses ignores it."""
+
+    def expert_load(self) -> dict[str, float]:
+        """A mixture of experts' load balance per layer since the last call (the trainer reads it
+        once per step, on every rank); empty for a model without experts."""
+        return {}
+
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens_or_hidden) if self.is_first_stage else tokens_or_hidden
         for layer in self.layers.values():

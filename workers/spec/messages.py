@@ -122,6 +122,8 @@ class StepReport:
     checkpoint_stall_s: float | None = None  # set on steps that staged a checkpoint
     # With data.record_samples: the global sample indices this rank's data-parallel slice consumed.
     sample_indices: tuple[int, ...] | None = None
+    # A mixture of experts: per layer this rank holds, the busiest expert's tokens over the mean's.
+    expert_load: dict[str, float] = field(default_factory=dict)
     kind: ReportKind = ReportKind.STEP
 
 

@@ -30,7 +30,18 @@ RECORDED_WHEN_SET = (
     "rope_scaling",
     "sliding_window",
     "mlp_matrices",
+    "n_experts",
+    "top_k_experts",
+    "moe_ffn_dim",
+    "n_shared_experts",
+    "shared_expert_ffn_dim",
+    "router_score",
+    "normalize_top_k",
+    "router_aux_loss_coef",
 )
+
+# How a router turns its logits into expert scores.
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -62,10 +73,41 @@ class ModelSpec:
     sliding_window: int | None = None
     # Weight matrices per feed-forward block: 3 for SwiGLU, 2 for a plain MLP.
     mlp_matrices: int = 3
+    # Mixture of experts (the ``moe`` family): routed experts per layer, 0 for a dense model.
+    n_experts: int = 0
+    # Routed experts each token goes to (top-k); every token reaches all k (no token dropping).
+    top_k_experts: int = 0
+    # Hidden width of one routed expert's SwiGLU MLP; None = ffn_dim.
+    moe_ffn_dim: int | None = None
+    # Shared experts every token passes through (one SwiGLU MLP with a sigmoid gate, as Qwen2-MoE).
+    n_shared_experts: int = 0
+    # Hidden width of the shared experts together; None = n_shared_experts * the routed expert width.
+    shared_expert_ffn_dim: int | None = None
+    router_score: str = "softmax"
+    # Rescale each token's top-k scores to sum to one (Hugging Face's ``norm_topk_prob``).
+    normalize_top_k: bool = False
+    # Weight of the load-balancing auxiliary loss (Switch Transformer's, per layer) in the gradient.
+    router_aux_loss_coef: float = 0.001
 
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Hidden width of one routed expert."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def shared_ffn_dim(self) -> int:
+        """Hidden width of the shared experts' MLP (0 without shared experts)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.shared_expert_ffn_dim or self.n_shared_experts * self.expert_ffn_dim
 
     def to_dict(self) -> dict:
         """Plain JSON-able values (checkpoint manifests record them).
@@ -102,17 +144,49 @@ class ModelSpec:
             found.append(f"the head width {self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             found.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        return found + self.moe_problems()
+
+    def moe_problems(self) -> list[str]:
+        """The mixture-of-experts fields (all unset for a dense model)."""
+        if not self.is_moe:
+            if self.top_k_experts or self.n_shared_experts:
+                return ["model.top_k_experts and model.n_shared_experts need model.n_experts >= 1"]
+            return []
+        found = []
+        if not 1 <= self.top_k_experts <= self.n_experts:
+            found.append(f"model.top_k_experts={self.top_k_experts} must lie in 1..model.n_experts={self.n_experts}")
+        if self.router_score not in ROUTER_SCORES:
+            found.append(f"model.router_score={self.router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
+        if self.n_shared_experts < 0 or self.router_aux_loss_coef < 0:
+            found.append("model.n_shared_experts and model.router_aux_loss_coef must be >= 0")
         return found
 
     # ------------------------------------------------------------ counting
     @property
     def params_per_layer(self) -> int:
+        """Every parameter of one layer (all experts of a mixture of experts)."""
+        return self._attention_and_norm_params + self._feed_forward_params(self.n_experts)
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """The parameters of one layer a token is computed with (its top-k experts only)."""
+        return self._attention_and_norm_params + self._feed_forward_params(self.top_k_experts)
+
+    @property
+    def _attention_and_norm_params(self) -> int:
         q_and_o = 2 * self.dim * self.n_heads * self.head_dim
         k_and_v = 2 * self.dim * self.n_kv_heads * self.head_dim
         biases = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
-        feed_forward = self.mlp_matrices * self.dim * self.ffn_dim
         norms = 2 * self.dim
-        return q_and_o + k_and_v + biases + feed_forward + norms
+        return q_and_o + k_and_v + biases + norms
+
+    def _feed_forward_params(self, routed_experts: int) -> int:
+        """A dense MLP, or the router, ``routed_experts`` experts and the gated shared experts."""
+        if not self.is_moe:
+            return self.mlp_matrices * self.dim * self.ffn_dim
+        router = self.n_experts * self.dim
+        shared = 3 * self.dim * self.shared_ffn_dim + (self.dim if self.n_shared_experts else 0)
+        return router + routed_experts * 3 * self.dim * self.expert_ffn_dim + shared
 
     @property
     def embedding_params(self) -> int:
@@ -123,12 +197,18 @@ class ModelSpec:
         """All parameters: embedding, layers, final norm, output projection (trained untied)."""
         return 2 * self.embedding_params + self.n_layers * self.params_per_layer + self.dim
 
+    @property
+    def num_active_params(self) -> int:
+        """The parameters one token is computed with: ``num_params`` less the experts it skips."""
+        return 2 * self.embedding_params + self.n_layers * self.active_params_per_layer + self.dim
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), the usual 6N plus attention scores.
 
-        Embedding lookups do no matmul, so they are left out of N, as in the PaLM appendix.
+        Embedding lookups do no matmul, so they are left out of N, as in the PaLM appendix; a
+        mixture of experts counts the active parameters (top-k experts), not all of them.
         """
-        dense = self.num_params - self.embedding_params
+        dense = self.num_active_params - self.embedding_params
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6.0 * dense + attention
 
@@ -141,6 +221,23 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
     "llama3-70b": ModelSpec(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672),
     "llama3-405b": ModelSpec(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248),
+    # ``debug`` with a mixture of experts in every layer: 8 experts, top-2, one gated shared expert.
+    "debug-moe": ModelSpec(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        ffn_dim=192,
+        max_seq_len=2048,
+        family="moe",
+        n_experts=8,
+        top_k_experts=2,
+        moe_ffn_dim=64,
+        n_shared_experts=1,
+        shared_expert_ffn_dim=128,
+        router_aux_loss_coef=0.01,
+    ),
 }
 
 

@@ -1,0 +1,59 @@
+"""Ranks (spawned processes, real gloo, no Ray) that train the ``debug-moe`` preset for a few steps.
+
+For tests/unit/test_moe_family.py: each rank builds the Trainer for its mesh, initialises the
+model from the seed, trains on synthetic tokens and reports its per-step losses (None where
+the rank does not report the loss) and the expert load of its last step (``StepResult.expert_load``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from elastic.spec import MeshSpec
+from workers.data import SyntheticSource
+from workers.runtime import init_generation
+from workers.spec import PRESETS, TrainSpec
+from workers.trainer import Trainer
+
+STEPS = 10
+
+
+def moe_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
+    """A global batch of 8 in microbatches of 2 sequences of 32 tokens, so accumulation, pipelining and
+    data parallelism all split it differently."""
+    model = PRESETS["debug-moe"]
+    return TrainSpec(
+        model=model,
+        steps=STEPS,
+        global_batch=8,
+        seq_len=32,
+        microbatch_size=2,
+        microbatches=2,
+        lr=3e-3,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
+def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
+    torch.set_num_threads(1)
+    init_generation(
+        store=dist.FileStore(store_path, mesh.world_size),
+        generation=0,
+        rank=rank,
+        world_size=mesh.world_size,
+        backend="gloo",
+        timeout_s=120,
+    )
+    spec = moe_train_spec(activation_checkpointing=activation_checkpointing)
+    source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
+    trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
+    trainer.init_weights()
+    results_by_step = [trainer.train_step(step) for step in range(1, STEPS + 1)]
+    results.put((rank, [result.loss for result in results_by_step], results_by_step[-1].expert_load))
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)

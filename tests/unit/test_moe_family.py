@@ -1,0 +1,174 @@
+"""The ``moe`` family: a Qwen2-MoE written by ``transformers`` loads with equal logits, the
+``debug-moe`` preset trains alike on any mesh, the load-balancing loss reaches the gradient, and
+``ckpt import`` then ``ckpt export`` gives ``transformers`` the same model back.
+
+Spawned processes on real gloo (``tests/unit/moe_ranks.py``, ``tests/unit/pretrained_ranks.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import transformers
+
+from elastic.spec import MeshSpec
+from orchestrator.cli import main
+from orchestrator.config import load_config
+from tests.hf_models import reference_logits, save_random_model
+from tests.jobs import DEMO_CONFIG, REPO
+from tests.unit import moe_ranks, pretrained_ranks
+from tests.unit.spawned_ranks import spawn_ranks
+from workers.models import resolve_family
+from workers.models.moe import AttachAuxiliaryLoss, MixtureOfExperts
+from workers.spec import PRESETS
+from workers.spec.hf_config import HfConfigError
+from workers.spec.moe_hf_config import moe_hf_config, moe_spec_from_hf
+
+HF_LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "pp2-dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=2)}
+TRAIN_LAYOUTS = {
+    "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False),
+    # Recomputation routes every token again: the same experts, the same auxiliary gradient.
+    "dp_shard2-activation_checkpointing": (MeshSpec(dp_shard=2, tp=1, pp=1), True),
+}
+
+
+@pytest.mark.parametrize("layout", list(HF_LAYOUTS))
+def test_qwen2_moe_logits_equal_transformers(layout, tmp_path):
+    save_random_model("qwen2_moe", tmp_path / "model")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    mesh = HF_LAYOUTS[layout]
+    ranks = spawn_ranks(
+        functools.partial(pretrained_ranks.run_rank, model_dir=str(tmp_path / "model"), mesh=mesh),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "store"),
+    )
+    expected = reference_logits(hf_model, pretrained_ranks.fixed_tokens(hf_model.config.vocab_size))
+    last_stage = [rank for rank in range(mesh.world_size) if mesh.coords(rank).pp == mesh.pp - 1]
+    for rank in last_stage:
+        torch.testing.assert_close(torch.from_numpy(ranks[rank][0]), expected, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def single_rank_run(tmp_path_factory):
+    mesh = MeshSpec(dp_shard=1, tp=1, pp=1)
+    store = tmp_path_factory.mktemp("single") / "store"
+    return spawn_ranks(functools.partial(moe_ranks.run_rank, mesh=mesh), world_size=1, store_path=str(store))[0]
+
+
+@pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
+def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
+    mesh, activation_checkpointing = TRAIN_LAYOUTS[layout]
+    ranks = spawn_ranks(
+        functools.partial(moe_ranks.run_rank, mesh=mesh, activation_checkpointing=activation_checkpointing),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "s"),
+    )
+    expected, _ = single_rank_run
+    # Each data-parallel slice reports its own mean loss: the step's loss is their mean.
+    reported = [losses for losses, _ in ranks.values() if losses[0] is not None]
+    assert len(reported) == mesh.dp
+    assert [sum(step) / mesh.dp for step in zip(*reported)] == pytest.approx(expected, rel=1e-3)
+    assert expected[-1] < expected[0]
+
+
+def test_expert_load_is_reported_per_layer(single_rank_run):
+    _, load = single_rank_run
+    assert sorted(load) == [f"layer{i}" for i in range(4)]
+    # max over mean lies between 1 (even) and n_experts (every token on one expert).
+    assert all(1.0 <= value <= 8.0 for value in load.values())
+
+
+def _moe_block(coef: float) -> MixtureOfExperts:
+    spec = dataclasses.replace(PRESETS["debug-moe"], router_aux_loss_coef=coef)
+    torch.manual_seed(0)
+    block = MixtureOfExperts(spec)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    return block
+
+
+def test_load_balancing_loss_gradient_is_added_to_the_training_loss():
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    block = _moe_block(coef=0.5)
+    block.auxiliary_loss_scale = 0.25
+    block(x).square().mean().backward()
+    attached = block.gate.weight.grad.clone()
+
+    plain = _moe_block(coef=0.0)
+    out = plain(x)
+    aux = plain.load_balancing_loss(plain.gate(x.reshape(-1, 64)).float().softmax(-1))
+    (out.square().mean() + 0.5 / 4 * 0.25 * aux).backward()
+    torch.testing.assert_close(attached, plain.gate.weight.grad)
+    assert not torch.equal(attached, _router_grad_without_aux(x))
+
+
+def _router_grad_without_aux(x: torch.Tensor) -> torch.Tensor:
+    block = _moe_block(coef=0.0)
+    block(x).square().mean().backward()
+    assert block.gate.weight.grad is not None
+    return block.gate.weight.grad
+
+
+def test_every_token_reaches_its_top_k_experts():
+    block = _moe_block(coef=0.0)
+    with torch.no_grad():
+        block(torch.randn(3, 10, 64))
+    assert block.tokens_per_expert is not None and int(block.tokens_per_expert.sum()) == 3 * 10 * 2
+
+
+def test_attach_auxiliary_loss_leaves_the_output_unchanged():
+    out, aux = torch.randn(4, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    attached = AttachAuxiliaryLoss.apply(out, aux, 0.3)
+    assert torch.equal(attached, out)
+    attached.sum().backward()
+    assert aux.grad == pytest.approx(0.3) and torch.equal(out.grad, torch.ones(4))
+
+
+def test_parameter_counts_are_total_and_active():
+    spec = PRESETS["debug-moe"]
+    with torch.device("meta"):
+        model = resolve_family("moe").build(spec)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    expert = 3 * spec.dim * spec.expert_ffn_dim
+    assert spec.num_params - spec.num_active_params == spec.n_layers * (spec.n_experts - 2) * expert
+    assert spec.flops_per_token(32) < dataclasses.replace(spec, top_k_experts=8).flops_per_token(32)
+
+
+def test_hf_config_round_trips():
+    spec = dataclasses.replace(PRESETS["debug-moe"], qkv_bias=True, normalize_top_k=True)
+    assert moe_spec_from_hf(moe_hf_config(spec, dtype="float32"), "config.json") == spec
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"decoder_sparse_step": 2}, "the moe family builds a mixture of experts in every layer"),
+        ({"mlp_only_layers": [0]}, "set decoder_sparse_step=1 and mlp_only_layers=[]"),
+        ({"num_experts": 0}, "num_experts must be a positive integer, found 0"),
+    ],
+)
+def test_unbuilt_qwen2_moe_configs_are_refused_by_name(change, message):
+    config = {**moe_hf_config(PRESETS["debug-moe"], dtype="float32"), **change}
+    with pytest.raises(HfConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        moe_spec_from_hf(config, "config.json")
+
+
+def test_debug_moe_preset_selects_the_moe_family(monkeypatch):
+    monkeypatch.chdir(REPO)
+    config = load_config(DEMO_CONFIG, ["model.preset=debug-moe", "parallelism.tp=1"])
+    assert config.model_spec.family == "moe" and config.model_spec.n_experts == 8
+
+
+def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tmp_path, capsys):
+    source = save_random_model("qwen2_moe", tmp_path / "hf")
+    checkpoints = tmp_path / "ckpt"
+    assert main(["ckpt", "import", str(tmp_path / "hf"), str(checkpoints)]) == 0, capsys.readouterr()
+    assert main(["ckpt", "export", str(checkpoints), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen2MoeForCausalLM"
+    tokens = pretrained_ranks.fixed_tokens(source.config.vocab_size)
+    torch.testing.assert_close(reference_logits(exported, tokens), reference_logits(source, tokens), rtol=0, atol=0)

@@ -1,0 +1,236 @@
+"""The ``moe`` family: the llama decoder with a routed mixture of experts as its feed-forward.
+
+Builds Qwen2-MoE (``Qwen2MoeForCausalLM``) and the ``debug-moe`` preset. Runs on every rank
+(and on the driver for names and configs).
+
+Each layer's MLP is a router (``mlp.gate``, one logit per expert), ``n_experts`` SwiGLU experts
+(``mlp.experts.<e>``) and, optionally, a shared SwiGLU expert every token passes through, scaled
+by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``) as in Qwen2-MoE. Routing
+is top-k over softmax (or sigmoid) scores and dropless: every token is computed by each of its
+``top_k_experts`` experts, whatever the load; no capacity factor, no token is ever dropped.
+
+Load balancing is Switch Transformer's auxiliary loss, per layer and per microbatch:
+``n_experts * sum_e(f_e * p_e)`` (``f_e``: the fraction of tokens routed to expert ``e``, ``p_e``:
+its mean router probability), weighted by ``router_aux_loss_coef / n_layers``. Its gradient is
+added to the training loss's in the backward pass (``AttachAuxiliaryLoss``), so it works
+unchanged under pipelining and activation checkpointing; the reported loss is the cross
+entropy alone. (Hugging Face averages ``f`` and ``p`` over all layers before the product; the
+per-layer form is Megatron's and TorchTitan's, and needs nothing from other pipeline stages.)
+
+Parameter names are Hugging Face's per-expert names without ``model.`` (``transformers`` 5
+fuses the experts in memory, ``mlp.experts.gate_up_proj``, but saves and loads them per
+expert), so import and export are a rename, as for ``llama``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
+from workers.models.llama import Attention, LlamaFamily, RMSNorm
+from workers.spec import ModelSpec
+from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec_from_hf
+
+
+class SwiGLU(nn.Module):
+    """One expert (or the shared experts): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttachAuxiliaryLoss(torch.autograd.Function):
+    """Returns ``output`` unchanged; in the backward pass gives ``aux_loss`` the gradient ``scale``.
+
+    That is the gradient of ``training loss + scale * aux_loss`` without the trainer knowing
+    of the auxiliary loss (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MixtureOfExperts(nn.Module):
+    """Router, routed experts and the optional gated shared expert of one layer (dropless top-k)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = nn.Linear(spec.dim, spec.n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(spec.dim, spec.expert_ffn_dim) for _ in range(spec.n_experts))
+        self.shared_expert = SwiGLU(spec.dim, spec.shared_ffn_dim) if spec.n_shared_experts else None
+        self.shared_expert_gate = nn.Linear(spec.dim, 1, bias=False) if spec.n_shared_experts else None
+        # The trainer's 1 / (microbatches per step), as its loss is scaled (``scale_auxiliary_losses``).
+        self.auxiliary_loss_scale = 1.0
+        # Tokens routed to each expert in the last forward pass (top-k assignments, on the host).
+        self.tokens_per_expert: torch.Tensor | None = None
+        # The same, summed over the forward passes since ``MoeTransformer.expert_load`` last read it.
+        self.routed_since_read: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:
+            # The pipeline's shape inference runs forward on meta tensors, which hold no values
+            # to route by; the block keeps the shape of its input.
+            return torch.empty_like(x)
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.gate(tokens)
+        scores = logits.float().softmax(-1) if self.spec.router_score == "softmax" else logits.float().sigmoid()
+        top_scores, top_experts = scores.topk(self.spec.top_k_experts, dim=-1)
+        if self.spec.normalize_top_k:
+            top_scores = top_scores / top_scores.sum(-1, keepdim=True)
+        out = self.routed(tokens, top_experts, top_scores.to(tokens.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        out = out.view_as(x)
+        if torch.is_grad_enabled() and self.spec.router_aux_loss_coef > 0:
+            scale = self.spec.router_aux_loss_coef / self.spec.n_layers * self.auxiliary_loss_scale
+            out = AttachAuxiliaryLoss.apply(out, self.load_balancing_loss(scores), scale)
+        return out
+
+    def routed(self, tokens: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token through each of its top-k experts, weighted and summed (every token, no capacity).
+
+        Assignments are sorted by expert so that each expert runs one matmul over its tokens.
+        """
+        flat_experts = top_experts.reshape(-1)
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.spec.n_experts)
+        self.tokens_per_expert = counts.detach().cpu()
+        read = self.routed_since_read
+        self.routed_since_read = self.tokens_per_expert if read is None else read + self.tokens_per_expert
+        token_index = order // self.spec.top_k_experts
+        # .tolist() is a device sync point: the split sizes are needed on the host.
+        chunks = tokens[token_index].split(counts.tolist())
+        computed = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)])
+        weighted = computed * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add_(0, token_index, weighted)
+
+    def load_balancing_loss(self, scores: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's ``n_experts * sum_e(f_e * p_e)`` over this layer's tokens, with ``f_e``
+        the fraction of tokens that chose expert ``e`` (as Hugging Face counts it): ``top_k`` when even."""
+        n_tokens = scores.shape[0]
+        assert self.tokens_per_expert is not None, "routed() counts the tokens first"
+        fraction_routed = self.tokens_per_expert.to(scores.device, torch.float32) / n_tokens
+        probabilities = scores / scores.sum(-1, keepdim=True)
+        return self.spec.n_experts * (fraction_routed * probabilities.mean(0)).sum()
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.dim, spec.norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.dim, spec.norm_eps)
+        self.mlp = MixtureOfExperts(spec)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MoeTransformer(StageModel):
+    """The whole model, or one pipeline stage of it (see ``StageModel.keep_only``)."""
+
+    first_stage_modules = ("embed_tokens",)
+    last_stage_modules = ("norm", "lm_head")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
+        self.layers = nn.ModuleDict({str(i): MoeBlock(spec) for i in range(spec.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None, "only the first stage embeds"
+        return self.embed_tokens(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.norm is not None and self.lm_head is not None, "only the last stage has the head"
+        return self.lm_head(self.norm(hidden))
+
+    def scale_auxiliary_losses(self, scale: float) -> None:
+        for module in self.modules():
+            if isinstance(module, MixtureOfExperts):
+                module.auxiliary_loss_scale = scale
+
+    def expert_load(self) -> dict[str, float]:
+        """Per layer this stage holds (``"layer<i>"``): the busiest expert's tokens over the mean
+        expert's, over the forward passes since the last call (1.0: perfectly even; n_experts:
+        every token on one expert). Activation checkpointing's recomputation counts every
+        microbatch twice, which leaves the ratio unchanged."""
+        load = {}
+        for layer_id, layer in self.layers.items():
+            mlp = getattr(layer, "mlp", None)
+            if not isinstance(mlp, MixtureOfExperts) or mlp.routed_since_read is None:
+                continue
+            counts, mlp.routed_since_read = mlp.routed_since_read.float(), None
+            if counts.sum() > 0:
+                load[f"layer{layer_id}"] = round(float(counts.max() / counts.mean()), 4)
+        return load
+
+
+# Initialisation and Hugging Face names are the llama family's.
+_LLAMA = LlamaFamily()
+
+
+class MoeFamily(ModelFamily):
+    """Qwen2-MoE-style decoders: llama attention, a mixture-of-experts MLP (see the module docstring).
+
+    Initialisation, Hugging Face names and tied embeddings are ``llama``'s: each expert's
+    ``down_proj`` is a residual branch's output projection (scaled down by sqrt(2 * n_layers)),
+    the router and the shared expert's gate draw N(0, 0.02).
+    """
+
+    name = "moe"
+    hf_architectures = (MOE_ARCHITECTURE,)
+
+    def build(self, spec: ModelSpec) -> MoeTransformer:
+        return MoeTransformer(spec)
+
+    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
+        # The config check refuses tp > 1 for this family before any rank starts.
+        raise NotImplementedError("the moe family trains with parallelism.tp=1")
+
+    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+        return _LLAMA.init_rule(fqn, spec)
+
+    def hf_name(self, fqn: str) -> str:
+        return _LLAMA.hf_name(fqn)
+
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
+        return _LLAMA.hf_source_names(spec, fqns, available)
+
+    def problems(self, spec: ModelSpec) -> list[str]:
+        found = spec.problems()
+        if not spec.is_moe:
+            found.append("model.n_experts must be >= 1 for model.family=moe (or use model.family=llama)")
+        return found
+
+    def spec_from_hf_config(self, config: dict[str, Any], source: str) -> ModelSpec:
+        return moe_spec_from_hf(config, source, family=self.name)
+
+    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+        return moe_hf_config(spec, dtype=dtype)
+
+
+register_family(MoeFamily)
