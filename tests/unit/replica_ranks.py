@@ -15,6 +15,7 @@ import torch.distributed as dist
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers import trainer as trainer_module
+from workers import trainer_state
 from workers.data import SyntheticSource
 from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
@@ -55,7 +56,7 @@ def run_rank(rank: int, store_path: str, results) -> None:
         with torch.no_grad():
             for value in trainer.named_state().values():
                 par.local_slice(value).add_(1.0)
-    trainer_module.SYNC_CHUNK_BYTES = SYNC_CAP_BYTES
+    trainer_state.SYNC_CHUNK_BYTES = SYNC_CAP_BYTES
     broadcasts: list[int] = []
     dist.broadcast = recording(broadcasts, dist.broadcast)
     trainer.sync_from_first_replica()
