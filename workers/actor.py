@@ -34,7 +34,6 @@ from workers.device import PeerWaitMarker
 from workers.faults import FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.peer_snapshots import SnapshotStore
-from workers.pretrained import load_pretrained
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import GroupSockets, shutdown_sockets
@@ -284,6 +283,7 @@ class RankActor:
         slices, a fresh initialisation, a peer's step or a checkpoint) and set ``last_step``.
         Collective where the trainer's calls are (a restore reshards)."""
         from workers.peer_snapshots import restore_from_memory
+        from workers.pretrained import load_pretrained
 
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
             trainer.load_local_shards(self._kept_shards)

@@ -148,3 +148,17 @@ def test_every_package_is_installed() -> None:
     }
     assert on_disk - listed == set(), "add these packages to [tool.setuptools] packages in pyproject.toml"
     assert "meshpilot" in listed
+
+
+def test_the_driver_starts_without_importing_torch():
+    """`meshpilot train` and `import meshpilot` leave torch to the rank processes (~2 s of the
+    driver's start-up here); the family names load it on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, meshpilot, orchestrator.cli, orchestrator.driver.controller, workers.actor; "
+        "assert 'torch' not in sys.modules, 'torch was imported'; "
+        "assert meshpilot.ModelFamily.__name__ == 'ModelFamily' and 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
