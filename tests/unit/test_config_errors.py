@@ -58,10 +58,7 @@ CASES = [
         ["--set", "parallelism.reshard_after_forward=sometimes"],
         "parallelism.reshard_after_forward: 'sometimes' is not one of auto, always, never",
     ),
-    (
-        ["--set", "parallelism.cpu_offload=maybe"],
-        "parallelism.cpu_offload: expected true or false, got str 'maybe'",
-    ),
+    (["--set", "parallelism.cpu_offload=maybe"], "parallelism.cpu_offload: expected true or false, got str 'maybe'"),
     (["--set", "training.steps=0"], "training.steps=0 must be >= 1"),
     (["--set", "data.path=no/such/file.txt"], "data.path='no/such/file.txt': no such file"),
     (
