@@ -26,9 +26,30 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from workers.parallelize import StagePlan
 from workers.spec import TrainSpec
-from workers.spec.pipeline import MULTI_STAGE, PipelineSchedule
+from workers.spec.pipeline import MULTI_STAGE, RULES, PipelineSchedule, StagePlacement
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+
+
+class PipelineStageForwardOnlyV(PipelineStage):
+    """A PipelineStage whose forward-only pass (``schedule.eval``) works in the V schedules.
+
+    torch 2.13's runtime schedules replay their whole action list in ``eval``, backward actions
+    included; each backward action is a no-op on a stage without backward, except the hand-over
+    of input gradients between the two stages of one rank at the V's turn (stage pp - 1 to pp),
+    which asserts. With no backward there is nothing to hand over.
+    """
+
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if not self.has_backward:
+            return
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 SCHEDULES: dict[PipelineSchedule, Callable[..., Schedule]] = {
     PipelineSchedule.GPIPE: ScheduleGPipe,
@@ -55,8 +76,10 @@ def build_schedule(
     by the step's microbatch count, so every schedule sums to the same gradients.
     """
     schedule = PipelineSchedule(spec.pp_schedule)
+    v_shaped = RULES[schedule].placement is StagePlacement.V
+    stage_class = PipelineStageForwardOnlyV if v_shaped else PipelineStage
     stages = [
-        PipelineStage(module, plan.stage_index, plan.num_stages, device, group=group)
+        stage_class(module, plan.stage_index, plan.num_stages, device, group=group)
         for module, plan in zip(modules, plans)
     ]
     target = stages if schedule in MULTI_STAGE else stages[0]

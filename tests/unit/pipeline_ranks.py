@@ -1,7 +1,9 @@
 """Ranks that train a few steps of the debug model on real gloo, for tests/unit/test_pipeline_schedules.py.
 
-Each spawned rank builds a Trainer for the given mesh and TrainSpec fields and runs ``STEPS``
-steps on synthetic data; the rank that reports the loss sends back its per-step losses.
+Each spawned rank builds a Trainer for the given mesh and TrainSpec fields, runs ``STEPS``
+steps on synthetic data, then one forward-only pass on fixed tokens; it sends back its per-step
+losses (the ranks that report the loss), its stage indices, and the logits (tp rank 0 of the
+ranks holding the last stage).
 ``run_rank`` is what ``spawn_ranks`` calls (bound with ``functools.partial``).
 """
 
@@ -51,7 +53,14 @@ def run_rank(mesh_fields: dict[str, int], spec_fields: dict[str, Any], rank: int
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
     losses = [trainer.train_step(step).loss for step in range(1, STEPS + 1)]
-    results.put((rank, losses if trainer.reports_loss else None, [plan.stage_index for plan in trainer.plans]))
+    # Forward only after training (the schedule's eval path, as evaluation runs it): the trained
+    # model's logits on fixed tokens, the same on every mesh.
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, spec.model.vocab_size, (SPEC.microbatches, spec.seq_len), generator=generator)
+    logits = trainer.logits(tokens)
+    held_logits = logits.detach().numpy().copy() if logits is not None and trainer.coords.tp == 0 else None
+    stages = [plan.stage_index for plan in trainer.plans]
+    results.put((rank, losses if trainer.reports_loss else None, stages, held_logits))
     results.close()
     results.join_thread()
     dist.barrier()

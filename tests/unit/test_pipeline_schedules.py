@@ -2,14 +2,17 @@
 
 The placement rules are checked as plain values; the schedules themselves run in spawned gloo
 processes (no Ray): 10 steps of the debug model, per-step losses against a 1-rank run of the
-same model, seed and data within 1e-3 relative (the mean over data-parallel slices when dp > 1).
+same model, seed and data within 1e-3 relative (the mean over data-parallel slices when dp > 1),
+then the trained model's logits through the schedule's forward-only pass (what evaluation runs).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from tests.unit.pipeline_ranks import STEPS, run_rank
@@ -38,23 +41,39 @@ def test_v_placement_puts_stage_r_and_its_mirror_on_rank_r(schedule):
     ]
 
 
-def _losses(mesh: dict[str, int], spec: dict[str, object], tmp_path) -> tuple[list[float], dict[int, list[int]]]:
-    """Per-step loss (mean over data-parallel slices) and each rank's stage indices."""
+@dataclass
+class Run:
+    losses: list[float]  # per step, the mean over data-parallel slices
+    stages: dict[int, list[int]]  # each rank's stage indices
+    logits: list[np.ndarray]  # the trained model's logits, from every rank that returns them
+
+
+def _run(mesh: dict[str, int], spec: dict[str, object], tmp_path) -> Run:
     world_size = math.prod(mesh.values())
     outcomes = spawn_ranks(
         functools.partial(run_rank, mesh, spec), world_size=world_size, store_path=str(tmp_path / "store")
     )
-    reported = [losses for losses, _ in outcomes.values() if losses is not None]
+    reported = [losses for losses, _, _ in outcomes.values() if losses is not None]
     assert len(reported) == mesh.get("dp_shard", 1) * mesh.get("dp_replicate", 1)
-    mean = [sum(step) / len(step) for step in zip(*reported)]
-    return mean, {rank: stages for rank, (_, stages) in outcomes.items()}
+    return Run(
+        losses=[sum(step) / len(step) for step in zip(*reported)],
+        stages={rank: stages for rank, (_, stages, _) in outcomes.items()},
+        logits=[logits for _, _, logits in outcomes.values() if logits is not None],
+    )
 
 
 @pytest.fixture(scope="module")
-def single_rank_losses(tmp_path_factory):
-    losses, _ = _losses({"dp_shard": 1, "tp": 1, "pp": 1}, {}, tmp_path_factory.mktemp("single"))
-    assert len(losses) == STEPS and losses[-1] < losses[0]
-    return losses
+def single_rank(tmp_path_factory) -> Run:
+    run = _run({"dp_shard": 1, "tp": 1, "pp": 1}, {}, tmp_path_factory.mktemp("single"))
+    assert len(run.losses) == STEPS and run.losses[-1] < run.losses[0]
+    return run
+
+
+def _assert_trains_like(run: Run, single_rank: Run) -> None:
+    assert run.losses == pytest.approx(single_rank.losses, rel=1e-3)
+    assert run.logits  # the ranks holding the last stage returned them
+    for logits in run.logits:
+        np.testing.assert_allclose(logits, single_rank.logits[0], rtol=1e-3, atol=1e-4)
 
 
 LAYOUTS = {
@@ -80,16 +99,14 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_layout_losses_match_single_rank(layout, single_rank_losses, tmp_path):
+def test_layout_trains_like_one_rank(layout, single_rank, tmp_path):
     mesh, spec = LAYOUTS[layout]
-    losses, stages = _losses(mesh, spec, tmp_path)
-    assert losses == pytest.approx(single_rank_losses, rel=1e-3)
+    run = _run(mesh, spec, tmp_path)
+    _assert_trains_like(run, single_rank)
     if spec.get("pp_schedule") in ("zbv", "dualpipev"):
-        assert stages[0] == [0, 3] and stages[1] == [1, 2]  # the V: rank 0 holds the first and last stage
+        assert run.stages[0] == [0, 3] and run.stages[1] == [1, 2]  # the V: rank 0 holds the first and last stage
 
 
-def test_zero_bubble_with_tensor_parallel_matches_single_rank(single_rank_losses, tmp_path):
-    losses, _ = _losses(
-        {"dp_shard": 1, "tp": 2, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}, tmp_path
-    )
-    assert losses == pytest.approx(single_rank_losses, rel=1e-3)
+def test_zero_bubble_with_tensor_parallel_trains_like_one_rank(single_rank, tmp_path):
+    run = _run({"dp_shard": 1, "tp": 2, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}, tmp_path)
+    _assert_trains_like(run, single_rank)
