@@ -433,8 +433,10 @@ def _data_parallel(
     Without a pipeline every microbatch all-gathers the parameters twice (forward, and again in
     backward after resharding) and reduce-scatters the gradients, overlapped with that
     microbatch's compute. With a pipeline the stage gathers once during the first microbatch's
-    forward and reduces once during the last one's backward. The first gather and last reduce
-    of a layer cannot overlap anything (the ``tail``).
+    forward and reduces once during the last one's backward. ``reshard_after_forward`` moves
+    between the two: ``never`` drops the backward's gather, ``always`` with a pipeline gathers
+    twice per microbatch. The first gather and last reduce of a layer cannot overlap anything
+    (the ``tail``).
     """
     shard, replicas, m = mesh.dp_shard, mesh.dp_replicate, layout.microbatches
     shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
@@ -448,21 +450,24 @@ def _data_parallel(
     forward_share = 0.25 if layout.activation_checkpointing else 1.0 / 3.0
     forward_window = forward_share * rank_microbatch_s
     backward_window = rank_microbatch_s - forward_window
-    regather_s = gather_s if mesh.pp == 1 else 0.0  # resharded after forward: gather again for backward
-    rounds = m if mesh.pp == 1 else 1
-    exposed = rounds * (
-        max(0.0, gather_s - forward_window) + max(0.0, regather_s + reduce_s + allreduce_s - backward_window)
-    )
+    # Resharded after forward (not keeps_gathered): gather again for backward, every microbatch.
+    regather_s = 0.0 if layout.keeps_gathered else gather_s
+    gather_rounds = 1 if mesh.pp > 1 and layout.keeps_gathered else m
+    reduce_rounds = m if mesh.pp == 1 else 1  # a pipeline stage reduces once, after its last microbatch
+    rounds = max(gather_rounds, reduce_rounds)
+    backward_s = (gather_rounds * regather_s + reduce_rounds * (reduce_s + allreduce_s)) / rounds
+    exposed = gather_rounds * max(0.0, gather_s - forward_window) + rounds * max(0.0, backward_s - backward_window)
     exposed += (gather_s + reduce_s + allreduce_s) / max(1, layers_on_rank)
-    shard_busy = rounds * (gather_s + regather_s + reduce_s)
-    shard_bytes = rounds * (gather_bytes * (2 if mesh.pp == 1 else 1) + reduce_bytes) if shard > 1 else 0.0
-    repl_busy = rounds * allreduce_s
+    shard_busy = gather_rounds * (gather_s + regather_s) + reduce_rounds * reduce_s
+    gathers = gather_rounds * gather_bytes * (1 if layout.keeps_gathered else 2)
+    shard_bytes = gathers + reduce_rounds * reduce_bytes if shard > 1 else 0.0
+    repl_busy = reduce_rounds * allreduce_s
     busy = shard_busy + repl_busy
     shard_share = shard_busy / busy if busy else 0.0
     return {
         "dp_shard": CommCost(shard_bytes, shard_link, shard_busy, exposed * shard_share),
         "dp_replicate": CommCost(
-            rounds * allreduce_bytes if replicas > 1 else 0.0,
+            reduce_rounds * allreduce_bytes if replicas > 1 else 0.0,
             repl_link,
             repl_busy,
             exposed * (1.0 - shard_share) if busy else 0.0,

@@ -373,3 +373,21 @@ def test_check_layout_applies_each_schedules_rules():
     assert "virtual_stages=3: zbv takes 2..2" in problems
     result, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=2, tp=1, pp=4), "zbv", 2, 8, True))
     assert problems == [] and result is not None and result.bubble == 0.0
+
+
+def test_resharding_after_forward_costs_all_gathers_with_a_pipeline():
+    workload = Workload(PRESETS["llama3-70b"], 8192, 256)
+    cluster = Cluster(64, 8, H100)
+    mesh = MeshSpec(dp_shard=8, tp=8, pp=1)
+    zero3 = estimate(workload, cluster, Layout(mesh, "none", 1, 4, True, reshard_after_forward="always"))
+    zero2 = estimate(workload, cluster, Layout(mesh, "none", 1, 4, True, reshard_after_forward="never"))
+    # Without a pipeline ZeRO-2 skips the backward's all-gather: 2 bytes less per parameter and microbatch.
+    gathered = zero3.comm["dp_shard"].bytes_per_step - zero2.comm["dp_shard"].bytes_per_step
+    assert gathered == pytest.approx(zero2.comm["dp_shard"].bytes_per_step / 3)  # gather + reduce (2 + 4) vs + 2
+    piped = MeshSpec(dp_shard=2, tp=8, pp=4)
+    kept = estimate(workload, cluster, Layout(piped, "1f1b", 1, 16, True))
+    freed = estimate(workload, cluster, Layout(piped, "1f1b", 1, 16, True, reshard_after_forward="always"))
+    # A pipeline stage that frees its parameters gathers them twice per microbatch instead of once per step.
+    gather_once = kept.comm["dp_shard"].bytes_per_step / 3
+    assert freed.comm["dp_shard"].bytes_per_step == pytest.approx(2 * 16 * gather_once + 2 * gather_once)
+    assert freed.memory.fsdp_buffers < kept.memory.fsdp_buffers
