@@ -32,6 +32,13 @@ LAYOUTS = {
         "parallelism.pp=2",
         "parallelism.pp_schedule=zero_bubble",
     ),
+    "pp2-dualpipev-eval": (
+        "parallelism.dp_shard=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.pp_schedule=dualpipev",
+        "eval.interval_steps=10",
+    ),
     "dp_shard2-reshard_never": (
         "parallelism.dp_shard=2",
         "parallelism.tp=1",
