@@ -36,10 +36,11 @@ import math
 from dataclasses import dataclass, field
 
 from elastic.hardware import GpuSpec
+from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
 from elastic.spec import BatchPlan, MeshSpec
 from workers.spec import ModelSpec
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 
 # ZeRO paper's mixed-precision Adam: bf16 params + bf16 grads + K=12 optimizer bytes.
 PARAM_BYTES = 2
@@ -96,11 +97,23 @@ class Layout:
     # Pipeline microbatches with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 1
     activation_checkpointing: bool = False
+    # FSDP2's reshard_after_forward ("auto": keep gathered with pp > 1) and host offload of the state.
+    reshard_after_forward: str = "auto"
+    cpu_offload: bool = False
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Whether gathered parameters stay between forward and backward (ZeRO-2's memory)."""
+        if self.reshard_after_forward == "auto":
+            return self.mesh.pp > 1
+        return self.reshard_after_forward == "never"
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
         ac = "AC on" if self.activation_checkpointing else "AC off"
-        return f"{self.mesh.describe()}, {schedule}, {self.microbatches} microbatches, {ac}"
+        zero = "" if self.reshard_after_forward == "auto" else f", reshard_after_forward {self.reshard_after_forward}"
+        offload = ", CPU offload" if self.cpu_offload else ""
+        return f"{self.mesh.describe()}, {schedule}, {self.microbatches} microbatches, {ac}{zero}{offload}"
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,8 @@ class MemoryEstimate:
     fsdp_buffers: float
     activations: float
     logits: float
+    # Host bytes of the offloaded sharded state (parameters, gradients, optimizer); not in ``total``.
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -120,7 +135,8 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, float]:
         names = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "logits", "total")
-        return {f"{name}_gb": round(getattr(self, name) / 1e9, 3) for name in names}
+        sizes = {f"{name}_gb": round(getattr(self, name) / 1e9, 3) for name in names}
+        return sizes | ({"host_gb": round(self.host / 1e9, 3)} if self.host else {})
 
 
 @dataclass(frozen=True)
@@ -187,13 +203,6 @@ def zero_memory_per_gpu(
     return params + grads + optimizer
 
 
-def pipeline_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Fraction of the step a pipeline rank idles: (p - 1) / (v·m + p - 1)."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
-
-
 def activation_bytes_per_token(model: ModelSpec) -> float:
     """Bytes one token leaves behind in one layer for the backward pass (bf16, flash attention).
 
@@ -235,23 +244,6 @@ def _bottleneck_load(n_layers: int, chunks: int, output_layers: float) -> float:
     return base + output_layers
 
 
-def in_flight_chunk_microbatches(layout: Layout, stage: int) -> int:
-    """Chunk-microbatches whose activations pipeline rank ``stage`` holds at its peak.
-
-    1F1B: rank i warms up with ``p - i - 1`` forwards, so it holds ``p - i`` microbatches.
-    Interleaved (Megatron): ``2·(p - i - 1) + (v - 1)·p + 1`` chunk-microbatches.
-    GPipe: every microbatch. Without a pipeline: one microbatch at a time.
-    """
-    pp, v, m = layout.mesh.pp, layout.virtual_stages, layout.microbatches
-    if pp == 1 or layout.schedule == "none":
-        return 1
-    if layout.schedule == "gpipe":
-        return m * v
-    if v == 1:
-        return min(m, pp - stage)
-    return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
-
-
 # ---------------------------------------------------------------------------- estimate
 def estimate(
     workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions = Assumptions()
@@ -282,7 +274,7 @@ def estimate(
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
     compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s + tp_layer_s, output_s, p2p_s)
-    bubble = pipeline_bubble(pp, m, v)
+    bubble = pipeline_bubble(pp, m, v, layout.schedule)
 
     dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
     comm = {
@@ -326,6 +318,8 @@ def _compute_seconds(
         compute_s = m * (n_layers * layer_s + output_s)
         return compute_s, compute_s / m
     chunk_s = load * layer_s + p2p_s
+    if layout.schedule in ZERO_BUBBLE_SCHEDULES:  # weight-gradient passes fill part of the bubble
+        return m * v * chunk_s / (1.0 - pipeline_bubble(pp, m, v, layout.schedule)), v * chunk_s
     return (m * v + pp - 1) * chunk_s, v * chunk_s
 
 
@@ -362,39 +356,56 @@ def _memory(
     output = model.embedding_params + model.dim  # untied output projection and final norm
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
-    stages = [(0, embedding + (output if pp == 1 else 0))]
-    if pp > 1:
+    # The V schedules put the first and the last stage on rank 0.
+    v_shaped = layout.schedule in V_SCHEDULES
+    stages = [(0, embedding + (output if pp == 1 or v_shaped else 0))]
+    if pp > 1 and not v_shaped:
         stages.append((pp - 1, output))
     worst: MemoryEstimate | None = None
     worst_params = 0.0
     for stage, extra in stages:
         params = (layers_on_rank * model.params_per_layer + extra) / tp
-        if shard > 1 and pp > 1:
-            buffers = (PARAM_BYTES + REDUCE_BYTES) * params
-        elif shard > 1:
-            buffers = 2 * (PARAM_BYTES + REDUCE_BYTES) * model.params_per_layer / tp
-        else:
-            buffers = 0.0
+        buffers = fsdp_buffer_bytes(layout, params, model.params_per_layer / tp)
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
         # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
         activations = tokens * (held * kept_per_token_layer + per_token_layer)
         logits = 0.0
-        if stage == pp - 1:
+        if stage == pp - 1 or v_shaped:
             logit_microbatches = layout.microbatches if layout.schedule == "gpipe" else 1
             logits = logit_microbatches * tokens * model.vocab_size * LOGIT_BYTES / tp
+        state = (PARAM_BYTES * params / shard, GRAD_BYTES * params / shard, ADAM_BYTES * params / shard)
+        on_gpu = (0.0, 0.0, 0.0) if layout.cpu_offload else state
         estimate_ = MemoryEstimate(
-            params=PARAM_BYTES * params / shard,
-            grads=GRAD_BYTES * params / shard,
-            optimizer=ADAM_BYTES * params / shard,
+            *on_gpu,
             fsdp_buffers=buffers,
             activations=activations,
             logits=logits,
+            host=sum(state) if layout.cpu_offload else 0.0,
         )
         if worst is None or estimate_.total > worst.total:
             worst = estimate_
         worst_params = max(worst_params, params)
     assert worst is not None
     return worst, worst_params
+
+
+def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) -> float:
+    """FSDP2's unsharded working copies on a rank holding ``stage_params`` (0 without sharding).
+
+    Gathered bf16 parameters: the whole stage when they stay gathered (``keeps_gathered``), else
+    about two layers (the one running and the one prefetched). fp32 gradients before the
+    reduce-scatter: the whole stage with pipelining (the stage skips gradient sync until its last
+    microbatch), else two layers.
+    """
+    if layout.mesh.dp_shard == 1:
+        return 0.0
+    pipelined, kept = layout.mesh.pp > 1, layout.keeps_gathered
+    if pipelined and kept:
+        return (PARAM_BYTES + REDUCE_BYTES) * stage_params
+    if not pipelined and not kept:
+        return 2 * (PARAM_BYTES + REDUCE_BYTES) * layer_params
+    gathered = PARAM_BYTES * stage_params if kept else 2 * PARAM_BYTES * layer_params
+    return gathered + (REDUCE_BYTES * stage_params if pipelined else 2 * REDUCE_BYTES * layer_params)
 
 
 def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:
@@ -422,8 +433,10 @@ def _data_parallel(
     Without a pipeline every microbatch all-gathers the parameters twice (forward, and again in
     backward after resharding) and reduce-scatters the gradients, overlapped with that
     microbatch's compute. With a pipeline the stage gathers once during the first microbatch's
-    forward and reduces once during the last one's backward. The first gather and last reduce
-    of a layer cannot overlap anything (the ``tail``).
+    forward and reduces once during the last one's backward. ``reshard_after_forward`` moves
+    between the two: ``never`` drops the backward's gather, ``always`` with a pipeline gathers
+    twice per microbatch. The first gather and last reduce of a layer cannot overlap anything
+    (the ``tail``).
     """
     shard, replicas, m = mesh.dp_shard, mesh.dp_replicate, layout.microbatches
     shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
@@ -437,21 +450,24 @@ def _data_parallel(
     forward_share = 0.25 if layout.activation_checkpointing else 1.0 / 3.0
     forward_window = forward_share * rank_microbatch_s
     backward_window = rank_microbatch_s - forward_window
-    regather_s = gather_s if mesh.pp == 1 else 0.0  # resharded after forward: gather again for backward
-    rounds = m if mesh.pp == 1 else 1
-    exposed = rounds * (
-        max(0.0, gather_s - forward_window) + max(0.0, regather_s + reduce_s + allreduce_s - backward_window)
-    )
+    # Resharded after forward (not keeps_gathered): gather again for backward, every microbatch.
+    regather_s = 0.0 if layout.keeps_gathered else gather_s
+    gather_rounds = 1 if mesh.pp > 1 and layout.keeps_gathered else m
+    reduce_rounds = m if mesh.pp == 1 else 1  # a pipeline stage reduces once, after its last microbatch
+    rounds = max(gather_rounds, reduce_rounds)
+    backward_s = (gather_rounds * regather_s + reduce_rounds * (reduce_s + allreduce_s)) / rounds
+    exposed = gather_rounds * max(0.0, gather_s - forward_window) + rounds * max(0.0, backward_s - backward_window)
     exposed += (gather_s + reduce_s + allreduce_s) / max(1, layers_on_rank)
-    shard_busy = rounds * (gather_s + regather_s + reduce_s)
-    shard_bytes = rounds * (gather_bytes * (2 if mesh.pp == 1 else 1) + reduce_bytes) if shard > 1 else 0.0
-    repl_busy = rounds * allreduce_s
+    shard_busy = gather_rounds * (gather_s + regather_s) + reduce_rounds * reduce_s
+    gathers = gather_rounds * gather_bytes * (1 if layout.keeps_gathered else 2)
+    shard_bytes = gathers + reduce_rounds * reduce_bytes if shard > 1 else 0.0
+    repl_busy = reduce_rounds * allreduce_s
     busy = shard_busy + repl_busy
     shard_share = shard_busy / busy if busy else 0.0
     return {
         "dp_shard": CommCost(shard_bytes, shard_link, shard_busy, exposed * shard_share),
         "dp_replicate": CommCost(
-            rounds * allreduce_bytes if replicas > 1 else 0.0,
+            reduce_rounds * allreduce_bytes if replicas > 1 else 0.0,
             repl_link,
             repl_busy,
             exposed * (1.0 - shard_share) if busy else 0.0,

@@ -25,7 +25,7 @@ group uses from ``MeshSpec.stride``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
@@ -33,8 +33,13 @@ from elastic.hardware import GpuSpec
 from elastic.plan_explain import Rejection, explain_choice, memory_rejection, merge_families, merge_tp
 from elastic.spec import DIM_ORDER, MeshSpec, samples_per_rank
 from workers.spec import ModelSpec
+from workers.spec.pipeline import RULES, PipelineSchedule, microbatches_problem
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# The search's default: the zero-bubble schedules' near-zero bubble assumes equal forward, input- and
+# weight-gradient times (their papers' premise), so they are priced when asked for (--schedule).
+SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# The most stages per rank an interleaved schedule is priced with.
 MAX_VIRTUAL_STAGES = 16
 # best_mesh tries at most this many world sizes, largest first.
 MAX_WORLD_SIZES_TRIED = 64
@@ -50,7 +55,7 @@ class Constraints:
     # True: every pipeline stage holds the same number of layers (n_layers % (pp·v) == 0).
     even_stages: bool = False
     min_replicas: int = 1
-    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     activation_checkpointing: tuple[bool, ...] = (False, True)
 
 
@@ -190,7 +195,7 @@ def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> I
             microbatches = _pipeline_microbatches(per_rank, mesh.pp, schedule)
             if microbatches is None:
                 continue
-            stage_counts = range(2, MAX_VIRTUAL_STAGES + 1) if schedule == "interleaved_1f1b" else (1,)
+            stage_counts = _stage_counts(schedule)
             for virtual in stage_counts:
                 problems = mesh.check_divides(
                     n_heads=model.n_heads,
@@ -208,12 +213,22 @@ def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> I
                 yield Layout(mesh, schedule, virtual, microbatches, checkpointing)
 
 
+def _stage_counts(schedule: str) -> Sequence[int]:
+    """The stages per rank a schedule is priced with: 2..16 interleaved, 2 for the V schedules."""
+    rules = RULES[PipelineSchedule(schedule)]
+    if rules.exact:
+        return (rules.min_stages_per_rank,)
+    return range(rules.min_stages_per_rank, MAX_VIRTUAL_STAGES + 1)
+
+
 def _pipeline_microbatches(per_rank: int, pp: int, schedule: str) -> int | None:
-    """The most microbatches the rank's batch splits into (>= pp; a multiple of pp when interleaved)."""
+    """The most microbatches the rank's batch splits into that the schedule takes (torch's rules:
+    >= pp; a multiple of pp when interleaved; >= 2 pp for dualpipev)."""
+    stages_per_rank = RULES[PipelineSchedule(schedule)].default_stages_per_rank
     for microbatches in sorted(_divisors(per_rank), reverse=True):
         if microbatches < pp:
             return None
-        if schedule != "interleaved_1f1b" or microbatches % pp == 0:
+        if microbatches_problem(schedule, pp=pp, stages_per_rank=stages_per_rank, microbatches=microbatches) is None:
             return microbatches
     return None
 
@@ -245,12 +260,17 @@ def check_layout(
             problems.append(f"pp={mesh.pp} needs a schedule from {', '.join(PIPELINE_SCHEDULES)}")
         if layout.microbatches < mesh.pp:
             problems.append(f"microbatches={layout.microbatches} must be >= pp={mesh.pp} so every stage has work")
-        if layout.schedule == "interleaved_1f1b" and layout.microbatches % mesh.pp:
+        if layout.schedule in ("interleaved_1f1b", "zero_bubble") and layout.microbatches % mesh.pp:
             problems.append(
-                f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} for interleaved_1f1b"
+                f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} for {layout.schedule}"
             )
-    if (layout.schedule == "interleaved_1f1b") != (layout.virtual_stages > 1):
-        problems.append(f"virtual_stages={layout.virtual_stages} goes with interleaved_1f1b only (and it needs >= 2)")
+        if layout.schedule == "dualpipev" and layout.microbatches < 2 * mesh.pp:
+            problems.append(f"microbatches={layout.microbatches} must be >= 2 x pp={mesh.pp} for dualpipev")
+    if layout.schedule in PIPELINE_SCHEDULES and layout.virtual_stages not in _stage_counts(layout.schedule):
+        counts = _stage_counts(layout.schedule)
+        problems.append(f"virtual_stages={layout.virtual_stages}: {layout.schedule} takes {counts[0]}..{counts[-1]}")
+    if layout.schedule == "none" and layout.virtual_stages != 1:
+        problems.append(f"virtual_stages={layout.virtual_stages} needs a pipeline schedule")
     problems.extend(
         mesh.check_divides(
             n_heads=model.n_heads,

@@ -27,9 +27,11 @@ from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
 from orchestrator.model_source import resolve_model
 from workers.spec import PRESETS, ModelSpec, model_spec
-from workers.spec.train import EvalSpec, OptimizerSpec
+from workers.spec.pipeline import RULES, PipelineSchedule
+from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SCHEDULES = tuple(schedule.value for schedule in PipelineSchedule)
+RESHARD_AFTER_FORWARD = tuple(choice.value for choice in ReshardAfterForward)
 DATA_SOURCES = ("text", "synthetic", "tokens")
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -98,11 +100,15 @@ class ParallelismConfig:
     tp: int = 2
     pp: int = 2
     pp_schedule: str = field(default="1f1b", metadata=_choices(*PP_SCHEDULES))
-    # Model chunks per pipeline rank; None = 2 for interleaved_1f1b, else 1.
+    # Model chunks per pipeline rank; None = 2 for interleaved_1f1b, zero_bubble, zbv and dualpipev, else 1.
     stages_per_rank: int | None = None
     # Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 4
     activation_checkpointing: bool = False
+    # When FSDP2 frees gathered parameters: always (ZeRO-3), never (ZeRO-2), auto (never with pp > 1).
+    reshard_after_forward: str = field(default="auto", metadata=_choices(*RESHARD_AFTER_FORWARD))
+    # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy).
+    cpu_offload: bool = False
 
     def mesh(self) -> MeshSpec:
         return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
@@ -111,7 +117,7 @@ class ParallelismConfig:
     def virtual_stages(self) -> int:
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+        return RULES[PipelineSchedule(self.pp_schedule)].default_stages_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.token_corpus import token_corpus_problems
+from workers.spec.pipeline import microbatches_problem, stages_per_rank_problem
 
 if TYPE_CHECKING:
     # Only for annotations: ``orchestrator.config`` imports this module to run ``validate``.
@@ -183,19 +184,8 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
     problems: list[str] = []
     if par.stages_per_rank is not None and par.stages_per_rank < 1:
         problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
-    if par.pp_schedule == "interleaved_1f1b" and par.virtual_stages < 2:
-        problems.append("parallelism.stages_per_rank must be >= 2 for pp_schedule=interleaved_1f1b")
-    if par.pp_schedule != "interleaved_1f1b" and par.virtual_stages != 1:
-        problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} needs pp_schedule=interleaved_1f1b")
-    if par.pp > 1 and par.microbatches < par.pp:
-        problems.append(
-            f"parallelism.microbatches={par.microbatches} must be >= pp={par.pp} so that every pipeline stage has work"
-        )
-    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and par.microbatches % par.pp:
-        problems.append(
-            f"parallelism.microbatches={par.microbatches} must be a multiple of pp={par.pp} "
-            "for pp_schedule=interleaved_1f1b"
-        )
+    else:
+        problems.extend(_schedule_problems(config))
     if model.is_moe and par.tp > 1:
         problems.append(
             f"parallelism.tp={par.tp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
@@ -218,6 +208,21 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             )
         )
     return problems
+
+
+def _schedule_problems(config: JobConfig) -> list[str]:
+    """The pipeline schedule's own rules (``workers.spec.pipeline``: torch's for each schedule).
+
+    The zero-bubble schedules' split backward runs with FSDP2 (any dp_shard), tp and activation
+    checkpointing alike (tests/unit/test_pipeline_schedules.py), so no combination is refused here.
+    """
+    par = config.parallelism
+    problem = stages_per_rank_problem(par.pp_schedule, par.virtual_stages)
+    if problem is None and par.pp > 1:
+        problem = microbatches_problem(
+            par.pp_schedule, pp=par.pp, stages_per_rank=par.virtual_stages, microbatches=par.microbatches
+        )
+    return [problem] if problem else []
 
 
 def resolve_data_path(config: JobConfig) -> Path | None:

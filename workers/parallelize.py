@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
@@ -25,6 +25,8 @@ from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtenso
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.models import ModelFamily, StageModel
 from workers.spec import ModelSpec
+from workers.spec.pipeline import stage_ids
+from workers.spec.train import ReshardAfterForward
 
 
 @dataclass(frozen=True)
@@ -44,17 +46,20 @@ class StagePlan:
         return self.stage_index == self.num_stages - 1
 
 
-def stage_plans(model: ModelSpec, *, pp: int, pp_rank: int, stages_per_rank: int) -> list[StagePlan]:
-    """The stages of pipeline rank ``pp_rank``, balanced by layer count.
+def stage_plans(
+    model: ModelSpec, *, pp: int, pp_rank: int, stages_per_rank: int, schedule: str = "1f1b"
+) -> list[StagePlan]:
+    """The stages of pipeline rank ``pp_rank``, balanced by layer count, in ascending order.
 
-    With several stages per rank (interleaved schedules) rank ``r`` holds stages
-    ``r, r + pp, r + 2 pp, ...`` — the "loop" placement the interleaved schedules expect.
+    With several stages per rank, the schedule's placement says which (``stage_ids``): the
+    interleaved schedules' "loop" (rank ``r`` holds ``r, r + pp, ...``) or the V of zbv and
+    dualpipev (rank ``r`` holds ``r`` and ``2 pp - 1 - r``).
     """
     num_stages = pp * stages_per_rank
     per_stage = model.n_layers // num_stages
     return [
         StagePlan(stage, num_stages, range(stage * per_stage, (stage + 1) * per_stage))
-        for stage in range(pp_rank, num_stages, pp)
+        for stage in stage_ids(schedule, pp=pp, pp_rank=pp_rank, stages_per_rank=stages_per_rank)
     ]
 
 
@@ -116,17 +121,37 @@ def _checkpointed(forward: Any) -> Any:
     return run
 
 
-def apply_fsdp(module: StageModel, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+def apply_fsdp(
+    module: StageModel,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    pipelined: bool,
+    reshard: ReshardAfterForward = ReshardAfterForward.AUTO,
+    cpu_offload: bool = False,
+) -> None:
     """FSDP2 per transformer block, then the stage root.
 
-    With pipelining, parameters stay gathered between the microbatches of a step
-    (``reshard_after_forward=False``): re-gathering them for every microbatch would multiply
-    the all-gather traffic by the microbatch count.
+    ``reshard`` AUTO: with pipelining, parameters stay gathered between the microbatches of a
+    step (re-gathering them for every microbatch would multiply the all-gather traffic by the
+    microbatch count); without, each block frees its gathered parameters after its forward.
+    ALWAYS frees them (ZeRO-3's memory), NEVER keeps them (ZeRO-2's: gradients and optimizer
+    state sharded, whole parameters held from forward to backward). ``cpu_offload`` keeps the
+    sharded parameters, their gradients and so the optimizer state in host memory (FSDP2 copies
+    each block's shard to the device for the all-gather and the gradient back after the reduce).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if reshard == ReshardAfterForward.AUTO:
+        reshard_after_forward = not pipelined
+    else:
+        reshard_after_forward = reshard == ReshardAfterForward.ALWAYS
+    options: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU-only rank the policy moves nothing.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in module.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
-    fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+        fully_shard(block, **options)
+    fully_shard(module, **options)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -34,6 +33,7 @@ from workers.data import SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.models import StageModel, resolve_family
+from workers.pipeline_schedules import build_schedule
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
@@ -78,9 +78,6 @@ class StepResult:
     expert_load: dict[str, float] = field(default_factory=dict)  # see StageModel.expert_load
 
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-
-
 class Trainer(TrainerState):
     """Stages, optimizer and schedule of one rank for one mesh. Collective to construct."""
 
@@ -110,7 +107,11 @@ class Trainer(TrainerState):
         self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         self.plans = par.stage_plans(
-            spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
+            spec.model,
+            pp=mesh.pp,
+            pp_rank=self.coords.pp,
+            stages_per_rank=spec.stages_per_rank,
+            schedule=spec.pp_schedule,
         )
         self.modules = [self._build_module(plan) for plan in self.plans]
         # Every thread that runs these modules (autograd's device thread too) drops DTensor
@@ -144,21 +145,16 @@ class Trainer(TrainerState):
             par.data_parallel_mesh(self.world_mesh, self.mesh),
             param_dtype=param_dtype,
             pipelined=self.mesh.pp > 1,
+            reshard=self.spec.reshard_after_forward,
+            cpu_offload=self.spec.cpu_offload,
         )
-        par.materialize(module, self.device)
+        # Offloaded shards live in host memory; FSDP2 moves each to the device when it gathers.
+        par.materialize(module, torch.device("cpu") if self.spec.cpu_offload else self.device)
         return module
 
     def _build_schedule(self):
-        pp_group = self.world_mesh["pp"].get_group()
-        stages = [
-            PipelineStage(module, plan.stage_index, plan.num_stages, self.device, group=pp_group)
-            for module, plan in zip(self.modules, self.plans)
-        ]
-        schedule_class = SCHEDULES[self.spec.pp_schedule]
-        target = stages if self.spec.pp_schedule == "interleaved_1f1b" else stages[0]
-        return schedule_class(
-            target, n_microbatches=self.spec.microbatches, loss_fn=self.microbatch_loss, scale_grads=False
-        )
+        group = self.world_mesh["pp"].get_group()
+        return build_schedule(self.spec, self.modules, self.plans, self.device, group, self.microbatch_loss)
 
     def init_weights(self) -> None:
         """Fresh start: the same initial model as a single process with the same seed."""

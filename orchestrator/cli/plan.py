@@ -18,7 +18,15 @@ from pathlib import Path
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
 from elastic.plan_explain import format_gb
-from elastic.planner import PIPELINE_SCHEDULES, Constraints, Plan, PlanResult, check_layout, plan_layouts
+from elastic.planner import (
+    PIPELINE_SCHEDULES,
+    SEARCHED_SCHEDULES,
+    Constraints,
+    Plan,
+    PlanResult,
+    check_layout,
+    plan_layouts,
+)
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
 
@@ -89,7 +97,7 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         choices=PIPELINE_SCHEDULES,
         default=None,
-        help="pipeline schedules to consider (repeat; default all)",
+        help="pipeline schedules to consider (repeat; default gpipe, 1f1b and interleaved_1f1b)",
     )
     parser.add_argument(
         "--activation-checkpointing",
@@ -181,6 +189,8 @@ def load_model(reference: str) -> ModelSource:
             par.virtual_stages,
             par.microbatches,
             par.activation_checkpointing,
+            reshard_after_forward=par.reshard_after_forward,
+            cpu_offload=par.cpu_offload,
         )
         return ModelSource(
             f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout
@@ -226,9 +236,10 @@ def _configured(
     if problems or estimate_ is None:
         return {"layout": layout.describe(), "feasible": False, "verdict": "rejected: " + "; ".join(problems)}
     faster = sum(1 for plan in result.plans if plan.estimate.step_s < estimate_.step_s)
+    bubble = f", pipeline bubble {estimate_.bubble:.1%}" if layout.mesh.pp > 1 else ""
     verdict = (
-        f"fits {format_gb(estimate_.memory.total)} GB, step {_seconds(estimate_.step_s)} s, MFU {estimate_.mfu:.1%}; "
-        f"{faster} feasible layout{'s' if faster != 1 else ''} would be faster"
+        f"fits {format_gb(estimate_.memory.total)} GB, step {_seconds(estimate_.step_s)} s, MFU {estimate_.mfu:.1%}"
+        f"{bubble}; {faster} feasible layout{'s' if faster != 1 else ''} would be faster"
     )
     return {
         "layout": layout.describe(),
@@ -288,7 +299,7 @@ def _inputs(
         tp_across_nodes=args.tp_across_nodes,
         even_stages=args.even_stages,
         min_replicas=args.min_replicas,
-        schedules=tuple(args.schedule) if args.schedule else PIPELINE_SCHEDULES,
+        schedules=tuple(args.schedule) if args.schedule else SEARCHED_SCHEDULES,
         activation_checkpointing=checkpointing,
     )
     assumptions = Assumptions(
@@ -398,7 +409,7 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
         lines.append("best layouts (fastest first; one per tp x pp, its best dp split and schedule):")
         lines.append(
             f"  {'#':>2} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>4}  {'schedule':<22} "
-            f"{'micro':>5} {'AC':>3} {'GB/GPU':>7} {'step s':>7} {'MFU':>6} {'tok/s/GPU':>9}"
+            f"{'micro':>5} {'AC':>3} {'GB/GPU':>7} {'step s':>7} {'MFU':>6} {'tok/s/GPU':>9} {'bubble':>6}"
         )
         for rank, plan in enumerate(shown, start=1):
             lines.extend(_plan_lines(rank, plan))
@@ -436,7 +447,7 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
         f"  {rank:>2} {mesh.dp_replicate:>6} {mesh.dp_shard:>8} {mesh.tp:>3} {mesh.pp:>4}  {schedule:<22} "
         f"{layout.microbatches:>5} {'on' if layout.activation_checkpointing else 'off':>3} "
         f"{format_gb(estimate.memory.total):>7} {_seconds(estimate.step_s):>7} {estimate.mfu:>6.1%} "
-        f"{estimate.tokens_per_s_per_gpu:>9.0f}"
+        f"{estimate.tokens_per_s_per_gpu:>9.0f} {estimate.bubble:>6.1%}"
     ]
     lines.extend(f"       - {reason}" for reason in plan.reasons)
     snippet = ", ".join(

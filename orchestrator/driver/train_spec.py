@@ -15,7 +15,15 @@ from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
 from orchestrator.model_source import locate
 from orchestrator.token_corpus import token_corpus_source
-from workers.spec.train import BatchPlan, CheckpointTarget, EvalSpec, OptimizerSpec, PretrainedSource, TrainSpec
+from workers.spec.train import (
+    BatchPlan,
+    CheckpointTarget,
+    EvalSpec,
+    OptimizerSpec,
+    PretrainedSource,
+    ReshardAfterForward,
+    TrainSpec,
+)
 
 
 def resolve_backend(config: JobConfig) -> str:
@@ -45,6 +53,8 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         microbatches=batch.microbatches,
         pp_schedule=par.pp_schedule,
         stages_per_rank=par.virtual_stages,
+        reshard_after_forward=ReshardAfterForward(par.reshard_after_forward),
+        cpu_offload=par.cpu_offload,
         activation_checkpointing=par.activation_checkpointing,
         seed=train.seed,
         dtype=resolve_dtype(config, backend),

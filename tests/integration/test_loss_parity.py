@@ -26,6 +26,37 @@ LAYOUTS = {
         "parallelism.pp=2",
         "parallelism.pp_schedule=interleaved_1f1b",
     ),
+    "pp2-zero_bubble": (
+        "parallelism.dp_shard=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.pp_schedule=zero_bubble",
+    ),
+    "pp2-dualpipev-eval": (
+        "parallelism.dp_shard=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.pp_schedule=dualpipev",
+        "eval.interval_steps=10",
+    ),
+    "dp_shard2-reshard_never": (
+        "parallelism.dp_shard=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.reshard_after_forward=never",
+    ),
+    "dp_shard2-pp2-reshard_always": (
+        "parallelism.dp_shard=2",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.reshard_after_forward=always",
+    ),
+    "dp_shard2-cpu_offload": (
+        "parallelism.dp_shard=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.cpu_offload=true",
+    ),
     "dp_shard3": (
         "parallelism.dp_shard=3",
         "parallelism.tp=1",

@@ -25,8 +25,40 @@ CASES = [
     ),
     (
         ["--set", "parallelism.pp_schedule=1f1"],
-        "parallelism.pp_schedule: '1f1' is not one of gpipe, 1f1b, interleaved_1f1b; did you mean '1f1b'?",
+        "parallelism.pp_schedule: '1f1' is not one of gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev; "
+        "did you mean '1f1b'?",
     ),
+    (
+        ["--set", "parallelism.pp_schedule=zero_bubble", "--set", "parallelism.microbatches=3"],
+        "parallelism.microbatches=3 must be a multiple of pp=2 for pp_schedule=zero_bubble",
+    ),
+    (
+        ["--set", "parallelism.pp_schedule=dualpipev", "--set", "parallelism.microbatches=2"],
+        "parallelism.microbatches=2 must be >= the 4 pipeline stages (2 x pp=2) for pp_schedule=dualpipev",
+    ),
+    (
+        ["--set", "parallelism.pp_schedule=zbv", "--set", "parallelism.stages_per_rank=3"],
+        "parallelism.stages_per_rank=3: pp_schedule=zbv places exactly 2 stages per rank "
+        "(stage r and 2 pp - 1 - r on rank r); leave it unset",
+    ),
+    (
+        ["--set", "parallelism.pp_schedule=zero_bubble", "--set", "parallelism.stages_per_rank=1"],
+        "parallelism.stages_per_rank must be >= 2 for pp_schedule=zero_bubble",
+    ),
+    (
+        ["--set", "parallelism.stages_per_rank=2"],
+        "parallelism.stages_per_rank=2 needs pp_schedule=interleaved_1f1b or zero_bubble "
+        "(zbv and dualpipev hold exactly 2)",
+    ),
+    (
+        ["--set", "parallelism.pp_schedule=zbv", "--set", "parallelism.pp=4", "--set", "parallelism.tp=1"],
+        "parallelism: pp=4 x stages_per_rank=2 = 8 pipeline stages must divide model.n_layers=4",
+    ),
+    (
+        ["--set", "parallelism.reshard_after_forward=sometimes"],
+        "parallelism.reshard_after_forward: 'sometimes' is not one of auto, always, never",
+    ),
+    (["--set", "parallelism.cpu_offload=maybe"], "parallelism.cpu_offload: expected true or false, got str 'maybe'"),
     (["--set", "training.steps=0"], "training.steps=0 must be >= 1"),
     (["--set", "data.path=no/such/file.txt"], "data.path='no/such/file.txt': no such file"),
     (

@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-from elastic.cost_model import Assumptions, Cluster, Layout, Workload, estimate, pipeline_bubble, zero_memory_per_gpu
+from elastic.cost_model import (
+    Assumptions,
+    Cluster,
+    Layout,
+    Workload,
+    estimate,
+    fsdp_buffer_bytes,
+    pipeline_bubble,
+    zero_memory_per_gpu,
+)
 from elastic.hardware import GPU_KINDS, gpu_spec
 from elastic.planner import Constraints, best_mesh, check_layout, plan_layouts
 from elastic.spec import MeshSpec
@@ -297,3 +306,99 @@ def test_a_mixture_of_experts_is_planned_with_tp1_and_priced_by_its_active_exper
     every_expert = dataclasses.replace(moe, top_k_experts=moe.n_experts)
     assert moe.flops_per_token(256) < every_expert.flops_per_token(256)
     assert moe.num_params == every_expert.num_params
+
+
+def test_reshard_and_offload_follow_the_zero_paper_table():
+    # ZeRO (Rajbhandari et al. 2020), Figure 1, Psi = 7.5B, K = 12: 120 GB per GPU replicated,
+    # 16.6 GB with P_os+g (ZeRO-2), 1.9 GB with P_os+g+p (ZeRO-3) on N_d = 64. (31.4 GB is P_os,
+    # ZeRO-1, which FSDP2 has no mode for.)
+    psi = 7.5e9
+
+    def held_gb(layout: Layout) -> float:
+        """Model state plus the gathered parameters a layout holds, one stage of psi parameters."""
+        shard = layout.mesh.dp_shard
+        state = 0.0 if layout.cpu_offload else zero_memory_per_gpu(psi, stage=3, dp=shard)
+        return (state + fsdp_buffer_bytes(layout, psi, layer_params=0.0)) / 1e9
+
+    assert held_gb(Layout(MeshSpec(dp_shard=1))) == pytest.approx(120, rel=0.01)
+    # ZeRO-2: whole bf16 parameters held from forward to backward; FSDP2 also keeps its shard (+1/64).
+    assert held_gb(Layout(MeshSpec(dp_shard=64), reshard_after_forward="never")) == pytest.approx(16.6, rel=0.02)
+    assert held_gb(Layout(MeshSpec(dp_shard=64), reshard_after_forward="always")) == pytest.approx(1.9, rel=0.02)
+    # auto is ZeRO-3 without a pipeline, ZeRO-2 with one (the stage reuses its gathered parameters).
+    zero3 = Layout(MeshSpec(dp_shard=64), reshard_after_forward="always")
+    assert held_gb(Layout(MeshSpec(dp_shard=64))) == held_gb(zero3)
+    assert Layout(MeshSpec(dp_shard=64, pp=2), "1f1b").keeps_gathered
+    # Offload leaves no model state on the GPU.
+    assert held_gb(Layout(MeshSpec(dp_shard=64), reshard_after_forward="always", cpu_offload=True)) == 0.0
+
+
+def test_estimate_prices_reshard_and_offload():
+    model = PRESETS["llama3-8b"]
+    workload, cluster = Workload(model, 8192, 16), Cluster(8, 8, H100)
+    mesh = MeshSpec(dp_shard=8)
+    zero3 = estimate(workload, cluster, Layout(mesh, "none", 1, 1, True, reshard_after_forward="always"))
+    zero2 = estimate(workload, cluster, Layout(mesh, "none", 1, 1, True, reshard_after_forward="never"))
+    offload = estimate(workload, cluster, Layout(mesh, "none", 1, 1, True, cpu_offload=True))
+    # Holding the whole bf16 model gathered costs 2 bytes per parameter, less the two layers that
+    # resharding after forward keeps gathered anyway (the running one and the prefetched one).
+    held = 2 * (model.num_params - 2 * model.params_per_layer)
+    assert zero2.memory.total - zero3.memory.total == pytest.approx(held, rel=0.01)
+    state = zero3.memory.params + zero3.memory.grads + zero3.memory.optimizer
+    assert offload.memory.params == offload.memory.grads == offload.memory.optimizer == 0.0
+    assert offload.memory.host == pytest.approx(state)
+    assert offload.memory.total == pytest.approx(zero3.memory.total - state)
+
+
+def test_bubble_of_each_schedule():
+    p, m = 4, 8
+    assert pipeline_bubble(p, m, 1, "1f1b") == pytest.approx(3 / 11)
+    assert pipeline_bubble(p, m, 1, "gpipe") == pytest.approx(3 / 11)
+    assert pipeline_bubble(p, m, 2, "interleaved_1f1b") == pytest.approx(3 / 19)
+    # ZB1P: weight-gradient passes fill two thirds of the 1F1B bubble time.
+    assert pipeline_bubble(p, m, 2, "zero_bubble") == pytest.approx(3 / (3 * 16 + 3))
+    # The V schedules reach zero once there are at least 2p - 1 microbatches.
+    assert pipeline_bubble(p, m, 2, "zbv") == 0.0
+    assert pipeline_bubble(p, m, 2, "dualpipev") == 0.0
+    assert pipeline_bubble(p, 4, 2, "zbv") == pytest.approx(3 / 11)
+
+
+def test_zero_bubble_schedules_shorten_the_estimated_step():
+    workload = Workload(PRESETS["llama3-70b"], 8192, 256)
+    cluster = Cluster(64, 8, H100)
+    mesh = MeshSpec(dp_shard=2, tp=8, pp=4)
+    steps = {
+        schedule: estimate(workload, cluster, Layout(mesh, schedule, virtual, 16, True))
+        for schedule, virtual in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2))
+    }
+    order = [steps[s].step_s for s in ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")]
+    assert order == sorted(order, reverse=True)
+    assert steps["zbv"].bubble == 0.0 and steps["zero_bubble"].bubble < steps["interleaved_1f1b"].bubble
+
+
+def test_check_layout_applies_each_schedules_rules():
+    workload = Workload(PRESETS["llama3-8b"], 2048, 64)
+    cluster = Cluster(8, 8, H100)
+    _, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=2, tp=1, pp=4), "dualpipev", 2, 4, True))
+    assert "microbatches=4 must be >= 2 x pp=4 for dualpipev" in problems
+    _, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=2, tp=1, pp=4), "zbv", 3, 8, True))
+    assert "virtual_stages=3: zbv takes 2..2" in problems
+    result, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=2, tp=1, pp=4), "zbv", 2, 8, True))
+    assert problems == [] and result is not None and result.bubble == 0.0
+
+
+def test_resharding_after_forward_costs_all_gathers_with_a_pipeline():
+    workload = Workload(PRESETS["llama3-70b"], 8192, 256)
+    cluster = Cluster(64, 8, H100)
+    mesh = MeshSpec(dp_shard=8, tp=8, pp=1)
+    zero3 = estimate(workload, cluster, Layout(mesh, "none", 1, 4, True, reshard_after_forward="always"))
+    zero2 = estimate(workload, cluster, Layout(mesh, "none", 1, 4, True, reshard_after_forward="never"))
+    # Without a pipeline ZeRO-2 skips the backward's all-gather: 2 bytes less per parameter and microbatch.
+    gathered = zero3.comm["dp_shard"].bytes_per_step - zero2.comm["dp_shard"].bytes_per_step
+    assert gathered == pytest.approx(zero2.comm["dp_shard"].bytes_per_step / 3)  # gather + reduce (2 + 4) vs + 2
+    piped = MeshSpec(dp_shard=2, tp=8, pp=4)
+    kept = estimate(workload, cluster, Layout(piped, "1f1b", 1, 16, True))
+    freed = estimate(workload, cluster, Layout(piped, "1f1b", 1, 16, True, reshard_after_forward="always"))
+    # A pipeline stage that frees its parameters gathers them twice per microbatch instead of once per step.
+    gather_once = kept.comm["dp_shard"].bytes_per_step / 3
+    assert freed.comm["dp_shard"].bytes_per_step == pytest.approx(2 * 16 * gather_once + 2 * gather_once)
+    assert freed.memory.fsdp_buffers < kept.memory.fsdp_buffers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 from elastic.spec import BatchPlan
 from workers.spec.model import ModelSpec
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointTarget",
     "EvalSpec",
     "OptimizerSpec",
+    "ReshardAfterForward",
     "TokenCorpusSource",
     "TrainSpec",
 ]
@@ -34,6 +36,15 @@ COMMIT = "commit"
 COMMIT_AND_PAUSE = "commit_pause"
 COMMIT_PAUSE_CHECKPOINT = "commit_pause_checkpoint"
 ABORT = "abort"
+
+
+class ReshardAfterForward(StrEnum):
+    """When FSDP2 frees a block's gathered parameters: ``parallelism.reshard_after_forward``."""
+
+    # After each forward without pipelining, never with it (the stage's microbatches reuse them).
+    AUTO = "auto"
+    ALWAYS = "always"  # ZeRO-3: only the shard is held between forward and backward
+    NEVER = "never"  # ZeRO-2: the whole parameters are held from forward to backward
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,9 @@ class TrainSpec(OptimizerSpec):
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     stages_per_rank: int = 1
+    # FSDP2's reshard_after_forward (ZeRO-3 vs ZeRO-2 memory) and host offload of the sharded state.
+    reshard_after_forward: ReshardAfterForward = ReshardAfterForward.AUTO
+    cpu_offload: bool = False
     activation_checkpointing: bool = False
     seed: int = 0
     dtype: str = "float32"  # float32, or bfloat16 parameters with float32 gradient reduction

@@ -1,0 +1,112 @@
+"""Pipeline schedules and FSDP2 reshard/offload options train exactly like one process.
+
+The placement rules are checked as plain values; the schedules themselves run in spawned gloo
+processes (no Ray): 10 steps of the debug model, per-step losses against a 1-rank run of the
+same model, seed and data within 1e-3 relative (the mean over data-parallel slices when dp > 1),
+then the trained model's logits through the schedule's forward-only pass (what evaluation runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tests.unit.pipeline_ranks import STEPS, run_rank
+from tests.unit.spawned_ranks import spawn_ranks
+from workers.spec.pipeline import stage_ids
+
+
+def test_loop_placement_puts_every_pp_th_stage_on_a_rank():
+    assert [stage_ids("interleaved_1f1b", pp=4, pp_rank=r, stages_per_rank=2) for r in range(4)] == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
+    assert stage_ids("1f1b", pp=4, pp_rank=2, stages_per_rank=1) == [2]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_placement_puts_stage_r_and_its_mirror_on_rank_r(schedule):
+    # torch's generate_stage_to_rank_mapping(4, 8, style="v"): 0 1 2 3 3 2 1 0
+    assert [stage_ids(schedule, pp=4, pp_rank=r, stages_per_rank=2) for r in range(4)] == [
+        [0, 7],
+        [1, 6],
+        [2, 5],
+        [3, 4],
+    ]
+
+
+@dataclass
+class Run:
+    losses: list[float]  # per step, the mean over data-parallel slices
+    stages: dict[int, list[int]]  # each rank's stage indices
+    logits: list[np.ndarray]  # the trained model's logits, from every rank that returns them
+
+
+def _run(mesh: dict[str, int], spec: dict[str, object], tmp_path) -> Run:
+    world_size = math.prod(mesh.values())
+    outcomes = spawn_ranks(
+        functools.partial(run_rank, mesh, spec), world_size=world_size, store_path=str(tmp_path / "store")
+    )
+    reported = [losses for losses, _, _ in outcomes.values() if losses is not None]
+    assert len(reported) == mesh.get("dp_shard", 1) * mesh.get("dp_replicate", 1)
+    return Run(
+        losses=[sum(step) / len(step) for step in zip(*reported)],
+        stages={rank: stages for rank, (_, stages, _) in outcomes.items()},
+        logits=[logits for _, _, logits in outcomes.values() if logits is not None],
+    )
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory) -> Run:
+    run = _run({"dp_shard": 1, "tp": 1, "pp": 1}, {}, tmp_path_factory.mktemp("single"))
+    assert len(run.losses) == STEPS and run.losses[-1] < run.losses[0]
+    return run
+
+
+def _assert_trains_like(run: Run, single_rank: Run) -> None:
+    assert run.losses == pytest.approx(single_rank.losses, rel=1e-3)
+    assert run.logits  # the ranks holding the last stage returned them
+    for logits in run.logits:
+        np.testing.assert_allclose(logits, single_rank.logits[0], rtol=1e-3, atol=1e-4)
+
+
+LAYOUTS = {
+    "pp2-zero_bubble": ({"dp_shard": 1, "tp": 1, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}),
+    "pp2-zbv": ({"dp_shard": 1, "tp": 1, "pp": 2}, {"pp_schedule": "zbv", "stages_per_rank": 2}),
+    "pp2-dualpipev-ac": (
+        {"dp_shard": 1, "tp": 1, "pp": 2},
+        {"pp_schedule": "dualpipev", "stages_per_rank": 2, "activation_checkpointing": True},
+    ),
+    "dp_shard2-pp2-zero_bubble": (
+        {"dp_shard": 2, "tp": 1, "pp": 2},
+        {"pp_schedule": "zero_bubble", "stages_per_rank": 2, "microbatches": 4},
+    ),
+    "dp_shard2-reshard_never": (
+        {"dp_shard": 2, "tp": 1, "pp": 1},
+        {"reshard_after_forward": "never", "microbatches": 4},
+    ),
+    "dp_shard2-pp2-reshard_always-offload": (
+        {"dp_shard": 2, "tp": 1, "pp": 2},
+        {"reshard_after_forward": "always", "cpu_offload": True, "microbatches": 4},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_layout_trains_like_one_rank(layout, single_rank, tmp_path):
+    mesh, spec = LAYOUTS[layout]
+    run = _run(mesh, spec, tmp_path)
+    _assert_trains_like(run, single_rank)
+    if spec.get("pp_schedule") in ("zbv", "dualpipev"):
+        assert run.stages[0] == [0, 3] and run.stages[1] == [1, 2]  # the V: rank 0 holds the first and last stage
+
+
+def test_zero_bubble_with_tensor_parallel_trains_like_one_rank(single_rank, tmp_path):
+    run = _run({"dp_shard": 1, "tp": 2, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}, tmp_path)
+    _assert_trains_like(run, single_rank)
