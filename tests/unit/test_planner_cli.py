@@ -124,8 +124,8 @@ def test_custom_gpu_flags_override_the_kind(capsys):
     [
         (
             ["--model", "llama9", "--gpus", "8"],
-            "meshpilot: --model 'llama9' is neither a preset (debug, llama3-1b, llama3-8b, llama3-70b, llama3-405b) "
-            "nor a YAML job config; pass a preset name or the path of a config file\n",
+            "meshpilot: --model 'llama9' is neither a preset (debug, llama3-1b, llama3-8b, llama3-70b, llama3-405b, "
+            "debug-moe) nor a YAML job config; pass a preset name or the path of a config file\n",
         ),
         (["--model", "llama3-8b", "--gpus", "0"], "meshpilot: --gpus=0 must be >= 1\n"),
         (
