@@ -24,7 +24,7 @@ from workers.trainer import Trainer
 
 # Small tiles (16 x 16 for a matrix), so the debug model's parameters span many of them.
 TILE_BITS = 8
-SPEC = TrainSpec(model=PRESETS["debug"], steps=1, global_batch=2, seq_len=8, microbatch_size=1, microbatches=2)
+SPEC = TrainSpec(model=PRESETS["debug"], steps=1, global_batch=4, seq_len=8, microbatch_size=1, microbatches=2)
 
 
 def counting_draws(counts: list[int]) -> Any:
