@@ -103,9 +103,11 @@ class ParallelismConfig:
     # Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 4
     activation_checkpointing: bool = False
+    # Context parallel: ranks that split every sequence (same samples, attention all-gathers K/V).
+    cp: int = 1
 
     def mesh(self) -> MeshSpec:
-        return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
+        return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp)
 
     @property
     def virtual_stages(self) -> int:
