@@ -258,7 +258,8 @@ class MeshSpec:
 
     # ------------------------------------------------------------- display
     def describe(self) -> str:
-        return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER)
+        """Every degree in ``DIM_ORDER``; ``cp`` only when sequences are split (cp > 1)."""
+        return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER if name != "cp" or self.cp > 1)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIM_ORDER}

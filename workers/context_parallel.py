@@ -52,7 +52,9 @@ class SequenceShard:
         if not self.split:
             return torch.arange(local_len, device=device)
         chunk = local_len // 2
-        return torch.cat([torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in self._chunk_ids()])
+        return torch.cat(
+            [torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in self._chunk_ids()]
+        )
 
     def gather_sequence(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Collective over the cp group: every rank's part of ``tensor`` along ``dim``, in global

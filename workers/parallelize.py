@@ -98,7 +98,7 @@ def apply_context_parallel(module: StageModel, shard: SequenceShard) -> None:
             "set parallelism.cp=1"
         )
     for sub in attention:
-        sub.sequence_shard = shard
+        setattr(sub, "sequence_shard", shard)  # noqa: B010 - any family's attention, not one class
 
 
 def build_stage_module(family: ModelFamily, model: ModelSpec, plan: StagePlan) -> StageModel:

@@ -319,7 +319,7 @@ class Trainer(TrainerState):
         else:
             output = self.modules[0](tokens)
         self.reshard()  # pipelined stages stay gathered after a forward
-        if not self.holds_last_stage:
+        if not self.holds_last_stage or output is None:
             return None
         output = output.full_tensor() if isinstance(output, DTensor) else output
         return self.sequence_shard.gather_sequence(output, dim=1)

@@ -147,7 +147,7 @@ class Replicas:
             return mesh
         if available < 1:
             return None
-        planned = self._planned(mesh, available, fixed={"tp": mesh.tp, "pp": mesh.pp})
+        planned = self._planned(mesh, available, fixed={"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp})
         if planned is not None:
             return planned
         kept = restore_mesh(mesh, available_ranks=available, fits=self.fits)

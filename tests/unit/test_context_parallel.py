@@ -77,5 +77,7 @@ def test_training_with_cp_matches_one_rank(layout, single_rank_run, tmp_path):
     assert expected_losses[-1] < expected_losses[0]
     last_stage = [rank for rank in range(mesh.world_size) if mesh.coords(rank).pp == mesh.pp - 1]
     for rank in last_stage:
-        torch.testing.assert_close(torch.from_numpy(ranks[rank][1]), torch.from_numpy(expected_logits), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.from_numpy(ranks[rank][1]), torch.from_numpy(expected_logits), rtol=0, atol=1e-5
+        )
     assert {round(evaluation, 5) for _, _, evaluation in ranks.values()} == {round(expected_eval, 5)}

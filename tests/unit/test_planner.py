@@ -235,7 +235,7 @@ def test_best_mesh_without_fixed_degrees_and_when_nothing_fits():
             hardware=H100,
             global_batch=16,
             seq_len=128,
-            fixed={"cp": 2},
+            fixed={"sp": 2},
         )
 
 
@@ -297,3 +297,15 @@ def test_a_mixture_of_experts_is_planned_with_tp1_and_priced_by_its_active_exper
     every_expert = dataclasses.replace(moe, top_k_experts=moe.n_experts)
     assert moe.flops_per_token(256) < every_expert.flops_per_token(256)
     assert moe.num_params == every_expert.num_params
+
+
+def test_a_long_context_is_planned_with_context_parallelism():
+    # Llama 3's long-context stage: 128 sequences of 128K tokens (16M tokens per batch).
+    model = dataclasses.replace(PRESETS["llama3-405b"], max_seq_len=131072)
+    result = plan_layouts(Workload(model, seq_len=131072, global_batch=128), Cluster(16384, 8, H100))
+    best = result.plans[0]
+    assert best.mesh.cp > 1 and 131072 // best.mesh.cp >= 8192
+    assert best.estimate.comm["cp"].bytes_per_step > 0
+    # The same batch at 8K tokens needs no cp: the cost of all-gathering K/V buys nothing there.
+    short = plan_layouts(Workload(PRESETS["llama3-405b"], seq_len=8192, global_batch=2048), Cluster(16384, 8, H100))
+    assert {plan.mesh.cp for plan in short.plans} == {1}
