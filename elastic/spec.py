@@ -152,6 +152,12 @@ class MeshSpec:
         """Degrees in ``DIM_ORDER``; the shape of the DeviceMesh the ranks build."""
         return tuple(getattr(self, name) for name in DIM_ORDER)
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``MeshError`` naming every degree unless they multiply to ``world_size``."""
+        if self.world_size != world_size:
+            degrees = " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER)
+            raise MeshError(f"{degrees} = {self.world_size} ranks, but the world has {world_size}")
+
     # ----------------------------------------------------------- rank maths
     def coords(self, rank: int) -> RankCoords:
         self._check_rank(rank)

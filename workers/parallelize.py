@@ -61,6 +61,7 @@ def stage_plans(model: ModelSpec, *, pp: int, pp_rank: int, stages_per_rank: int
 
 def build_world_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     """Collective: every rank of the default process group calls it (it creates sub-groups)."""
+    mesh.check_world_size(torch.distributed.get_world_size())
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=DIM_ORDER)
 
 

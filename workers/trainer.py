@@ -309,8 +309,9 @@ class Trainer(TrainerState):
         """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
 
         Collective: every rank of the mesh calls it with the same tokens (with pp > 1 the batch
-        must divide into ``microbatches``). Returns the whole logits, gathered over tensor
-        parallelism, on the ranks that hold the last stage; None elsewhere.
+        must divide into ``microbatches``; with cp > 1 the length into ``2 x cp`` chunks). Returns
+        the whole logits, gathered over tensor and context parallelism, on the ranks that hold the
+        last stage; None elsewhere.
         """
         tokens = self.sequence_shard.take(tokens.to(self.device))
         if self.schedule is not None:

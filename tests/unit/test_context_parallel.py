@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from elastic.spec import MeshSpec, RankCoords
+from elastic.spec import MeshError, MeshSpec, RankCoords
 from tests.unit import cp_ranks
 from tests.unit.spawned_ranks import spawn_ranks
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
@@ -81,3 +81,9 @@ def test_training_with_cp_matches_one_rank(layout, single_rank_run, tmp_path):
             torch.from_numpy(ranks[rank][1]), torch.from_numpy(expected_logits), rtol=0, atol=1e-5
         )
     assert {round(evaluation, 5) for _, _, evaluation in ranks.values()} == {round(expected_eval, 5)}
+
+
+def test_a_world_of_another_size_is_refused_naming_every_degree():
+    with pytest.raises(MeshError) as refused:
+        MeshSpec(dp_shard=2, cp=2, tp=2).check_world_size(6)
+    assert str(refused.value) == "dp_replicate=1 x pp=1 x dp_shard=2 x cp=2 x tp=2 = 8 ranks, but the world has 6"
