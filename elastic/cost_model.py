@@ -278,7 +278,7 @@ def estimate(
 
     layer_s, output_s = _layer_seconds(workload, cluster, layout, assumptions, tokens)
     tp_link, tp_bytes_layer, tp_layer_s = _tp_per_layer(workload, cluster, layout, assumptions, tokens)
-    cp_link, cp_bytes_layer, cp_layer_s = _cp_per_layer(workload, cluster, layout, assumptions, tokens)
+    cp_layer_s, cp_comm = _context_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
 
     pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
     p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
@@ -287,9 +287,8 @@ def estimate(
     output_layers = output_s / layer_s
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
-    compute_s, rank_microbatch_s = _compute_seconds(
-        layout, model.n_layers, load, layer_s + tp_layer_s + cp_layer_s, output_s, p2p_s
-    )
+    layer_s += tp_layer_s + cp_layer_s  # the collectives inside a layer are on its critical path
+    compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v)
 
     dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
@@ -302,10 +301,8 @@ def estimate(
         ),
         "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
         **dp_costs,
+        **({"cp": cp_comm} if cp_comm is not None else {}),
     }
-    if mesh.cp > 1:
-        cp_s = cp_layer_s * layers_on_rank * m
-        comm["cp"] = CommCost(cp_bytes_layer * layers_on_rank * m, cp_link, cp_s, cp_s)
     step_s = compute_s + sum(cost.exposed_s for cost in dp_costs.values())
     model_flops = model.flops_per_token(workload.seq_len) * workload.tokens_per_step
     return Estimate(
@@ -363,10 +360,10 @@ def _tp_per_layer(
     return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
 
 
-def _cp_per_layer(
-    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
-) -> tuple[str, float, float]:
-    """Context-parallel traffic of one layer and microbatch: (link, bytes, seconds).
+def _context_parallel(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
+) -> tuple[float, CommCost | None]:
+    """Context-parallel time of one layer and microbatch, and the step's cp traffic (None with cp = 1).
 
     Each cp rank receives the other ranks' keys and values (an all-gather forward, again when
     recomputing) and sends their gradients back (a reduce-scatter backward); ``tokens`` is this
@@ -374,12 +371,14 @@ def _cp_per_layer(
     """
     mesh, model = layout.mesh, workload.model
     if mesh.cp == 1:
-        return "-", 0.0, 0.0
+        return 0.0, None
     cp_link, cp_bw = _link(mesh, "cp", cluster, assumptions)
     collectives = 2 + (1 if layout.activation_checkpointing else 0)
     kv_bytes = 2 * ACTIVATION_BYTES * tokens * model.n_kv_heads * model.head_dim / mesh.tp  # K and V
-    cp_bytes_layer = collectives * (mesh.cp - 1) * kv_bytes
-    return cp_link, cp_bytes_layer, cp_bytes_layer / cp_bw
+    layer_bytes = collectives * (mesh.cp - 1) * kv_bytes
+    step_layers = layers_on_rank * layout.microbatches
+    step_s = layer_bytes / cp_bw * step_layers
+    return layer_bytes / cp_bw, CommCost(layer_bytes * step_layers, cp_link, step_s, step_s)
 
 
 def _memory(

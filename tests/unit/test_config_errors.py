@@ -96,12 +96,13 @@ CASES = [
         "(each cp rank keeps two of 2 x cp equal chunks of every sequence)",
     ),
     (
-        ["--set", "parallelism.cp=4", "--set", "training.seq_len=24"],
-        "parallelism: 2 x cp=4 = 8 must divide training.seq_len=24",
+        ["--set", "parallelism.cp=4", "--set", "training.seq_len=20"],
+        "parallelism: 2 x cp=4 = 8 must divide training.seq_len=20",
     ),
     (
-        ["--set", "parallelism.cp=2", "--set", "training.seq_len=36"],
-        "parallelism: tp=2 must divide training.seq_len=36 / cp=2 = 18 (sequence parallel)",
+        ["--set", "parallelism.cp=2", "--set", "parallelism.tp=4", "--set", "model.n_kv_heads=4"]
+        + ["--set", "training.seq_len=12"],
+        "parallelism: tp=4 must divide training.seq_len=12 / cp=2 = 6 (sequence parallel)",
     ),
     (
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "parallelism.cp=2"],
