@@ -78,8 +78,9 @@ class SequenceShard:
 
 
 class _GatherParts(torch.autograd.Function):
-    """All-gather over ``group`` stacked [group size, *shape]; the backward is a reduce-scatter
-    (gloo has none: an all-to-all, then the sum of what every rank sent for this rank's part)."""
+    """All-gather over ``group`` stacked [group size, *shape]; the backward is a reduce-scatter,
+    written as an all-to-all and the sum of what every rank sent for this rank's part: gloo has
+    no reduce-scatter, it moves the same bytes per rank, and one path serves every backend."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -91,13 +92,9 @@ class _GatherParts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grads[0].contiguous()
-        if dist.get_backend(ctx.group) == dist.Backend.GLOO:
-            received = torch.empty_like(grad)
-            dist.all_to_all_single(received, grad, group=ctx.group)
-            return received.sum(0), None
-        mine = torch.empty_like(grad[0])
-        dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
-        return mine, None
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad, group=ctx.group)
+        return received.sum(0), None
 
 
 WHOLE_SEQUENCE = SequenceShard()
