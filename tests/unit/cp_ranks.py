@@ -24,10 +24,17 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def cp_train_spec() -> TrainSpec:
+def cp_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
     """A global batch of 8 in 2 microbatches of sequences of 32 tokens: 4 chunks of 8 per cp=2."""
     return TrainSpec(
-        model=PRESETS["debug"], steps=STEPS, global_batch=8, seq_len=32, microbatch_size=2, microbatches=2, lr=3e-3
+        model=PRESETS["debug"],
+        steps=STEPS,
+        global_batch=8,
+        seq_len=32,
+        microbatch_size=2,
+        microbatches=2,
+        lr=3e-3,
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -35,7 +42,7 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
 
 
-def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
+def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
     torch.set_num_threads(1)
     init_generation(
         store=dist.FileStore(store_path, mesh.world_size),
@@ -45,7 +52,7 @@ def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
         backend="gloo",
         timeout_s=120,
     )
-    spec = cp_train_spec()
+    spec = cp_train_spec(activation_checkpointing=activation_checkpointing)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()

@@ -18,10 +18,12 @@ from tests.unit.spawned_ranks import spawn_ranks
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 
 LAYOUTS = {
-    "cp2": MeshSpec(dp_shard=1, cp=2),
-    "cp2-tp2": MeshSpec(dp_shard=1, cp=2, tp=2),
-    "pp2-cp2": MeshSpec(dp_shard=1, cp=2, pp=2),
-    "dp_replicate2-cp2": MeshSpec(dp_replicate=2, dp_shard=1, cp=2),
+    "cp2": (MeshSpec(dp_shard=1, cp=2), False),
+    "cp2-tp2": (MeshSpec(dp_shard=1, cp=2, tp=2), False),
+    "pp2-cp2": (MeshSpec(dp_shard=1, cp=2, pp=2), False),
+    "dp_replicate2-cp2": (MeshSpec(dp_replicate=2, dp_shard=1, cp=2), False),
+    # Recomputation runs the K/V all-gather again inside the backward.
+    "cp2-activation_checkpointing": (MeshSpec(dp_shard=1, cp=2), True),
 }
 
 
@@ -65,9 +67,11 @@ def single_rank_run(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_with_cp_matches_one_rank(layout, single_rank_run, tmp_path):
-    mesh = LAYOUTS[layout]
+    mesh, activation_checkpointing = LAYOUTS[layout]
     ranks = spawn_ranks(
-        functools.partial(cp_ranks.run_rank, mesh=mesh), world_size=mesh.world_size, store_path=str(tmp_path / "s")
+        functools.partial(cp_ranks.run_rank, mesh=mesh, activation_checkpointing=activation_checkpointing),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "s"),
     )
     expected_losses, expected_logits, expected_eval = single_rank_run
     # One rank per data-parallel slice reports the loss over its whole sequences.
