@@ -427,11 +427,14 @@ def _memory(
 
 
 def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:
-    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction."""
-    degree = getattr(mesh, dim)
+    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction.
+
+    ``dim="dp_shard"`` is FSDP's group: ``dp_shard x cp`` (adjacent in the rank order, one block).
+    """
+    degree = mesh.fsdp_shards if dim == "dp_shard" else getattr(mesh, dim)
     if degree == 1:
         return "-", math.inf
-    within_node = mesh.stride(dim) * degree <= cluster.gpus_per_node
+    within_node = mesh.stride("cp" if dim == "dp_shard" else dim) * degree <= cluster.gpus_per_node
     if within_node:
         return "nvlink", cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency
     return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
