@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 
+from elastic.policy import restore_mesh
 from elastic.spec import MeshError, MeshSpec, RankCoords
 from tests.unit import cp_ranks
 from tests.unit.spawned_ranks import spawn_ranks
@@ -91,3 +92,9 @@ def test_a_world_of_another_size_is_refused_naming_every_degree():
     with pytest.raises(MeshError) as refused:
         MeshSpec(dp_shard=2, cp=2, tp=2).check_world_size(6)
     assert str(refused.value) == "dp_replicate=1 x pp=1 x dp_shard=2 x cp=2 x tp=2 = 8 ranks, but the world has 6"
+
+
+def test_a_restore_onto_fewer_ranks_gives_up_dp_shard_and_keeps_cp():
+    configured = MeshSpec(dp_shard=2, cp=2, tp=2)
+    assert restore_mesh(configured, available_ranks=7, fits=lambda mesh: True) == MeshSpec(dp_shard=1, cp=2, tp=2)
+    assert configured.with_replicas(2) == MeshSpec(dp_replicate=2, dp_shard=2, cp=2, tp=2)
