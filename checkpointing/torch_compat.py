@@ -38,6 +38,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear",
     "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+    "torch.distributed.device_mesh:DeviceMesh._flatten",
 )
 
 
@@ -93,6 +94,15 @@ def abort_process_groups() -> None:
 
 
 # --------------------------------------------------------------------- DTensor
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a DeviceMesh slice of adjacent dimensions) as one dimension called ``name`` of
+    its root mesh, as TorchTitan flattens ``dp_shard`` and ``cp`` into ``dp_shard_cp``.
+
+    Collective over the ranks of the root mesh the first time (it creates sub-groups).
+    """
+    return mesh._flatten(name)
+
+
 def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset) of this rank's slice of DTensor ``tensor``."""
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)

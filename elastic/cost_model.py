@@ -28,6 +28,11 @@ The model, and where each piece comes from:
   and 4 backward (+4 when recomputing), on the critical path; PP sends one activation and one
   gradient per chunk and microbatch; FSDP all-gathers bf16 parameters and reduce-scatters fp32
   gradients, hidden behind compute except what exceeds the compute it can overlap.
+* Context parallel (``cp``): each rank holds ``seq_len / cp`` tokens of every sequence, so its
+  activations, compute and TP/PP traffic are those of that many tokens (each still attends to
+  the whole sequence: load-balanced causal chunks); every layer all-gathers the other ranks'
+  keys and values forward (again when recomputing) and reduce-scatters their gradients
+  backward, on the critical path; FSDP shards over ``dp_shard x cp``.
 """
 
 from __future__ import annotations
@@ -255,7 +260,7 @@ def estimate(
     model, mesh = workload.model, layout.mesh
     tp, pp, v, m = mesh.tp, mesh.pp, layout.virtual_stages, layout.microbatches
     microbatch_size = BatchPlan.for_mesh(workload.global_batch, dp=mesh.dp, microbatches=m).microbatch_size
-    tokens = microbatch_size * workload.seq_len  # per microbatch, before tp splits it
+    tokens = microbatch_size * workload.seq_len // mesh.cp  # per microbatch and cp rank, before tp splits it
     chunks = pp * v
     layers_per_chunk = chunk_layers(model.n_layers, chunks)
     layers_on_rank = layers_per_chunk * v
@@ -265,6 +270,7 @@ def estimate(
 
     layer_s, output_s = _layer_seconds(workload, cluster, layout, assumptions, tokens)
     tp_link, tp_bytes_layer, tp_layer_s = _tp_per_layer(workload, cluster, layout, assumptions, tokens)
+    cp_layer_s, cp_comm = _context_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
 
     pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
     p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
@@ -273,7 +279,8 @@ def estimate(
     output_layers = output_s / layer_s
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
-    compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s + tp_layer_s, output_s, p2p_s)
+    layer_s += tp_layer_s + cp_layer_s  # the collectives inside a layer are on its critical path
+    compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v, layout.schedule)
 
     dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
@@ -286,6 +293,7 @@ def estimate(
         ),
         "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
         **dp_costs,
+        **({"cp": cp_comm} if cp_comm is not None else {}),
     }
     step_s = compute_s + sum(cost.exposed_s for cost in dp_costs.values())
     model_flops = model.flops_per_token(workload.seq_len) * workload.tokens_per_step
@@ -346,12 +354,33 @@ def _tp_per_layer(
     return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
 
 
+def _context_parallel(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
+) -> tuple[float, CommCost | None]:
+    """Context-parallel time of one layer and microbatch, and the step's cp traffic (None with cp = 1).
+
+    Each cp rank receives the other ranks' keys and values (an all-gather forward, again when
+    recomputing) and sends their gradients back (a reduce-scatter backward); ``tokens`` is this
+    rank's share of the sequence. Counted on the critical path, like tensor parallel's.
+    """
+    mesh, model = layout.mesh, workload.model
+    if mesh.cp == 1:
+        return 0.0, None
+    cp_link, cp_bw = _link(mesh, "cp", cluster, assumptions)
+    collectives = 2 + (1 if layout.activation_checkpointing else 0)
+    kv_bytes = 2 * ACTIVATION_BYTES * tokens * model.n_kv_heads * model.head_dim / mesh.tp  # K and V
+    layer_bytes = collectives * (mesh.cp - 1) * kv_bytes
+    step_layers = layers_on_rank * layout.microbatches
+    step_s = layer_bytes / cp_bw * step_layers
+    return layer_bytes / cp_bw, CommCost(layer_bytes * step_layers, cp_link, step_s, step_s)
+
+
 def _memory(
     workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int, tokens: int
 ) -> tuple[MemoryEstimate, float]:
     """Peak memory over the first and the last pipeline rank (embedding vs output + logits)."""
     model, mesh = workload.model, layout.mesh
-    tp, pp, shard = mesh.tp, mesh.pp, mesh.dp_shard
+    tp, pp, shard = mesh.tp, mesh.pp, mesh.fsdp_shards  # FSDP shards over dp_shard x cp
     embedding = model.embedding_params
     output = model.embedding_params + model.dim  # untied output projection and final norm
     per_token_layer = activation_bytes_per_token(model) / tp
@@ -409,11 +438,14 @@ def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) 
 
 
 def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:
-    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction."""
-    degree = getattr(mesh, dim)
+    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction.
+
+    ``dim="dp_shard"`` is FSDP's group: ``dp_shard x cp`` (adjacent in the rank order, one block).
+    """
+    degree = mesh.fsdp_shards if dim == "dp_shard" else getattr(mesh, dim)
     if degree == 1:
         return "-", math.inf
-    within_node = mesh.stride(dim) * degree <= cluster.gpus_per_node
+    within_node = mesh.stride("cp" if dim == "dp_shard" else dim) * degree <= cluster.gpus_per_node
     if within_node:
         return "nvlink", cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency
     return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
@@ -438,7 +470,7 @@ def _data_parallel(
     twice per microbatch. The first gather and last reduce of a layer cannot overlap anything
     (the ``tail``).
     """
-    shard, replicas, m = mesh.dp_shard, mesh.dp_replicate, layout.microbatches
+    shard, replicas, m = mesh.fsdp_shards, mesh.dp_replicate, layout.microbatches  # dp_shard x cp
     shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
     repl_link, repl_bw = _link(mesh, "dp_replicate", cluster, assumptions)
     gather_bytes = (shard - 1) / shard * PARAM_BYTES * params_on_rank

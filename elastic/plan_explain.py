@@ -73,9 +73,9 @@ def explain_choice(
             f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
             f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})"
         )
-    for dim in ("tp", "pp", "dp_shard", "dp_replicate"):
-        cost = chosen.comm[dim]
-        if cost.bytes_per_step > 0:
+    for dim in ("tp", "cp", "pp", "dp_shard", "dp_replicate"):
+        cost = chosen.comm.get(dim)
+        if cost is not None and cost.bytes_per_step > 0:
             reasons.append(
                 f"{dim} {format_gb(cost.bytes_per_step)} GB/step over {cost.link}, "
                 f"{cost.exposed_s / chosen.step_s:.0%} of the step exposed"

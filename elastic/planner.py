@@ -9,7 +9,9 @@ Search, smallest first so whole families are rejected with one reason:
    (sequence parallel), and stay inside a node unless ``tp_across_nodes``.
 2. ``pp`` over the divisors of N / tp: at least one layer per stage (or equal layers per stage
    with ``even_stages``).
-3. ``dp = N / (tp·pp)`` must split the global batch, and with a pipeline leave at least ``pp``
+3. ``cp`` (context parallel, powers of two up to ``MAX_CP``) over the divisors of N / (tp·pp)
+   whose ``2·cp`` divides the sequence (and ``tp`` the ``seq_len / cp`` tokens a rank holds).
+   ``dp = N / (tp·pp·cp)`` must split the global batch, and with a pipeline leave at least ``pp``
    microbatches per data-parallel rank.
 4. every ``dp_replicate x dp_shard = dp`` split, every schedule (GPipe, 1F1B, interleaved 1F1B
    with 2..16 virtual stages) and activation checkpointing on/off are priced by
@@ -17,7 +19,7 @@ Search, smallest first so whole families are rejected with one reason:
    (one sequence each: the smallest bubble and the least activation memory); without one, the
    fewest gradient-accumulation steps that fit (each costs FSDP another gather).
 
-Rank order is ``MeshSpec``'s (``dp_replicate`` outermost, then ``pp``, ``dp_shard``, ``tp``), so TP
+Rank order is ``MeshSpec``'s (``dp_replicate`` outermost, then ``pp``, ``dp_shard``, ``cp``, ``tp``), so TP
 is packed inside a node and PP and DP cross the network; the cost model reads which link each
 group uses from ``MeshSpec.stride``.
 """
@@ -41,6 +43,11 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv",
 SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # The most stages per rank an interleaved schedule is priced with.
 MAX_VIRTUAL_STAGES = 16
+# Largest context-parallel degree the search tries, and the fewest tokens of a sequence a cp rank
+# keeps unless cp is fixed: Llama 3 trained its 128K context on cp=16 (8K tokens per rank) and
+# its 8K pretraining without cp; below that, per-rank attention blocks are too small to pay.
+MAX_CP = 16
+MIN_CP_TOKENS = 8192
 # best_mesh tries at most this many world sizes, largest first.
 MAX_WORLD_SIZES_TRIED = 64
 
@@ -89,11 +96,11 @@ class PlanResult:
     elapsed_s: float
 
     def top(self, k: int) -> list[Plan]:
-        """The best ``k`` plans with distinct (tp, pp): the dp split and schedule each at its best."""
-        seen: set[tuple[int, int]] = set()
+        """The best ``k`` plans with distinct (tp, pp, cp): the dp split and schedule each at its best."""
+        seen: set[tuple[int, int, int]] = set()
         chosen = []
         for plan in self.plans:
-            key = (plan.mesh.tp, plan.mesh.pp)
+            key = (plan.mesh.tp, plan.mesh.pp, plan.mesh.cp)
             if key in seen:
                 continue
             seen.add(key)
@@ -127,28 +134,26 @@ def plan_layouts(
             rejections.append(Rejection(f"tp={tp}", problem, "tp", family))
             continue
         families: list[tuple[int, int, str, str, int]] = []  # (pp, dp, kind, reason, meshes)
-        for pp in _divisors(gpus // tp):
-            if not _allowed(constraints, "pp", pp):
-                continue
-            dp = gpus // (tp * pp)
+        for pp, cp in _pp_cp_degrees(workload, constraints, gpus // tp, tp):
+            dp = gpus // (tp * pp * cp)
             splits = [s for s in _divisors(dp) if _split_allowed(constraints, dp, s)]
             if not splits:
                 continue
-            name = f"tp={tp} pp={pp} dp={dp}"
+            name = f"tp={tp} pp={pp} dp={dp}" + (f" cp={cp}" if cp > 1 else "")
             problem, kind = _family_problem(workload, constraints, tp, pp, dp)
             if problem:
                 families.append((pp, dp, kind, problem, len(splits)))
                 continue
             best_failure: Estimate | None = None
             for shard in splits:
-                mesh = MeshSpec(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
+                mesh = MeshSpec(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp)
                 fitting, closest, count = _price_mesh(workload, cluster, constraints, assumptions, mesh)
                 priced += count
                 if fitting is not None:
                     plans.append(Plan(fitting, explain_choice(workload, cluster, constraints, assumptions, fitting)))
                 elif closest is not None and (best_failure is None or closest.memory.total < best_failure.memory.total):
                     best_failure = closest
-            if best_failure is not None and not any(p.mesh.tp == tp and p.mesh.pp == pp for p in plans):
+            if best_failure is not None and not any((p.mesh.tp, p.mesh.pp, p.mesh.cp) == (tp, pp, cp) for p in plans):
                 rejections.append(memory_rejection(name, best_failure, len(splits)))
         rejections.extend(merge_families(tp, families))
     plans.sort(key=lambda plan: (round(plan.estimate.step_s, 9), plan.estimate.memory.total))
@@ -346,6 +351,23 @@ def _family_problem(workload: Workload, constraints: Constraints, tp: int, pp: i
             "raise --global-batch or give dp fewer GPUs"
         ), "batch"
     return None, ""
+
+
+def _pp_cp_degrees(workload: Workload, constraints: Constraints, remaining: int, tp: int) -> Iterator[tuple[int, int]]:
+    """(pp, cp) pairs to try on ``remaining = N / tp`` GPUs: cp a power of two up to ``MAX_CP``
+    (or the fixed one) whose ``2·cp`` chunks divide the sequence and leave tp whole tokens, and,
+    unless cp is fixed, at least ``MIN_CP_TOKENS`` tokens per cp rank."""
+    seq_len = workload.seq_len
+    for pp in _divisors(remaining):
+        if not _allowed(constraints, "pp", pp):
+            continue
+        cp = 1
+        while cp <= max(MAX_CP, constraints.fixed.get("cp", 1)) and (remaining // pp) % cp == 0:
+            long_enough = "cp" in constraints.fixed or seq_len // cp >= MIN_CP_TOKENS
+            fits_sequence = cp == 1 or (seq_len % (2 * cp) == 0 and (seq_len // cp) % tp == 0 and long_enough)
+            if fits_sequence and _allowed(constraints, "cp", cp) and not (cp > 1 and workload.model.is_moe):
+                yield pp, cp
+            cp *= 2
 
 
 def _divisors(n: int) -> list[int]:

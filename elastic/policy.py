@@ -263,7 +263,7 @@ def restore_mesh(mesh: MeshSpec, *, available_ranks: int, fits: MeshFits) -> Mes
     best: MeshSpec | None = None
     for replicas in range(mesh.dp_replicate, 0, -1):
         for shards in range(mesh.dp_shard, 0, -1):
-            candidate = MeshSpec(dp_replicate=replicas, dp_shard=shards, tp=mesh.tp, pp=mesh.pp)
+            candidate = MeshSpec(dp_replicate=replicas, dp_shard=shards, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
             if candidate.world_size > available_ranks or not fits(candidate):
                 continue
             if best is None or (candidate.world_size, candidate.dp_replicate) > (best.world_size, best.dp_replicate):

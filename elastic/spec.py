@@ -2,13 +2,16 @@
 
 Pure values (no ray, no torch), imported by the driver and by the ranks alike.
 
-Rank order, outermost to innermost, is ``DIM_ORDER = (dp_replicate, pp, dp_shard, tp)``:
+Rank order, outermost to innermost, is ``DIM_ORDER = (dp_replicate, pp, dp_shard, cp, tp)``:
 
 * ``tp`` is innermost, so a tensor-parallel group is a block of consecutive ranks and is
-  placed inside one node;
+  placed inside one node; ``cp`` (context parallel: the sequence split over ranks, whose
+  attention all-gathers keys and values every layer) sits next to it, as in TorchTitan's
+  ``(pp, dp_replicate, dp_shard, cp, tp)``, so the two chattiest groups stay closest;
 * a replica group (one ``dp_replicate`` slice, one whole copy of the model state) is a
-  contiguous block of ``pp * dp_shard * tp`` ranks: it is the unit that fails, is dropped and
-  is added back, and dropping one renumbers the survivors without moving any shard.
+  contiguous block of ``pp * dp_shard * cp * tp`` ranks: it is the unit that fails, is dropped
+  and is added back, and dropping one renumbers the survivors without moving any shard. This is
+  why ``dp_replicate`` stays outermost here, where TorchTitan puts ``pp`` first.
 
 ``BatchPlan`` owns the batch arithmetic the same way: how a step's global batch splits over the
 data-parallel ranks, into microbatches, and over gradient-accumulation rounds on a smaller mesh.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-DIM_ORDER: tuple[str, ...] = ("dp_replicate", "pp", "dp_shard", "tp")
+DIM_ORDER: tuple[str, ...] = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
 
 
 class MeshError(ValueError):
@@ -87,6 +90,7 @@ class RankCoords:
     pp: int
     dp_shard: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,17 @@ class ReplicaGroup:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Degrees of the four parallel dimensions; their product is the world size."""
+    """Degrees of the five parallel dimensions; their product is the world size.
+
+    ``cp`` (context parallel) splits every sequence over ranks that take the same samples; it is
+    last so that meshes written before it existed keep their positional meaning.
+    """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         bad = [
@@ -120,22 +129,34 @@ class MeshSpec:
     # ----------------------------------------------------------------- sizes
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.pp * self.dp_shard * self.tp
+        return self.dp_replicate * self.pp * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: how many ways each global batch is split."""
+        """Data-parallel degree: how many ways each global batch is split (cp ranks share samples)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def replica_size(self) -> int:
         """Ranks in one replica group."""
-        return self.pp * self.dp_shard * self.tp
+        return self.pp * self.dp_shard * self.cp * self.tp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks one stage's parameters are sharded over in a replica group: dp_shard x cp
+        (TorchTitan's ``dp_shard_cp``), so gradients are averaged over the cp ranks too."""
+        return self.dp_shard * self.cp
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Degrees in ``DIM_ORDER``; the shape of the DeviceMesh the ranks build."""
         return tuple(getattr(self, name) for name in DIM_ORDER)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``MeshError`` naming every degree unless they multiply to ``world_size``."""
+        if self.world_size != world_size:
+            degrees = " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER)
+            raise MeshError(f"{degrees} = {self.world_size} ranks, but the world has {world_size}")
 
     # ----------------------------------------------------------- rank maths
     def coords(self, rank: int) -> RankCoords:
@@ -212,8 +233,16 @@ class MeshSpec:
         for what, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim)):
             if value % tp:
                 problems.append(f"tp={tp} must divide model.{what}={value}")
-        if tp > 1 and seq_len % tp:
-            problems.append(f"tp={tp} must divide training.seq_len={seq_len} (sequence parallel)")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            problems.append(
+                f"2 x cp={self.cp} = {2 * self.cp} must divide training.seq_len={seq_len} "
+                "(each cp rank keeps two of 2 x cp equal chunks of every sequence)"
+            )
+        elif tp > 1 and (seq_len // self.cp) % tp:
+            problems.append(
+                f"tp={tp} must divide training.seq_len={seq_len} / cp={self.cp} = {seq_len // self.cp} "
+                "(sequence parallel)"
+            )
         stages = self.pp * stages_per_rank
         if not even_stages:
             if stages > n_layers:
@@ -235,13 +264,16 @@ class MeshSpec:
 
     # ------------------------------------------------------------- display
     def describe(self) -> str:
-        return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER)
+        """Every degree in ``DIM_ORDER``; ``cp`` only when sequences are split (cp > 1)."""
+        return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_ORDER if name != "cp" or self.cp > 1)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIM_ORDER}
 
     @classmethod
     def from_dict(cls, values: dict[str, int]) -> MeshSpec:
+        """A mesh from ``as_dict``'s values; a dimension missing (``cp`` in a mesh written before
+        it existed) has degree 1."""
         return cls(**{name: int(values.get(name, 1)) for name in DIM_ORDER})
 
     def _check_rank(self, rank: int) -> None:

@@ -109,9 +109,11 @@ class ParallelismConfig:
     reshard_after_forward: str = field(default="auto", metadata=_choices(*RESHARD_AFTER_FORWARD))
     # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy).
     cpu_offload: bool = False
+    # Context parallel: ranks that split every sequence (same samples, attention all-gathers K/V).
+    cp: int = 1
 
     def mesh(self) -> MeshSpec:
-        return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
+        return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp)
 
     @property
     def virtual_stages(self) -> int:

@@ -26,6 +26,7 @@ _POSITIVE_KEYS = (
     "parallelism.dp_shard",
     "parallelism.tp",
     "parallelism.pp",
+    "parallelism.cp",
     "parallelism.microbatches",
     "training.steps",
     "training.global_batch",
@@ -165,7 +166,7 @@ def _snapshot_memory_problems(config: JobConfig) -> list[str]:
     el, mesh = config.elastic, config.mesh
     if el.snapshot_interval_steps <= 0 or el.snapshot_memory_limit_mb is None or el.snapshot_memory_limit_mb <= 0:
         return []
-    state = SNAPSHOT_BYTES_PER_PARAM * config.model_spec.num_params / (mesh.dp_shard * mesh.tp * mesh.pp)
+    state = SNAPSHOT_BYTES_PER_PARAM * config.model_spec.num_params / (mesh.fsdp_shards * mesh.tp * mesh.pp)
     needed = SNAPSHOTS_HELD * state
     if needed <= el.snapshot_memory_limit_mb * 2**20:
         return []
@@ -190,6 +191,11 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
         problems.append(
             f"parallelism.tp={par.tp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
             "with tp=1; set parallelism.tp=1 and shard over parallelism.dp_shard"
+        )
+    if model.is_moe and par.cp > 1:
+        problems.append(
+            f"parallelism.cp={par.cp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
+            "with cp=1 (its load-balancing loss is taken over whole sequences); set parallelism.cp=1"
         )
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from

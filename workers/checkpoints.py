@@ -35,7 +35,7 @@ def owns_plain_tensors(trainer: Trainer) -> bool:
     """Whether this rank saves the plain tensors (optimizer step counters): they are the same on
     every rank of a pipeline stage, so one rank per stage writes them."""
     coords = trainer.coords
-    return coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.tp == 0
+    return coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.cp == 0 and coords.tp == 0
 
 
 class NoCheckpoints:

@@ -64,14 +64,15 @@ class Evaluator:
         trainer = self.trainer
         started = time.perf_counter()
         samples = self.local_samples().to(trainer.device)
-        inputs, labels = samples[:, :-1], samples[:, 1:]
+        inputs, labels = trainer.sequence_shard.take(samples[:, :-1]), trainer.sequence_shard.take(samples[:, 1:])
         per_round = trainer.spec.batch.rank_round_samples
         loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
         for start in range(0, len(samples), per_round):
             rows = slice(start, start + per_round)
             loss_sum += round_loss_sum(trainer, inputs[rows], labels[rows])
-        # Each data-parallel slice counts once: the tp ranks of the last stage hold the same loss.
-        counted = 1.0 if trainer.reports_loss else 0.0
+        # Each data-parallel slice counts once: the tp ranks of the last stage hold the same loss;
+        # its cp ranks each count their own tokens.
+        counted = 1.0 if trainer.holds_loss else 0.0
         totals = torch.stack([loss_sum, loss_sum.new_tensor(float(labels.numel()))]) * counted
         with trainer.peer_waits.waiting(PeerWait.RESULT_READ):
             dist.all_reduce(totals)

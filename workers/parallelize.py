@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches
+from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, flatten_mesh
 from elastic.spec import DIM_ORDER, MeshSpec
+from workers.context_parallel import SequenceShard
 from workers.models import ModelFamily, StageModel
 from workers.spec import ModelSpec
 from workers.spec.pipeline import stage_ids
@@ -65,14 +66,45 @@ def stage_plans(
 
 def build_world_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     """Collective: every rank of the default process group calls it (it creates sub-groups)."""
+    mesh.check_world_size(torch.distributed.get_world_size())
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=DIM_ORDER)
 
 
 def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
-    """The mesh FSDP2 shards over: HSDP (replicate x shard) when there are replica groups."""
-    if mesh.dp_replicate > 1:
-        return world_mesh["dp_replicate", "dp_shard"]
-    return world_mesh["dp_shard"]
+    """The mesh FSDP2 shards over: HSDP (replicate x shard) when there are replica groups.
+
+    With cp > 1 the shard dimension is ``dp_shard`` and ``cp`` flattened (``dp_shard_cp``): the
+    cp ranks hold different tokens of the same samples, so their gradients are averaged like
+    those of data-parallel ranks. Collective the first time with cp > 1 (flattening creates groups).
+    """
+    if mesh.cp == 1:
+        return world_mesh["dp_replicate", "dp_shard"] if mesh.dp_replicate > 1 else world_mesh["dp_shard"]
+    shard_mesh = flatten_mesh(world_mesh["dp_shard", "cp"], "dp_shard_cp")
+    # HSDP needs the two dimensions in one mesh: sliced from the root, the only way torch 2.13 has.
+    return world_mesh["dp_replicate", "dp_shard_cp"] if mesh.dp_replicate > 1 else shard_mesh
+
+
+def sequence_shard(world_mesh: DeviceMesh, mesh: MeshSpec, cp_rank: int) -> SequenceShard:
+    """This rank's part of every sequence; collective-free (the cp group exists with the mesh)."""
+    if mesh.cp == 1:
+        return SequenceShard()
+    return SequenceShard(cp=mesh.cp, cp_rank=cp_rank, group=world_mesh["cp"].get_group())
+
+
+def apply_context_parallel(module: StageModel, shard: SequenceShard) -> None:
+    """Hand ``shard`` to every attention layer of the stage (modules with a ``sequence_shard``).
+
+    A family whose attention has none cannot split sequences: refused here rather than
+    training each rank's part of a sequence as if it were the whole.
+    """
+    attention = [sub for sub in module.modules() if hasattr(sub, "sequence_shard")]
+    if module.layers and not attention:
+        raise ValueError(
+            f"{type(module).__name__} has no context-parallel attention (a sequence_shard attribute); "
+            "set parallelism.cp=1"
+        )
+    for sub in attention:
+        setattr(sub, "sequence_shard", shard)  # noqa: B010 - any family's attention, not one class
 
 
 def build_stage_module(family: ModelFamily, model: ModelSpec, plan: StagePlan) -> StageModel:

@@ -106,6 +106,8 @@ class Trainer(TrainerState):
         self.dp_rank = mesh.dp_rank(rank)
         self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
+        # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
+        self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -122,8 +124,10 @@ class Trainer(TrainerState):
             module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))  # as microbatch_loss
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
-        # The loss is reported once per data-parallel slice: by tp rank 0 of the last stage.
-        self.reports_loss = self.holds_last_stage and self.coords.tp == 0
+        # Tp rank 0 of each cp rank of the last stage holds the loss of its tokens; the loss is
+        # reported once per data-parallel slice, by cp rank 0 (averaged over the cp group first).
+        self.holds_loss = self.holds_last_stage and self.coords.tp == 0
+        self.reports_loss = self.holds_loss and self.coords.cp == 0
         self.optimizer = torch.optim.AdamW(
             [p for module in self.modules for p in module.parameters()],
             lr=spec.lr,
@@ -137,6 +141,8 @@ class Trainer(TrainerState):
         module = par.build_stage_module(self.family, self.spec.model, plan)
         if self.mesh.tp > 1:
             par.apply_tensor_parallel(module, self.family, self.spec.model, self.world_mesh["tp"])
+        if self.sequence_shard.split:
+            par.apply_context_parallel(module, self.sequence_shard)
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
@@ -209,7 +215,8 @@ class Trainer(TrainerState):
             self.source, step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
         ).to(self.device)
         loaded = time.perf_counter()  # data_s: what reading (or waiting for the prefetch) cost the step
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        # Every cp rank of a slice has the same samples and keeps its part of each sequence.
+        inputs, labels = self.sequence_shard.take(batch[:, :-1]), self.sequence_shard.take(batch[:, 1:])
         self.optimizer.zero_grad(set_to_none=True)
         per_round = self.spec.batch.rank_round_samples
         loss_sum = torch.zeros((), device=self.device)
@@ -233,6 +240,7 @@ class Trainer(TrainerState):
         self.optimizer.step()
         # .item() is a device sync point: once per step, after the update has been queued.
         with self.peer_waits.waiting(PeerWait.RESULT_READ):
+            loss_sum = self._sequence_mean(loss_sum)
             loss = float(loss_sum.item()) if self.reports_loss else None
             grad_norm_value = float(grad_norm)
         finished = time.perf_counter()
@@ -297,19 +305,31 @@ class Trainer(TrainerState):
         """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
 
         Collective: every rank of the mesh calls it with the same tokens (with pp > 1 the batch
-        must divide into ``microbatches``). Returns the whole logits, gathered over tensor
-        parallelism, on the ranks that hold the last stage; None elsewhere.
+        must divide into ``microbatches``; with cp > 1 the length into ``2 x cp`` chunks). Returns
+        the whole logits, gathered over tensor and context parallelism, on the ranks that hold the
+        last stage; None elsewhere.
         """
-        tokens = tokens.to(self.device)
+        tokens = self.sequence_shard.take(tokens.to(self.device))
         if self.schedule is not None:
             # The tokens stand in for labels: the schedule computes a loss, which is dropped.
             output = self.pipeline_pass(tokens, tokens, None, backward=False)
         else:
             output = self.modules[0](tokens)
         self.reshard()  # pipelined stages stay gathered after a forward
-        if not self.holds_last_stage:
+        if not self.holds_last_stage or output is None:
             return None
-        return output.full_tensor() if isinstance(output, DTensor) else output
+        output = output.full_tensor() if isinstance(output, DTensor) else output
+        return self.sequence_shard.gather_sequence(output, dim=1)
+
+    def _sequence_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss over whole sequences: the mean of the cp ranks' losses (each is the mean over
+        the same number of tokens). Collective over the cp group on the last stage's ranks when
+        cp > 1; ``loss_sum`` itself otherwise."""
+        if not (self.sequence_shard.split and self.holds_last_stage):
+            return loss_sum
+        summed = loss_sum.clone()
+        dist.all_reduce(summed, group=self.sequence_shard.group)
+        return summed / self.mesh.cp
 
     def _set_replica_reduction(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients across replica groups (HSDP).

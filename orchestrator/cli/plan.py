@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="choose a mesh for N GPUs: memory, bubble, communication, step time, MFU",
-        description="Enumerate every (dp_replicate, dp_shard, tp, pp) mesh, schedule and activation "
+        description="Enumerate every (dp_replicate, dp_shard, cp, tp, pp) mesh, schedule and activation "
         "checkpointing choice for a model on N GPUs; print the best with reasons and the "
         "rejected with why. No cluster needed.",
     )
@@ -76,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_search_flags(parser: argparse.ArgumentParser) -> None:
     """What the search may choose: fixed degrees, replica floor, tp placement, stages, schedules."""
-    for dim in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for dim in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         parser.add_argument(
             f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim, help=f"fix {dim} to this degree"
         )
@@ -276,7 +276,7 @@ def _inputs(
     if seq_len > model.max_seq_len:
         raise UserError(f"--seq-len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
     fixed = {}
-    for dim in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for dim in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         value = getattr(args, dim)
         if value is not None:
             if value < 1:
@@ -337,6 +337,8 @@ def config_snippet(plan: Plan) -> dict[str, object]:
     """The job config's parallelism section that runs this plan."""
     layout = plan.layout
     section: dict[str, object] = dict(layout.mesh.as_dict())
+    if layout.mesh.cp == 1:
+        del section["cp"]  # the config's default; a snippet names only what it sets
     if layout.mesh.pp > 1:
         section["pp_schedule"] = layout.schedule
         if layout.virtual_stages > 1:
@@ -443,6 +445,8 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
     schedule = "-" if mesh.pp == 1 else layout.schedule
     if layout.virtual_stages > 1:
         schedule += f" v={layout.virtual_stages}"
+    if mesh.cp > 1:
+        schedule += f" cp={mesh.cp}"
     lines = [
         f"  {rank:>2} {mesh.dp_replicate:>6} {mesh.dp_shard:>8} {mesh.tp:>3} {mesh.pp:>4}  {schedule:<22} "
         f"{layout.microbatches:>5} {'on' if layout.activation_checkpointing else 'off':>3} "

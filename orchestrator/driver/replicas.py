@@ -147,7 +147,7 @@ class Replicas:
             return mesh
         if available < 1:
             return None
-        planned = self._planned(mesh, available, fixed={"tp": mesh.tp, "pp": mesh.pp})
+        planned = self._planned(mesh, available, fixed={"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp})
         if planned is not None:
             return planned
         kept = restore_mesh(mesh, available_ranks=available, fits=self.fits)
@@ -169,13 +169,13 @@ class Replicas:
 def replicas_consistent(mesh: MeshSpec, outcomes: Mapping[int, Any]) -> bool | None:
     """Whether every replica group ended with bitwise-identical state (None with one replica
     group); logs where they diverged."""
-    by_slice: dict[tuple[int, int, int], set[str]] = {}
+    by_slice: dict[tuple[int, int, int, int], set[str]] = {}
     for rank, outcome in outcomes.items():
         coords = mesh.coords(rank)
-        by_slice.setdefault((coords.pp, coords.dp_shard, coords.tp), set()).add(outcome.state_digest)
+        by_slice.setdefault((coords.pp, coords.dp_shard, coords.cp, coords.tp), set()).add(outcome.state_digest)
     diverged = sorted(key for key, digests in by_slice.items() if len(digests) > 1)
     if diverged:
-        log.error("replica groups diverged at (pp, dp_shard, tp) = %s", diverged)
+        log.error("replica groups diverged at (pp, dp_shard, cp, tp) = %s", diverged)
     return not diverged if mesh.dp_replicate > 1 else None
 
 

@@ -1,4 +1,6 @@
-"""Save under pp=2 x dp_shard=2 x tp=2 (FSDP2 + DTensor TP, gloo), restore under other meshes.
+"""Save under pp=2 x dp_shard=2 x tp=2 (FSDP2 + DTensor TP, gloo), restore under other meshes;
+save under cp=2 x tp=2 (FSDP2 over dp_shard x cp flattened, as the trainer shards), restore
+under cp=1 and another dp.
 
 Each group of ranks is real: spawned processes, a gloo process group, ``init_device_mesh``,
 ``parallelize_module`` (TP) then ``fully_shard`` (FSDP2, HSDP with dp_replicate > 1), pipeline
@@ -24,7 +26,7 @@ from checkpointing.commit import CommitCoordinator
 from checkpointing.reader import latest_committed
 from checkpointing.storage import open_storage
 
-DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
+DIMS = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
 MODEL = {"vocab": 40, "dim": 16, "hidden": 24, "layers": 4}
 
 
@@ -61,7 +63,7 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
     for size in mesh_shape.values():
         world *= size
     if world > 1:
-        mesh = init_device_mesh("cpu", tuple(mesh_shape[d] for d in DIMS), mesh_dim_names=DIMS)
+        mesh = init_device_mesh("cpu", tuple(mesh_shape.get(d, 1) for d in DIMS), mesh_dim_names=DIMS)
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "every rank of the world is in the mesh it built"
         coords = dict(zip(DIMS, coordinate))
@@ -82,12 +84,18 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
                 parallelize_module(model, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate())})
             if model.head is not None:
                 parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
-        dp_dims = ("dp_replicate", "dp_shard") if mesh_shape["dp_replicate"] > 1 else ("dp_shard",)
+        shard_dim = "dp_shard"
+        if mesh_shape.get("cp", 1) > 1:  # the trainer's dp_shard_cp (workers/parallelize.py)
+            from checkpointing.torch_compat import flatten_mesh
+
+            shard_dim = "dp_shard_cp"
+            flatten_mesh(mesh["dp_shard", "cp"], shard_dim)
+        dp_dims = ("dp_replicate", shard_dim) if mesh_shape["dp_replicate"] > 1 else (shard_dim,)
         dp_mesh = mesh[dp_dims]
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
-        owns_plain = coords["dp_replicate"] == 0 and coords["dp_shard"] == 0 and coords["tp"] == 0
+        owns_plain = coords["dp_replicate"] == 0 and coords["dp_shard"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for parameter in model.parameters():
         parameter.grad = parameter.detach() * 0.5 + 0.25  # same per element whatever the mesh
@@ -205,6 +213,20 @@ MESHES = {
 @pytest.fixture(scope="module")
 def saved_3d(tmp_path_factory, s3_server):
     """One checkpoint saved by 8 ranks (pp=2 x dp_shard=2 x tp=2) to real S3, committed by the coordinator."""
+    yield from _saved(tmp_path_factory, s3_server, {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "tp": 2})
+
+
+@pytest.fixture(scope="module")
+def saved_cp(tmp_path_factory, s3_server):
+    """One checkpoint saved by 4 ranks with sequences split over cp=2 (x tp=2)."""
+    yield from _saved(tmp_path_factory, s3_server, CP_SAVE_MESH)
+
+
+CP_SAVE_MESH = {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "cp": 2, "tp": 2}
+CP_RESTORE_MESHES = ("world size 1 (plain tensors)", "dp_shard=3 (uneven shards)", "dp_replicate=2 x tp=2 (HSDP)")
+
+
+def _saved(tmp_path_factory, s3_server, mesh: dict[str, int]):
     work = tmp_path_factory.mktemp("reshard")
     reference_dir = work / "reference"
     reference_dir.mkdir()
@@ -221,11 +243,13 @@ def saved_3d(tmp_path_factory, s3_server):
         "step": 7,
     }
     storage = open_storage(task["uri"], endpoint_url=s3_server.endpoint_url)
-    mesh = {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "tp": 2}
-    coordinator = CommitCoordinator(storage, world_size=8, mesh=mesh, config_hash="cfg", model=MODEL, keep_last=2)
+    world = world_of(mesh)
+    coordinator = CommitCoordinator(storage, world_size=world, mesh=mesh, config_hash="cfg", model=MODEL, keep_last=2)
     committed = []
     run_ranks(
-        8, dict(task, mode="save", mesh=mesh), on_report=lambda report: committed.append(coordinator.on_report(report))
+        world,
+        dict(task, mode="save", mesh=mesh),
+        on_report=lambda report: committed.append(coordinator.on_report(report)),
     )
     try:
         yield task, storage, [m for m in committed if m is not None], coordinator
@@ -257,17 +281,28 @@ def test_3d_save_commits_once_with_every_rank(saved_3d):
 
 
 def world_of(mesh: dict[str, int]) -> int:
-    return mesh["dp_replicate"] * mesh["pp"] * mesh["dp_shard"] * mesh["tp"]
+    return mesh["dp_replicate"] * mesh["pp"] * mesh["dp_shard"] * mesh.get("cp", 1) * mesh["tp"]
 
 
 @pytest.fixture(scope="module")
 def restored(saved_3d) -> dict[str, list[dict]]:
     """Restore the 3D checkpoint under every mesh of MESHES: one group of ranks per world size."""
-    task, _, _, _ = saved_3d
+    return _restore_under(saved_3d, list(MESHES))
+
+
+@pytest.fixture(scope="module")
+def restored_from_cp(saved_cp) -> dict[str, list[dict]]:
+    """Restore the cp=2 checkpoint under cp=1 meshes (one rank, other dp)."""
+    return _restore_under(saved_cp, list(CP_RESTORE_MESHES))
+
+
+def _restore_under(saved, mesh_names: list[str]) -> dict[str, list[dict]]:
+    task, _, _, _ = saved
     by_world: dict[int, list[str]] = {}
-    for name, mesh in MESHES.items():
+    for name in mesh_names:
+        mesh = MESHES[name]
         by_world.setdefault(world_of(mesh), []).append(name)
-    checked: dict[str, list[dict]] = {name: [] for name in MESHES}
+    checked: dict[str, list[dict]] = {name: [] for name in mesh_names}
     for world, names in sorted(by_world.items()):
         for kind, _, payload in run_ranks(world, dict(task, mode="restore", meshes=names)):
             if kind == "checked":
@@ -277,6 +312,22 @@ def restored(saved_3d) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_restore_into_another_mesh_is_bitwise_equal(restored, mesh_name):
+    _check_restored(restored, mesh_name)
+
+
+def test_cp_save_commits_with_the_cp_mesh(saved_cp):
+    _, _, committed, coordinator = saved_cp
+    assert coordinator.failed_steps == {}
+    assert [m.step for m in committed] == [7]
+    assert committed[0].mesh == CP_SAVE_MESH
+
+
+@pytest.mark.parametrize("mesh_name", CP_RESTORE_MESHES)
+def test_restore_from_cp_into_cp_1_is_bitwise_equal(restored_from_cp, mesh_name):
+    _check_restored(restored_from_cp, mesh_name)
+
+
+def _check_restored(restored: dict[str, list[dict]], mesh_name: str) -> None:
     results = restored[mesh_name]
     assert len(results) == world_of(MESHES[mesh_name])  # every rank restored and checked its share
     names = set()

@@ -75,6 +75,15 @@ LAYOUTS = {
         "parallelism.tp=1",
         "parallelism.pp=1",
     ),
+    # Context parallel: every sequence split over two ranks (load-balanced chunks), K/V all-gathered.
+    "cp2": ("parallelism.cp=2", "training.steps=10", "parallelism.dp_shard=1", "parallelism.tp=1", "parallelism.pp=1"),
+    "cp2-tp2": (
+        "parallelism.cp=2",
+        "training.steps=10",
+        "parallelism.dp_shard=1",
+        "parallelism.tp=2",
+        "parallelism.pp=1",
+    ),
 }
 
 

@@ -121,6 +121,26 @@ CASES = [
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.top_k_experts=9"],
         "model.top_k_experts=9 must lie in 1..model.n_experts=8",
     ),
+    (["--set", "parallelism.cp=0"], "parallelism.cp=0 must be >= 1"),
+    (
+        ["--set", "parallelism.cp=3"],
+        "parallelism: 2 x cp=3 = 6 must divide training.seq_len=128 "
+        "(each cp rank keeps two of 2 x cp equal chunks of every sequence)",
+    ),
+    (
+        ["--set", "parallelism.cp=4", "--set", "training.seq_len=20"],
+        "parallelism: 2 x cp=4 = 8 must divide training.seq_len=20",
+    ),
+    (
+        ["--set", "parallelism.cp=2", "--set", "parallelism.tp=4", "--set", "model.n_kv_heads=4"]
+        + ["--set", "training.seq_len=12"],
+        "parallelism: tp=4 must divide training.seq_len=12 / cp=2 = 6 (sequence parallel)",
+    ),
+    (
+        ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "parallelism.cp=2"],
+        "parallelism.cp=2: a mixture-of-experts model (model.n_experts=8) trains with cp=1 "
+        "(its load-balancing loss is taken over whole sequences); set parallelism.cp=1",
+    ),
 ]
 
 

@@ -14,11 +14,11 @@ def test_rank_coords_round_trip_in_dim_order():
     for rank in range(mesh.world_size):
         coords = mesh.coords(rank)
         assert mesh.rank(coords) == rank
-        seen.add((coords.dp_replicate, coords.pp, coords.dp_shard, coords.tp))
+        seen.add((coords.dp_replicate, coords.pp, coords.dp_shard, coords.cp, coords.tp))
     assert len(seen) == 24
     # tp is innermost: consecutive ranks form a tensor-parallel group.
     assert [mesh.coords(r).tp for r in range(4)] == [0, 1, 0, 1]
-    assert mesh.shape == (2, 2, 3, 2) and DIM_ORDER[0] == "dp_replicate"
+    assert mesh.shape == (2, 2, 3, 1, 2) and DIM_ORDER[0] == "dp_replicate"
 
 
 def test_replica_groups_are_contiguous_blocks():

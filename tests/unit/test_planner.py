@@ -244,7 +244,7 @@ def test_best_mesh_without_fixed_degrees_and_when_nothing_fits():
             hardware=H100,
             global_batch=16,
             seq_len=128,
-            fixed={"cp": 2},
+            fixed={"sp": 2},
         )
 
 
@@ -402,3 +402,15 @@ def test_resharding_after_forward_costs_all_gathers_with_a_pipeline():
     gather_once = kept.comm["dp_shard"].bytes_per_step / 3
     assert freed.comm["dp_shard"].bytes_per_step == pytest.approx(2 * 16 * gather_once + 2 * gather_once)
     assert freed.memory.fsdp_buffers < kept.memory.fsdp_buffers
+
+
+def test_a_long_context_is_planned_with_context_parallelism():
+    # Llama 3's long-context stage: 128 sequences of 128K tokens (16M tokens per batch).
+    model = dataclasses.replace(PRESETS["llama3-405b"], max_seq_len=131072)
+    result = plan_layouts(Workload(model, seq_len=131072, global_batch=128), Cluster(16384, 8, H100))
+    best = result.plans[0]
+    assert best.mesh.cp > 1 and 131072 // best.mesh.cp >= 8192
+    assert best.estimate.comm["cp"].bytes_per_step > 0
+    # The same batch at 8K tokens needs no cp: the cost of all-gathering K/V buys nothing there.
+    short = plan_layouts(Workload(PRESETS["llama3-405b"], seq_len=8192, global_batch=2048), Cluster(16384, 8, H100))
+    assert {plan.mesh.cp for plan in short.plans} == {1}

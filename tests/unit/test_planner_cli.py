@@ -212,3 +212,13 @@ def test_an_unknown_gpu_kind_is_refused_by_the_parser():
         r"\(choose from '?b200'?, '?h100-80g'?, '?h200'?\)\n",
         process.stderr,
     ), process.stderr
+
+
+def test_plan_with_a_fixed_cp_prices_the_key_value_gather(capsys):
+    code, out, err = run(
+        capsys, "plan", "--model", "llama3-405b", "--gpus", "16384", "--seq-len", "8192", "--cp", "2", "--top", "1"
+    )
+    assert code == 0 and err == ""
+    assert re.search(r"^\s+1\s.* cp=2\s", out, re.MULTILINE)
+    assert re.search(r"^\s+- cp [\d.]+ GB/step over (nvlink|network)", out, re.MULTILINE)
+    assert re.search(r"config: parallelism: \{dp_replicate: \d+, pp: \d+, dp_shard: \d+, cp: 2, tp: \d+", out)

@@ -13,8 +13,8 @@ from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.observe.events import EventLog, read_events
 
-TWO = {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}
-ONE = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+TWO = {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 1}
+ONE = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 1}
 
 
 def step(number: int, at: float, mesh: dict) -> dict:

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
 from workers.spec import ModelSpec
 from workers.spec.hf_config import LLAMA_COMPATIBLE, llama_hf_config, llama_spec_from_hf
@@ -66,10 +67,14 @@ def rotary_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
 
 
 def rotary_cos_sin(
-    spec: ModelSpec, seq_len: int, device: torch.device, dtype: torch.dtype
+    spec: ModelSpec, seq_len: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos/sin [seq, head_dim] at ``positions`` (global token positions; ``0 .. seq_len - 1``
+    when None, or when the sequence is split over cp ranks, the positions of this rank's tokens)."""
     inv_freq = rotary_inv_freq(spec, device)
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    positions = positions.to(torch.float32)
     freqs = torch.outer(positions, inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -86,9 +91,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings, causal.
+
+    ``sequence_shard`` (set by ``workers.parallelize.apply_context_parallel``) says which part of
+    each sequence this rank holds when cp > 1: rotary embeddings use its global positions, keys
+    and values are all-gathered over the cp group and the mask is causal in global positions.
+    """
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.sequence_shard: SequenceShard = WHOLE_SEQUENCE
         self.head_dim = spec.head_dim
         self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=spec.qkv_bias)
@@ -100,9 +113,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(self.spec, seq_len, x.device, q.dtype)
+        shard = self.sequence_shard
+        positions = shard.positions(seq_len, x.device) if shard.split else None
+        cos, sin = rotary_cos_sin(self.spec, seq_len, x.device, q.dtype, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if shard.split:
+            k, v = shard.gather_sequence(k, dim=2), shard.gather_sequence(v, dim=2)
+            mask = shard.causal_mask(seq_len, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

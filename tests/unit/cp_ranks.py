@@ -1,0 +1,66 @@
+"""Ranks (spawned processes, real gloo, no Ray) that train the ``debug`` preset with sequences
+split over context-parallel ranks, for tests/unit/test_context_parallel.py.
+
+Each rank builds the Trainer for its mesh, initialises the model from the seed, reads the
+logits of fixed tokens (gathered over cp and tp on the last stage), then trains on synthetic
+tokens and reports its per-step losses (None where the rank does not report the loss) and
+the evaluation loss after training.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from elastic.spec import MeshSpec
+from workers.data import SyntheticSource
+from workers.evaluation import Evaluator
+from workers.runtime import init_generation
+from workers.spec import PRESETS, TrainSpec
+from workers.trainer import Trainer
+
+STEPS = 10
+
+
+def cp_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
+    """A global batch of 8 in 2 microbatches of sequences of 32 tokens: 4 chunks of 8 per cp=2."""
+    return TrainSpec(
+        model=PRESETS["debug"],
+        steps=STEPS,
+        global_batch=8,
+        seq_len=32,
+        microbatch_size=2,
+        microbatches=2,
+        lr=3e-3,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
+def fixed_tokens(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
+
+
+def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
+    torch.set_num_threads(1)
+    init_generation(
+        store=dist.FileStore(store_path, mesh.world_size),
+        generation=0,
+        rank=rank,
+        world_size=mesh.world_size,
+        backend="gloo",
+        timeout_s=120,
+    )
+    spec = cp_train_spec(activation_checkpointing=activation_checkpointing)
+    source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
+    trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
+    trainer.init_weights()
+    logits = trainer.logits(fixed_tokens(spec.model.vocab_size))
+    losses = [trainer.train_step(step).loss for step in range(1, STEPS + 1)]
+    evaluation = Evaluator(trainer, batches=1).evaluate()
+    results.put((rank, losses, None if logits is None else logits.numpy().copy(), evaluation.loss))
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
