@@ -2,7 +2,8 @@
 
 Runs on every rank, inside ``Trainer`` construction. The order is fixed and the per-step
 functions are thin: split into pipeline stages, then tensor parallel (DTensor plans with
-sequence parallelism), then activation checkpointing, then FSDP2 (``fully_shard``), then
+sequence parallelism), then expert parallel (the MoE experts sharded over the ``ep`` mesh),
+then activation checkpointing, then FSDP2 (``fully_shard``), then
 materialise (``workers.initial_values`` initialises). Every function here is collective-free except where it says so.
 """
 
@@ -17,13 +18,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches
+from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, unflatten_mesh_dim
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.models import ModelFamily, StageModel
+from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
 from workers.spec import ModelSpec
 
 
@@ -61,6 +63,39 @@ def stage_plans(model: ModelSpec, *, pp: int, pp_rank: int, stages_per_rank: int
 def build_world_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     """Collective: every rank of the default process group calls it (it creates sub-groups)."""
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=DIM_ORDER)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Where the routed experts live under expert parallelism (``parallelism.ep > 1``).
+
+    ``dp_shard`` reshaped into (dp_shard / ep, ep) over the same ranks: ``ep`` holds the ranks
+    that exchange tokens and split the experts between them (each rank ``n_experts / ep``),
+    ``fsdp`` the rest of the data-parallel ranks (with dp_replicate, HSDP), over which FSDP2
+    shards each rank's experts further.
+    """
+
+    ep: DeviceMesh
+    fsdp: DeviceMesh
+
+
+def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMeshes:
+    """Collective: every rank of the world mesh calls it (it creates the sub-groups)."""
+    split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
+    return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
+
+
+def apply_expert_parallel(module: StageModel, ep_mesh: DeviceMesh) -> None:
+    """Shard every ``GroupedExperts``' stacked weights ``Shard(0)`` over ``ep_mesh`` (on the meta
+    device: shapes only), and hand it the ep group its token exchange runs on."""
+    for experts in module.modules():
+        if not isinstance(experts, GroupedExperts):
+            continue
+        for name in EXPERT_WEIGHTS:
+            stacked = getattr(experts, name)
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(stacked, ep_mesh, [Shard(0)])))
+        experts.ep_group = ep_mesh.get_group()
 
 
 def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
@@ -116,8 +151,16 @@ def _checkpointed(forward: Any) -> Any:
     return run
 
 
-def apply_fsdp(module: StageModel, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
-    """FSDP2 per transformer block, then the stage root.
+def apply_fsdp(
+    module: StageModel,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    pipelined: bool,
+    experts: ExpertMeshes | None = None,
+) -> None:
+    """FSDP2 per transformer block, then the stage root; under expert parallelism (``experts``)
+    each block's routed experts first, on their own mesh.
 
     With pipelining, parameters stay gathered between the microbatches of a step
     (``reshard_after_forward=False``): re-gathering them for every microbatch would multiply
@@ -125,8 +168,28 @@ def apply_fsdp(module: StageModel, dp_mesh: DeviceMesh, *, param_dtype: torch.dt
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in module.layers.values():
+        if experts is not None:
+            _shard_experts(block, experts, policy, reshard_after_forward=not pipelined)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+
+
+def _shard_experts(
+    block: nn.Module, experts: ExpertMeshes, policy: MixedPrecisionPolicy, *, reshard_after_forward: bool
+) -> None:
+    """FSDP2 over ``experts.fsdp`` for the block's expert-parallel experts.
+
+    An expert's gradient already sums the gradients of the tokens of every rank in its ep group
+    (the exchange brought them), so it is divided by the whole data-parallel degree, not by the
+    size of ``experts.fsdp``: the mean over the global batch, as for every other parameter.
+    """
+    data_parallel = experts.fsdp.size() * experts.ep.size()
+    for grouped in block.modules():
+        if isinstance(grouped, GroupedExperts):
+            sharded = fully_shard(
+                grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward
+            )
+            sharded.set_gradient_divide_factor(float(data_parallel))
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

@@ -109,6 +109,7 @@ class Trainer(TrainerState):
         self.dp_rank = mesh.dp_rank(rank)
         self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
+        self.expert_meshes = par.expert_meshes(self.world_mesh, mesh, spec.ep) if spec.ep > 1 else None
         self.plans = par.stage_plans(
             spec.model, pp=mesh.pp, pp_rank=self.coords.pp, stages_per_rank=spec.stages_per_rank
         )
@@ -136,6 +137,8 @@ class Trainer(TrainerState):
         module = par.build_stage_module(self.family, self.spec.model, plan)
         if self.mesh.tp > 1:
             par.apply_tensor_parallel(module, self.family, self.spec.model, self.world_mesh["tp"])
+        if self.expert_meshes is not None:
+            par.apply_expert_parallel(module, self.expert_meshes.ep)
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
@@ -144,6 +147,7 @@ class Trainer(TrainerState):
             par.data_parallel_mesh(self.world_mesh, self.mesh),
             param_dtype=param_dtype,
             pipelined=self.mesh.pp > 1,
+            experts=self.expert_meshes,
         )
         par.materialize(module, self.device)
         return module
@@ -374,3 +378,4 @@ class Trainer(TrainerState):
         # stay those of a live one; popping keeps a second close() harmless.
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
+        self.__dict__.pop("expert_meshes", None)

@@ -21,7 +21,7 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def moe_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
+def moe_train_spec(*, activation_checkpointing: bool = False, ep: int = 1) -> TrainSpec:
     """A global batch of 8 in microbatches of 2 sequences of 32 tokens, so accumulation, pipelining and
     data parallelism all split it differently."""
     model = PRESETS["debug-moe"]
@@ -34,10 +34,13 @@ def moe_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
         microbatches=2,
         lr=3e-3,
         activation_checkpointing=activation_checkpointing,
+        ep=ep,
     )
 
 
-def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
+def run_rank(
+    rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False, ep: int = 1
+) -> None:
     torch.set_num_threads(1)
     init_generation(
         store=dist.FileStore(store_path, mesh.world_size),
@@ -47,7 +50,7 @@ def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_
         backend="gloo",
         timeout_s=120,
     )
-    spec = moe_train_spec(activation_checkpointing=activation_checkpointing)
+    spec = moe_train_spec(activation_checkpointing=activation_checkpointing, ep=ep)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
