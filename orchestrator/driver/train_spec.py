@@ -46,6 +46,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         pp_schedule=par.pp_schedule,
         stages_per_rank=par.virtual_stages,
         activation_checkpointing=par.activation_checkpointing,
+        ep=par.ep,
         seed=train.seed,
         dtype=resolve_dtype(config, backend),
         data_source=config.data.source,
