@@ -96,6 +96,8 @@ class Layout:
     # Pipeline microbatches with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 1
     activation_checkpointing: bool = False
+    # Expert parallelism (``parallelism.ep``): a gathered layer holds n_experts / ep of its experts.
+    ep: int = 1
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
@@ -362,6 +364,10 @@ def _memory(
     output = model.embedding_params + model.dim  # untied output projection and final norm
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
+    # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it.
+    gathered_layer = (
+        model.params_per_layer - (1 - 1 / layout.ep) * model.n_experts * 3 * model.dim * model.expert_ffn_dim
+    )
     stages = [(0, embedding + (output if pp == 1 else 0))]
     if pp > 1:
         stages.append((pp - 1, output))
@@ -372,7 +378,7 @@ def _memory(
         if shard > 1 and pp > 1:
             buffers = (PARAM_BYTES + REDUCE_BYTES) * params
         elif shard > 1:
-            buffers = 2 * (PARAM_BYTES + REDUCE_BYTES) * model.params_per_layer / tp
+            buffers = 2 * (PARAM_BYTES + REDUCE_BYTES) * gathered_layer / tp
         else:
             buffers = 0.0
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk

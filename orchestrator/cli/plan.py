@@ -181,6 +181,7 @@ def load_model(reference: str) -> ModelSource:
             par.virtual_stages,
             par.microbatches,
             par.activation_checkpointing,
+            par.ep,
         )
         return ModelSource(
             f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout

@@ -11,9 +11,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from elastic.spec import MeshSpec
 from workers.data import SyntheticSource
+from workers.models.grouped_experts import GroupedExperts
 from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
@@ -38,6 +41,20 @@ def moe_train_spec(*, activation_checkpointing: bool = False, ep: int = 1) -> Tr
     )
 
 
+def experts_computed(trainer: Trainer) -> int:
+    """Collective (FSDP all-gathers): how many experts of a layer this rank holds once gathered for
+    its forward, i.e. computes tokens for (n_experts / ep)."""
+    block = trainer.modules[0].layers[str(trainer.plans[0].layer_ids[0])]
+    experts = block.get_submodule("mlp.experts")
+    assert isinstance(experts, GroupedExperts)
+    for module in (block, experts):
+        if isinstance(module, FSDPModule):
+            module.unshard()
+    held = experts.gate_proj.to_local() if isinstance(experts.gate_proj, DTensor) else experts.gate_proj
+    trainer.reshard()
+    return int(held.shape[0])
+
+
 def run_rank(
     rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False, ep: int = 1
 ) -> None:
@@ -55,7 +72,8 @@ def run_rank(
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
     results_by_step = [trainer.train_step(step) for step in range(1, STEPS + 1)]
-    results.put((rank, [result.loss for result in results_by_step], results_by_step[-1].expert_load))
+    losses = [result.loss for result in results_by_step]
+    results.put((rank, losses, results_by_step[-1].expert_load, experts_computed(trainer)))
     results.close()
     results.join_thread()
     dist.barrier()
