@@ -81,6 +81,9 @@ class ExpertMeshes:
 
 def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMeshes:
     """Collective: every rank of the world mesh calls it (it creates the sub-groups)."""
+    if mesh.dp_shard % ep:
+        # The config check refuses this; a mesh chosen later (a resize) must keep dp_shard a multiple.
+        raise ValueError(f"parallelism.ep={ep} does not divide this mesh's dp_shard={mesh.dp_shard}")
     split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
     fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
     return ExpertMeshes(ep=split["ep"], fsdp=fsdp)

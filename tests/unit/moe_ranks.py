@@ -2,7 +2,9 @@
 
 For tests/unit/test_moe_family.py: each rank builds the Trainer for its mesh, initialises the
 model from the seed, trains on synthetic tokens and reports its per-step losses (None where
-the rank does not report the loss) and the expert load of its last step (``StepResult.expert_load``).
+the rank does not report the loss), the expert load of its last step (``StepResult.expert_load``),
+how many experts of a layer it computes, its per-step gradient norms (before clipping) and the
+digest of its final state.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def moe_train_spec(*, activation_checkpointing: bool = False, ep: int = 1) -> TrainSpec:
+def moe_train_spec(*, activation_checkpointing: bool = False, ep: int = 1, global_batch: int = 8) -> TrainSpec:
     """A global batch of 8 in microbatches of 2 sequences of 32 tokens, so accumulation, pipelining and
     data parallelism all split it differently."""
     model = PRESETS["debug-moe"]
     return TrainSpec(
         model=model,
         steps=STEPS,
-        global_batch=8,
+        global_batch=global_batch,
         seq_len=32,
         microbatch_size=2,
         microbatches=2,
@@ -56,7 +58,14 @@ def experts_computed(trainer: Trainer) -> int:
 
 
 def run_rank(
-    rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False, ep: int = 1
+    rank: int,
+    store_path: str,
+    results,
+    *,
+    mesh: MeshSpec,
+    activation_checkpointing: bool = False,
+    ep: int = 1,
+    global_batch: int = 8,
 ) -> None:
     torch.set_num_threads(1)
     init_generation(
@@ -67,13 +76,15 @@ def run_rank(
         backend="gloo",
         timeout_s=120,
     )
-    spec = moe_train_spec(activation_checkpointing=activation_checkpointing, ep=ep)
+    spec = moe_train_spec(activation_checkpointing=activation_checkpointing, ep=ep, global_batch=global_batch)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
     results_by_step = [trainer.train_step(step) for step in range(1, STEPS + 1)]
     losses = [result.loss for result in results_by_step]
-    results.put((rank, losses, results_by_step[-1].expert_load, experts_computed(trainer)))
+    grad_norms = [result.grad_norm for result in results_by_step]
+    held = experts_computed(trainer)
+    results.put((rank, losses, results_by_step[-1].expert_load, held, grad_norms, trainer.state_digest()))
     results.close()
     results.join_thread()
     dist.barrier()

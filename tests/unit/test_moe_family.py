@@ -75,18 +75,43 @@ def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
         world_size=mesh.world_size,
         store_path=str(tmp_path / "s"),
     )
-    expected, _, _ = single_rank_run
+    expected, _, _, expected_norms, _ = single_rank_run
     # Each data-parallel slice reports its own mean loss: the step's loss is their mean.
-    reported = [losses for losses, _, _ in ranks.values() if losses[0] is not None]
+    reported = [losses for losses, *_ in ranks.values() if losses[0] is not None]
     assert len(reported) == mesh.dp
     assert [sum(step) / mesh.dp for step in zip(*reported)] == pytest.approx(expected, rel=1e-3)
     assert expected[-1] < expected[0]
     # Each rank computes (and holds, once gathered for its forward) n_experts / ep experts per layer.
-    assert {held for _, _, held in ranks.values()} == {8 // ep}
+    assert {held for _, _, held, *_ in ranks.values()} == {8 // ep}
+    # Every rank clips by the norm of the whole model's gradient, the one process's norm (its
+    # experts' gradients live on other ranks under ep: the norm reduces over their mesh).
+    for _, _, _, norms, _ in ranks.values():
+        assert norms == pytest.approx(expected_norms, rel=1e-3)
+
+
+def test_expert_parallel_replica_groups_stay_bitwise_equal_and_train_as_one_process(tmp_path):
+    # dp_replicate=2 x dp_shard=2 with ep=2: the experts' FSDP is HSDP over (dp_replicate, dp_shard / ep).
+    single = functools.partial(moe_ranks.run_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), global_batch=16)
+    expected, *_ = spawn_ranks(single, world_size=1, store_path=str(tmp_path / "one"))[0]
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    ranks = spawn_ranks(
+        functools.partial(moe_ranks.run_rank, mesh=mesh, ep=2, global_batch=16),
+        world_size=4,
+        store_path=str(tmp_path / "s"),
+    )
+    assert [sum(step) / 4 for step in zip(*(losses for losses, *_ in ranks.values()))] == pytest.approx(
+        expected, rel=1e-3
+    )
+    # Ranks that hold the same slices in the two replica groups hold the same bits (replica sync,
+    # peer snapshots and drops rely on it).
+    digests = {rank: digest for rank, (*_, digest) in ranks.items()}
+    for rank in range(4):
+        twin = mesh.rank(dataclasses.replace(mesh.coords(rank), dp_replicate=1 - mesh.coords(rank).dp_replicate))
+        assert digests[rank] == digests[twin]
 
 
 def test_expert_load_is_reported_per_layer(single_rank_run):
-    _, load, _ = single_rank_run
+    _, load, *_ = single_rank_run
     assert sorted(load) == [f"layer{i}" for i in range(4)]
     # max over mean lies between 1 (even) and n_experts (every token on one expert).
     assert all(1.0 <= value <= 8.0 for value in load.values())

@@ -49,8 +49,8 @@ class GroupedExperts(nn.Module):
 
     def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's experts' weights (a DTensor's shard under expert parallelism)."""
-        gate, up, down = (getattr(self, name) for name in EXPERT_WEIGHTS)
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (gate, up, down))  # type: ignore[return-value]
+        gate, up, down = (_local(getattr(self, name)) for name in EXPERT_WEIGHTS)
+        return gate, up, down
 
     def _compute(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each local expert over its consecutive run of ``tokens`` (one matmul per expert)."""
@@ -69,12 +69,13 @@ class GroupedExperts(nn.Module):
         """
         ep = dist.get_world_size(group)
         local = self.n_experts // ep
-        sent_counts = torch.tensor(counts, dtype=torch.int64)
+        # On the tokens' device: NCCL exchanges device tensors only.
+        sent_counts = torch.tensor(counts, dtype=torch.int64, device=tokens.device)
         received_counts = torch.empty_like(sent_counts)
         # Rank r receives, from every source, the counts of r's own experts: [source, local expert].
         dist.all_to_all_single(received_counts, sent_counts, group=group)
-        # .tolist() of host tensors: the split sizes every all_to_all needs on the host.
-        by_source = received_counts.view(ep, local)
+        # .cpu() is a device sync point: every all_to_all needs its split sizes on the host.
+        sent_counts, by_source = sent_counts.cpu(), received_counts.cpu().view(ep, local)
         send_splits = sent_counts.view(ep, local).sum(1).tolist()
         receive_splits = by_source.sum(1).tolist()
         received = _all_to_all(tokens, receive_splits, send_splits, group)
@@ -86,6 +87,10 @@ class GroupedExperts(nn.Module):
         computed = self._compute(regrouped, by_source.sum(0).tolist()).split(expert_major)
         returned = torch.cat([computed[expert * ep + source] for source in range(ep) for expert in range(local)])
         return _all_to_all(returned, send_splits, receive_splits, group)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _all_to_all(
