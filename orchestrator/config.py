@@ -95,6 +95,8 @@ class ModelConfig:
 class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = 2
+    # Expert parallelism (moe models): ranks of dp_shard that split the experts; must divide dp_shard.
+    ep: int = 1
     tp: int = 2
     pp: int = 2
     pp_schedule: str = field(default="1f1b", metadata=_choices(*PP_SCHEDULES))
@@ -103,8 +105,6 @@ class ParallelismConfig:
     # Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 4
     activation_checkpointing: bool = False
-    # Expert parallelism (moe models): ranks of dp_shard that split the experts; must divide dp_shard.
-    ep: int = 1
 
     def mesh(self) -> MeshSpec:
         return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)

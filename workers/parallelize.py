@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import tensor as dtensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
@@ -96,8 +97,8 @@ def apply_expert_parallel(module: StageModel, ep_mesh: DeviceMesh) -> None:
         if not isinstance(experts, GroupedExperts):
             continue
         for name in EXPERT_WEIGHTS:
-            stacked = getattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(stacked, ep_mesh, [Shard(0)])))
+            sharded = dtensor.distribute_tensor(getattr(experts, name), ep_mesh, [dtensor.Shard(0)])
+            experts.register_parameter(name, nn.Parameter(sharded))
         experts.ep_group = ep_mesh.get_group()
 
 
@@ -154,16 +155,8 @@ def _checkpointed(forward: Any) -> Any:
     return run
 
 
-def apply_fsdp(
-    module: StageModel,
-    dp_mesh: DeviceMesh,
-    *,
-    param_dtype: torch.dtype,
-    pipelined: bool,
-    experts: ExpertMeshes | None = None,
-) -> None:
-    """FSDP2 per transformer block, then the stage root; under expert parallelism (``experts``)
-    each block's routed experts first, on their own mesh.
+def apply_fsdp(module: StageModel, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+    """FSDP2 per transformer block, then the stage root.
 
     With pipelining, parameters stay gathered between the microbatches of a step
     (``reshard_after_forward=False``): re-gathering them for every microbatch would multiply
@@ -171,27 +164,23 @@ def apply_fsdp(
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in module.layers.values():
-        if experts is not None:
-            _shard_experts(block, experts, policy, reshard_after_forward=not pipelined)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
 
 
-def _shard_experts(
-    block: nn.Module, experts: ExpertMeshes, policy: MixedPrecisionPolicy, *, reshard_after_forward: bool
-) -> None:
-    """FSDP2 over ``experts.fsdp`` for the block's expert-parallel experts.
+def apply_expert_fsdp(module: StageModel, experts: ExpertMeshes, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+    """FSDP2 over ``experts.fsdp`` for each block's expert-parallel experts; before ``apply_fsdp``,
+    so that each block's own FSDP group leaves them to theirs (the same policy and resharding).
 
     An expert's gradient already sums the gradients of the tokens of every rank in its ep group
     (the exchange brought them), so it is divided by the whole data-parallel degree, not by the
     size of ``experts.fsdp``: the mean over the global batch, as for every other parameter.
     """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     data_parallel = experts.fsdp.size() * experts.ep.size()
-    for grouped in block.modules():
+    for grouped in module.modules():
         if isinstance(grouped, GroupedExperts):
-            sharded = fully_shard(
-                grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward
-            )
+            sharded = fully_shard(grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=not pipelined)
             sharded.set_gradient_divide_factor(float(data_parallel))
 
 

@@ -142,12 +142,13 @@ class Trainer(TrainerState):
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        if self.expert_meshes is not None:
+            par.apply_expert_fsdp(module, self.expert_meshes, param_dtype=param_dtype, pipelined=self.mesh.pp > 1)
         par.apply_fsdp(
             module,
             par.data_parallel_mesh(self.world_mesh, self.mesh),
             param_dtype=param_dtype,
             pipelined=self.mesh.pp > 1,
-            experts=self.expert_meshes,
         )
         par.materialize(module, self.device)
         return module
