@@ -31,7 +31,13 @@ from workers.spec import PRESETS
 from workers.spec.hf_config import HfConfigError
 from workers.spec.moe_hf_config import moe_hf_config, moe_spec_from_hf
 
-HF_LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "pp2-dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=2)}
+HF_LAYOUTS = {
+    "1-rank": (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), 1),
+    # Each rank loads its own experts (2 of the 4 per layer) from the per-expert tensors, and computes
+    # the tokens routed to them.
+    "ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), 2),
+}
 TRAIN_LAYOUTS = {
     "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False, 1),
     "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False, 1),
@@ -48,9 +54,9 @@ TRAIN_LAYOUTS = {
 def test_qwen2_moe_logits_equal_transformers(layout, tmp_path):
     save_random_model("qwen2_moe", tmp_path / "model")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
-    mesh = HF_LAYOUTS[layout]
+    mesh, ep = HF_LAYOUTS[layout]
     ranks = spawn_ranks(
-        functools.partial(pretrained_ranks.run_rank, model_dir=str(tmp_path / "model"), mesh=mesh),
+        functools.partial(pretrained_ranks.run_rank, model_dir=str(tmp_path / "model"), mesh=mesh, ep=ep),
         world_size=mesh.world_size,
         store_path=str(tmp_path / "store"),
     )
