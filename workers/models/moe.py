@@ -4,9 +4,9 @@ Builds Qwen2-MoE (``Qwen2MoeForCausalLM``) and the ``debug-moe`` preset. Runs on
 (and on the driver for names and configs).
 
 Each layer's MLP is a router (``mlp.gate``, one logit per expert), ``n_experts`` SwiGLU experts
-(``mlp.experts.<e>``) and, optionally, a shared SwiGLU expert every token passes through, scaled
-by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``) as in Qwen2-MoE. Routing
-is top-k over softmax (or sigmoid) scores and dropless: every token is computed by each of its
+(``mlp.experts``, stacked: ``GroupedExperts``) and, optionally, a shared SwiGLU expert every
+token passes through, scaled by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``)
+as in Qwen2-MoE. Routing is top-k over softmax (or sigmoid) scores and dropless: every token is computed by each of its
 ``top_k_experts`` experts, whatever the load; no capacity factor, no token is ever dropped.
 
 Load balancing is Switch Transformer's auxiliary loss, per layer and per microbatch:
@@ -41,7 +41,7 @@ from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec
 
 
 class SwiGLU(nn.Module):
-    """One expert (or the shared experts): ``down(silu(gate(x)) * up(x))``."""
+    """The shared experts: ``down(silu(gate(x)) * up(x))`` (the routed ones are ``GroupedExperts``)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
