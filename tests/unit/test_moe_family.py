@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from checkpointing.manifest import build_manifest
 from checkpointing.spec import manifest_key
@@ -248,3 +249,18 @@ def test_a_checkpoint_saved_under_ep2_restores_into_ep1_bitwise_and_trains_on_al
     assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
     ep2_losses = [sum(step) / 2 for step in zip(*(rank_losses for _, _, rank_losses in saved.values()))]
     assert losses == pytest.approx(ep2_losses, rel=1e-3)
+
+
+def test_importing_a_model_that_lacks_one_experts_tensor_names_it(tmp_path, capsys):
+    save_random_model("qwen2_moe", tmp_path / "hf")
+    (weights_file,) = (tmp_path / "hf").glob("*.safetensors")
+    weights = load_file(weights_file)
+    del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    assert main(["ckpt", "import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "holds no tensor model.layers.1.mlp.experts.3.up_proj.weight (for parameter layers.1.mlp.experts.up_proj;"
+        in err
+    )
+    assert "Traceback" not in err
