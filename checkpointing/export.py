@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from checkpointing.catalog import load_manifest
 from checkpointing.errors import CheckpointError, ForeignCheckpointError
+from checkpointing.hf_format import HfName
 from checkpointing.manifest import Manifest
 from checkpointing.reader import restore
 from checkpointing.spec import OPTIMIZER_PREFIX, itemsize
@@ -32,8 +33,9 @@ from checkpointing.storage import StorageBackend
 class HfNaming(Protocol):
     """A model family's Hugging Face layout, as export needs it (``workers/models`` has one per family)."""
 
-    def hf_name(self, fqn: str) -> str | None:
-        """The Hugging Face name of parameter ``fqn``, or None to leave it out (e.g. a tied copy)."""
+    def hf_name(self, fqn: str) -> HfName | None:
+        """The Hugging Face name of parameter ``fqn``, or None to leave it out (e.g. a tied copy); a
+        tuple of names splits it along its first dimension into that many tensors (stacked experts)."""
         ...
 
     def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -41,20 +43,21 @@ class HfNaming(Protocol):
         ...
 
 
-def exported_names(manifest: Manifest, naming: HfNaming) -> dict[str, str]:
-    """Our FQN -> Hugging Face name of every parameter ``naming`` exports, in FQN order."""
-    renamed: dict[str, str] = {}
+def exported_names(manifest: Manifest, naming: HfNaming) -> dict[str, HfName]:
+    """Our FQN -> Hugging Face name(s) of every parameter ``naming`` exports, in FQN order."""
+    renamed: dict[str, HfName] = {}
     owner: dict[str, str] = {}
     for fqn in sorted(manifest.tensors):
         name = None if fqn.startswith(OPTIMIZER_PREFIX) else naming.hf_name(fqn)
         if name is None:
             continue
-        if name in owner:
-            raise CheckpointError(
-                f"the naming maps both {owner[name]} and {fqn} to {name}: a tied weight is stored once, "
-                "so its naming must return None for all but one of them"
-            )
-        owner[name] = fqn
+        for one in (name,) if isinstance(name, str) else name:
+            if one in owner:
+                raise CheckpointError(
+                    f"the naming maps both {owner[one]} and {fqn} to {one}: a tied weight is stored once, "
+                    "so its naming must return None for all but one of them"
+                )
+            owner[one] = fqn
         renamed[fqn] = name
     if not renamed:
         raise ForeignCheckpointError(
@@ -91,7 +94,7 @@ def export_hf(
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         total += _write_shard(storage, manifest, {fqn: renamed[fqn] for fqn in shard}, dtype, out / filename)
-        weight_map.update(dict.fromkeys((renamed[fqn] for fqn in shard), filename))
+        weight_map.update(dict.fromkeys((one for fqn in shard for one in _split_names(renamed[fqn])), filename))
     (out / "model.safetensors.index.json").write_text(
         json.dumps(
             {
@@ -106,8 +109,12 @@ def export_hf(
     return out
 
 
+def _split_names(name: HfName) -> tuple[str, ...]:
+    return (name,) if isinstance(name, str) else name
+
+
 def _write_shard(
-    storage: StorageBackend, manifest: Manifest, renamed: dict[str, str], dtype: str | None, path: Path
+    storage: StorageBackend, manifest: Manifest, renamed: dict[str, HfName], dtype: str | None, path: Path
 ) -> int:
     """Gather whole tensors of one output file through the reader and save them; return their bytes."""
     tensors = {
@@ -115,10 +122,15 @@ def _write_shard(
         for fqn in renamed
     }
     restore(storage, manifest, tensors)
-    converted = {
-        renamed[fqn]: (value if dtype is None else value.to(getattr(torch, dtype))).contiguous()
-        for fqn, value in tensors.items()
-    }
+    converted = {}
+    for fqn, value in tensors.items():
+        value = value if dtype is None else value.to(getattr(torch, dtype))
+        name = renamed[fqn]
+        # A stacked parameter's slice [i] is its i-th Hugging Face tensor (clone: a file holds no views).
+        if isinstance(name, str):
+            converted[name] = value.contiguous()
+        else:
+            converted.update({one: part.clone() for one, part in zip(name, value.unbind(0))})
     save_file(converted, path, metadata={"format": "pt"})
     return sum(value.numel() * value.element_size() for value in converted.values())
 

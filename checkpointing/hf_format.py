@@ -41,6 +41,9 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own bound
 MAX_JSON_BYTES = 64 << 20  # config.json and the index are a few KB to a few MB
 _COPY_FIX = "copy the complete model directory"
 
+# The HF tensor a parameter maps to, or several stacked along a new first dimension (in order).
+HfName = str | tuple[str, ...]
+
 
 @dataclass(frozen=True)
 class HfTensor:
@@ -194,72 +197,97 @@ def load_hf_tensors(
     storage: StorageBackend,
     checkpoint: HfCheckpoint,
     tensors: dict[str, torch.Tensor],
-    names: Mapping[str, str],
+    names: Mapping[str, HfName],
     *,
     concurrency: int = 8,
 ) -> int:
     """Fill ``tensors`` (our FQN -> allocated DTensor of any mesh, or plain tensor) from the HF tensors
     ``names`` maps them to; return the bytes read.
 
-    Runs on each rank independently. Two FQNs may read the same HF tensor (tied embeddings).
+    Runs on each rank independently. Two FQNs may read the same HF tensor (tied embeddings); one
+    FQN may read several, stacked along its first dimension (a family's stacked experts).
     Each destination keeps its dtype: a bfloat16 file fills float32 parameters.
     """
     sources = {fqn: _source(checkpoint, fqn, tensor, names) for fqn, tensor in tensors.items()}
     return read_into(storage, hf_manifest(sources), tensors, verify=False, concurrency=concurrency)
 
 
-def find_hf_tensor(checkpoint: HfCheckpoint, fqn: str, names: Mapping[str, str]) -> HfTensor:
-    """The HF tensor parameter ``fqn`` reads; ``HfCheckpointError`` naming both when there is none."""
+@dataclass(frozen=True)
+class HfSource:
+    """The HF tensor(s) one parameter reads: one, or several ``stacked`` along a new first dimension."""
+
+    tensors: tuple[HfTensor, ...]
+    stacked: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.tensors[0].shape
+        return (len(self.tensors), *first) if self.stacked else first
+
+    @property
+    def dtype(self) -> str:
+        return self.tensors[0].dtype
+
+
+def find_hf_tensor(checkpoint: HfCheckpoint, fqn: str, names: Mapping[str, HfName]) -> HfSource:
+    """The HF tensor(s) parameter ``fqn`` reads; ``HfCheckpointError`` naming both when there is none."""
     name = names.get(fqn)
     if name is None:
         raise HfCheckpointError(
             f"no Hugging Face name is given for parameter {fqn}: the name map must cover every parameter loaded"
         )
-    found = checkpoint.tensors.get(name)
-    if found is None:
-        raise HfCheckpointError(
-            f"{checkpoint.uri} holds no tensor {name} (for parameter {fqn}; it has {len(checkpoint.tensors)} "
-            f"tensors): the weights do not belong to this config.json's architecture; {_COPY_FIX} of that model"
-        )
-    return found
+    found = []
+    for one in (name,) if isinstance(name, str) else name:
+        tensor = checkpoint.tensors.get(one)
+        if tensor is None:
+            raise HfCheckpointError(
+                f"{checkpoint.uri} holds no tensor {one} (for parameter {fqn}; it has {len(checkpoint.tensors)} "
+                f"tensors): the weights do not belong to this config.json's architecture; {_COPY_FIX} of that model"
+            )
+        found.append(tensor)
+    return HfSource(tuple(found), stacked=not isinstance(name, str))
 
 
-def check_hf_shape(checkpoint: HfCheckpoint, found: HfTensor, shape: tuple[int, ...]) -> None:
+def check_hf_shape(checkpoint: HfCheckpoint, found: HfSource, shape: tuple[int, ...]) -> None:
     """Refuse an HF tensor whose shape is not the one the model (built from config.json) expects."""
-    if found.shape != shape:
-        raise HfCheckpointError(
-            f"{checkpoint.uri}: tensor {found.name} in {found.file} has shape {list(found.shape)}, the model built "
-            f"from config.json expects {list(shape)}: the weights do not belong to this config.json"
-        )
+    expected = shape[1:] if found.stacked else shape
+    for tensor in found.tensors:
+        if tensor.shape != expected or (found.stacked and len(found.tensors) != shape[0]):
+            raise HfCheckpointError(
+                f"{checkpoint.uri}: tensor {tensor.name} in {tensor.file} has shape {list(tensor.shape)}, the model "
+                f"built from config.json expects {list(expected)}: the weights do not belong to this config.json"
+            )
 
 
-def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, str]) -> HfTensor:
+def _source(checkpoint: HfCheckpoint, fqn: str, tensor: torch.Tensor, names: Mapping[str, HfName]) -> HfSource:
     found = find_hf_tensor(checkpoint, fqn, names)
     check_hf_shape(checkpoint, found, tuple(tensor.shape))
     return found
 
 
-def hf_manifest(sources: Mapping[str, HfTensor]) -> Manifest:
+def hf_manifest(sources: Mapping[str, HfSource]) -> Manifest:
     """An in-memory index of HF tensors under our FQNs, for ``reader.read_into`` (never committed).
 
-    One chunk per tensor. With no checksums to verify there are no blocks to round to, so a
+    One chunk per HF tensor (a stacked one's tensor ``i`` is its chunk at row ``i``: the bytes of
+    an [a, b] tensor are those of a [1, a, b] one). With no checksums to verify there are no blocks to round to, so a
     chunk's rows are its blocks (``block_rows=1``): a rank fetches exactly the rows it needs.
     """
     tensors = {
         fqn: TensorIndex(
             shape=source.shape,
             dtype=source.dtype,
-            chunks=(
+            chunks=tuple(
                 ChunkEntry(
                     fqn=fqn,
-                    offsets=(0,) * len(source.shape),
-                    sizes=source.shape,
-                    key=source.file,
-                    start=source.start,
-                    end=source.end,
+                    offsets=(index,) + (0,) * (len(source.shape) - 1) if source.stacked else (0,) * len(source.shape),
+                    sizes=(1, *tensor.shape) if source.stacked else tensor.shape,
+                    key=tensor.file,
+                    start=tensor.start,
+                    end=tensor.end,
                     block_rows=1,
                     checksums=(),
-                ),
+                )
+                for index, tensor in enumerate(source.tensors)
             ),
         )
         for fqn, source in sources.items()

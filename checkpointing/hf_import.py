@@ -22,7 +22,14 @@ import torch
 
 from checkpointing.catalog import list_committed
 from checkpointing.errors import CheckpointError, CommitConflictError, HfCheckpointError
-from checkpointing.hf_format import HfCheckpoint, check_hf_shape, find_hf_tensor, load_hf_tensors, open_hf_checkpoint
+from checkpointing.hf_format import (
+    HfCheckpoint,
+    HfName,
+    check_hf_shape,
+    find_hf_tensor,
+    load_hf_tensors,
+    open_hf_checkpoint,
+)
 from checkpointing.manifest import Manifest, build_manifest
 from checkpointing.spec import WEIGHTS_ONLY, FailureReport, ShardReport, manifest_key
 from checkpointing.storage import StorageBackend
@@ -36,13 +43,13 @@ def import_hf(
     source: StorageBackend,
     dest: StorageBackend,
     *,
-    names: Mapping[str, str],
+    names: Mapping[str, HfName],
     model: dict[str, Any],
     dtype: str | None = None,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     checkpoint: HfCheckpoint | None = None,
 ) -> Manifest:
-    """Write every parameter of ``names`` (our FQN -> HF name) from ``source`` as step 0 under ``dest``.
+    """Write every parameter of ``names`` (our FQN -> HF name, or names stacked) as step 0 under ``dest``.
 
     ``model`` is the manifest's model description (what a job's restore compares with its own);
     ``dtype`` None keeps each tensor's stored dtype, else floating-point tensors are cast to it;
@@ -92,7 +99,7 @@ def _import_one(
     checkpoint: HfCheckpoint,
     dest: StorageBackend,
     fqn: str,
-    names: Mapping[str, str],
+    names: Mapping[str, HfName],
     dtype: str | None,
     *,
     number: int,

@@ -39,6 +39,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
     "torch.distributed.device_mesh:DeviceMesh._flatten",
+    "torch.distributed.device_mesh:DeviceMesh._unflatten",
 )
 
 
@@ -91,6 +92,13 @@ def set_group_name_base(base: int) -> None:
 def abort_process_groups() -> None:
     """Abort every process group of this process (no-op errors are the caller's to log)."""
     dist.distributed_c10d._abort_process_group()
+
+
+def unflatten_mesh_dim(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh`` with dimension ``dim`` reshaped into ``names`` of ``sizes`` over the same ranks
+    (row-major: the last name varies fastest). Collective: every rank of ``mesh`` calls it (it
+    creates the new dimensions' process groups)."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 # --------------------------------------------------------------------- DTensor

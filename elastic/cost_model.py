@@ -41,21 +41,21 @@ import math
 from dataclasses import dataclass, field
 
 from elastic.hardware import GpuSpec
+from elastic.memory_model import (
+    ACTIVATION_BYTES,
+    ADAM_BYTES,
+    GRAD_BYTES,
+    LOGIT_BYTES,
+    PARAM_BYTES,
+    REDUCE_BYTES,
+    activation_bytes_per_token,
+    fsdp_buffer_bytes,
+)
 from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
 from elastic.spec import BatchPlan, MeshSpec
 from workers.spec import ModelSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-
-# ZeRO paper's mixed-precision Adam: bf16 params + bf16 grads + K=12 optimizer bytes.
-PARAM_BYTES = 2
-GRAD_BYTES = 2
-ADAM_BYTES = 12
-# FSDP2 reduces (and, with no-sync, accumulates) gradients in fp32.
-REDUCE_BYTES = 4
-ACTIVATION_BYTES = 2  # bf16
-# Logits kept for the loss: the bf16 logits and their fp32 upcast.
-LOGIT_BYTES = 2 + 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ class Layout:
     # Pipeline microbatches with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 1
     activation_checkpointing: bool = False
+    # Expert parallelism (``parallelism.ep``): a gathered layer holds n_experts / ep of its experts.
+    ep: int = 1
     # FSDP2's reshard_after_forward ("auto": keep gathered with pp > 1) and host offload of the state.
     reshard_after_forward: str = "auto"
     cpu_offload: bool = False
@@ -184,42 +186,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------- pieces
-def zero_memory_per_gpu(
-    num_params: float,
-    *,
-    stage: int,
-    dp: int,
-    param_bytes: float = PARAM_BYTES,
-    grad_bytes: float = GRAD_BYTES,
-    optimizer_bytes: float = ADAM_BYTES,
-) -> float:
-    """Model-state bytes per GPU under ZeRO stage 0 (replicate), 1, 2 or 3 over ``dp`` GPUs.
-
-    The ZeRO paper's arithmetic: (2 + 2 + K)·Ψ unsharded; stage 1 divides the K·Ψ optimizer
-    bytes by N_d, stage 2 also the gradients, stage 3 also the parameters.
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp!r}")
-    params = param_bytes * num_params / (dp if stage >= 3 else 1)
-    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
-    optimizer = optimizer_bytes * num_params / (dp if stage >= 1 else 1)
-    return params + grads + optimizer
-
-
-def activation_bytes_per_token(model: ModelSpec) -> float:
-    """Bytes one token leaves behind in one layer for the backward pass (bf16, flash attention).
-
-    Attention: RMSNorm input and output (2h), q (h), k and v (2·kv), the attention output that
-    also feeds wo (h). Feed-forward: RMSNorm input and output (2h), w1 and w3 outputs, silu(w1)
-    and the product feeding w2 (4·ffn). Each value is 2 bytes.
-    """
-    kv_dim = model.n_kv_heads * model.head_dim
-    elements = 2 * model.dim + model.dim + 2 * kv_dim + model.dim + 2 * model.dim + 4 * model.ffn_dim
-    return ACTIVATION_BYTES * elements
-
-
 def layer_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """Forward + backward FLOPs of one decoder layer per token (6·active params + attention scores)."""
     return 6.0 * model.active_params_per_layer + 12.0 * model.n_heads * model.head_dim * seq_len
@@ -385,6 +351,10 @@ def _memory(
     output = model.embedding_params + model.dim  # untied output projection and final norm
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
+    # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it.
+    gathered_layer = (
+        model.params_per_layer - (1 - 1 / layout.ep) * model.n_experts * 3 * model.dim * model.expert_ffn_dim
+    )
     # The V schedules put the first and the last stage on rank 0.
     v_shaped = layout.schedule in V_SCHEDULES
     stages = [(0, embedding + (output if pp == 1 or v_shaped else 0))]
@@ -394,7 +364,7 @@ def _memory(
     worst_params = 0.0
     for stage, extra in stages:
         params = (layers_on_rank * model.params_per_layer + extra) / tp
-        buffers = fsdp_buffer_bytes(layout, params, model.params_per_layer / tp)
+        buffers = fsdp_buffer_bytes(layout, params, gathered_layer / tp)
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
         # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
         activations = tokens * (held * kept_per_token_layer + per_token_layer)
@@ -416,25 +386,6 @@ def _memory(
         worst_params = max(worst_params, params)
     assert worst is not None
     return worst, worst_params
-
-
-def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) -> float:
-    """FSDP2's unsharded working copies on a rank holding ``stage_params`` (0 without sharding).
-
-    Gathered bf16 parameters: the whole stage when they stay gathered (``keeps_gathered``), else
-    about two layers (the one running and the one prefetched). fp32 gradients before the
-    reduce-scatter: the whole stage with pipelining (the stage skips gradient sync until its last
-    microbatch), else two layers.
-    """
-    if layout.mesh.dp_shard == 1:
-        return 0.0
-    pipelined, kept = layout.mesh.pp > 1, layout.keeps_gathered
-    if pipelined and kept:
-        return (PARAM_BYTES + REDUCE_BYTES) * stage_params
-    if not pipelined and not kept:
-        return 2 * (PARAM_BYTES + REDUCE_BYTES) * layer_params
-    gathered = PARAM_BYTES * stage_params if kept else 2 * PARAM_BYTES * layer_params
-    return gathered + (REDUCE_BYTES * stage_params if pipelined else 2 * REDUCE_BYTES * layer_params)
 
 
 def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:

@@ -97,6 +97,8 @@ class ModelConfig:
 class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = 2
+    # Expert parallelism (moe models): ranks of dp_shard that split the experts; must divide dp_shard.
+    ep: int = 1
     tp: int = 2
     pp: int = 2
     pp_schedule: str = field(default="1f1b", metadata=_choices(*PP_SCHEDULES))

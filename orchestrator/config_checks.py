@@ -28,6 +28,7 @@ _POSITIVE_KEYS = (
     "parallelism.pp",
     "parallelism.cp",
     "parallelism.microbatches",
+    "parallelism.ep",
     "training.steps",
     "training.global_batch",
     "training.seq_len",
@@ -197,6 +198,7 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             f"parallelism.cp={par.cp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
             "with cp=1 (its load-balancing loss is taken over whole sequences); set parallelism.cp=1"
         )
+    problems.extend(_expert_parallel_problems(config, model))
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from
         prefix = f"parallelism (model shape from {shape_from}): " if shape_from else "parallelism: "
@@ -273,3 +275,27 @@ def _non_negative(problems: list[str], config: JobConfig, keys: tuple[str, ...])
         value = _lookup(config, key)
         if value is not None and value < 0:
             problems.append(f"{key}={value} must be >= 0")
+
+
+def _expert_parallel_problems(config: JobConfig, model: ModelSpec) -> list[str]:
+    """``parallelism.ep`` splits a mixture of experts' experts over ranks borrowed from dp_shard."""
+    ep, dp_shard = config.parallelism.ep, config.parallelism.dp_shard
+    if ep == 1:
+        return []
+    if not model.is_moe:
+        return [
+            f"parallelism.ep={ep} needs a mixture-of-experts model (model.n_experts is not set): set "
+            "parallelism.ep=1, or train a moe model (model.preset=debug-moe)"
+        ]
+    problems = []
+    if dp_shard % ep:
+        problems.append(
+            f"parallelism.ep={ep} must divide parallelism.dp_shard={dp_shard}: the experts are split over ranks "
+            "of dp_shard; choose an ep that divides it"
+        )
+    if model.n_experts % ep:
+        problems.append(
+            f"parallelism.ep={ep} must divide model.n_experts={model.n_experts} so that every rank holds as many "
+            "experts; choose an ep that divides it"
+        )
+    return problems

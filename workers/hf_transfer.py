@@ -23,7 +23,7 @@ import torch
 from checkpointing.catalog import load_manifest
 from checkpointing.errors import ForeignCheckpointError, HfCheckpointError
 from checkpointing.export import export_hf
-from checkpointing.hf_format import HfCheckpoint, check_hf_shape, find_hf_tensor, open_hf_checkpoint
+from checkpointing.hf_format import HfCheckpoint, HfName, check_hf_shape, find_hf_tensor, open_hf_checkpoint
 from checkpointing.storage import StorageBackend
 from workers.models import FamilyError, ModelFamily, family_for_architecture, registered_families, resolve_family
 from workers.spec import ModelSpec
@@ -38,7 +38,7 @@ class ImportPlan:
 
     family: str
     spec: ModelSpec
-    names: dict[str, str]  # our FQN -> HF tensor name
+    names: dict[str, HfName]  # our FQN -> HF tensor name (or names, stacked)
     shapes: dict[str, tuple[int, ...]]
 
 
@@ -103,8 +103,8 @@ class FamilyNaming:
         self.spec = _spec_of(model, self.family_name)
         self.parameters = parameter_shapes(self.family, self.spec)
 
-    def hf_name(self, fqn: str) -> str | None:
-        return self.family.hf_name(fqn) if fqn in self.parameters else None
+    def hf_name(self, fqn: str) -> HfName | None:
+        return self.family.hf_names(self.spec, fqn) if fqn in self.parameters else None
 
     def hf_config(self, model: dict[str, Any], dtype: str) -> dict[str, Any]:
         return self.family.hf_config(self.spec, dtype=dtype)

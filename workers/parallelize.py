@@ -2,7 +2,8 @@
 
 Runs on every rank, inside ``Trainer`` construction. The order is fixed and the per-step
 functions are thin: split into pipeline stages, then tensor parallel (DTensor plans with
-sequence parallelism), then activation checkpointing, then FSDP2 (``fully_shard``), then
+sequence parallelism), then expert parallel (the MoE experts sharded over the ``ep`` mesh),
+then activation checkpointing, then FSDP2 (``fully_shard``), then
 materialise (``workers.initial_values`` initialises). Every function here is collective-free except where it says so.
 """
 
@@ -15,16 +16,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import tensor as dtensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from checkpointing.torch_compat import clear_dtensor_caches, clear_thread_dtensor_caches, flatten_mesh
+from checkpointing.torch_compat import (
+    clear_dtensor_caches,
+    clear_thread_dtensor_caches,
+    flatten_mesh,
+    unflatten_mesh_dim,
+)
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.context_parallel import SequenceShard
 from workers.models import ModelFamily, StageModel
+from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
 from workers.spec import ModelSpec
 from workers.spec.pipeline import stage_ids
 from workers.spec.train import ReshardAfterForward
@@ -68,6 +76,42 @@ def build_world_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     """Collective: every rank of the default process group calls it (it creates sub-groups)."""
     mesh.check_world_size(torch.distributed.get_world_size())
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=DIM_ORDER)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Where the routed experts live under expert parallelism (``parallelism.ep > 1``).
+
+    ``dp_shard`` reshaped into (dp_shard / ep, ep) over the same ranks: ``ep`` holds the ranks
+    that exchange tokens and split the experts between them (each rank ``n_experts / ep``),
+    ``fsdp`` the rest of the data-parallel ranks (with dp_replicate, HSDP), over which FSDP2
+    shards each rank's experts further.
+    """
+
+    ep: DeviceMesh
+    fsdp: DeviceMesh
+
+
+def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMeshes:
+    """Collective: every rank of the world mesh calls it (it creates the sub-groups)."""
+    if mesh.dp_shard % ep:
+        # The config check refuses this; a mesh chosen later (a resize) must keep dp_shard a multiple.
+        raise ValueError(f"parallelism.ep={ep} does not divide this mesh's dp_shard={mesh.dp_shard}")
+    split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
+    return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
+
+
+def apply_expert_parallel(module: StageModel, ep_mesh: DeviceMesh) -> None:
+    """Shard every ``GroupedExperts``' stacked weights ``Shard(0)`` over ``ep_mesh`` (on the meta
+    device: shapes only), and hand it the ep group its token exchange runs on."""
+    for experts in module.modules():
+        if not isinstance(experts, GroupedExperts):
+            continue
+        for name in EXPERT_WEIGHTS:
+            sharded = dtensor.distribute_tensor(getattr(experts, name), ep_mesh, [dtensor.Shard(0)])
+            experts.register_parameter(name, nn.Parameter(sharded))
+        experts.ep_group = ep_mesh.get_group()
 
 
 def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
@@ -184,6 +228,22 @@ def apply_fsdp(
     for block in module.layers.values():
         fully_shard(block, **options)
     fully_shard(module, **options)
+
+
+def apply_expert_fsdp(module: StageModel, experts: ExpertMeshes, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+    """FSDP2 over ``experts.fsdp`` for each block's expert-parallel experts; before ``apply_fsdp``,
+    so that each block's own FSDP group leaves them to theirs (the same policy and resharding).
+
+    An expert's gradient already sums the gradients of the tokens of every rank in its ep group
+    (the exchange brought them), so it is divided by the whole data-parallel degree, not by the
+    size of ``experts.fsdp``: the mean over the global batch, as for every other parameter.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    data_parallel = experts.fsdp.size() * experts.ep.size()
+    for grouped in module.modules():
+        if isinstance(grouped, GroupedExperts):
+            sharded = fully_shard(grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=not pipelined)
+            sharded.set_gradient_divide_factor(float(data_parallel))
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

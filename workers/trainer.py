@@ -108,6 +108,7 @@ class Trainer(TrainerState):
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
         self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
+        self.expert_meshes = par.expert_meshes(self.world_mesh, mesh, spec.ep) if spec.ep > 1 else None
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -143,9 +144,13 @@ class Trainer(TrainerState):
             par.apply_tensor_parallel(module, self.family, self.spec.model, self.world_mesh["tp"])
         if self.sequence_shard.split:
             par.apply_context_parallel(module, self.sequence_shard)
+        if self.expert_meshes is not None:
+            par.apply_expert_parallel(module, self.expert_meshes.ep)
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        if self.expert_meshes is not None:
+            par.apply_expert_fsdp(module, self.expert_meshes, param_dtype=param_dtype, pipelined=self.mesh.pp > 1)
         par.apply_fsdp(
             module,
             par.data_parallel_mesh(self.world_mesh, self.mesh),
@@ -390,3 +395,4 @@ class Trainer(TrainerState):
         # stay those of a live one; popping keeps a second close() harmless.
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
+        self.__dict__.pop("expert_meshes", None)

@@ -191,6 +191,7 @@ def load_model(reference: str) -> ModelSource:
             par.activation_checkpointing,
             reshard_after_forward=par.reshard_after_forward,
             cpu_offload=par.cpu_offload,
+            ep=par.ep,
         )
         return ModelSource(
             f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout

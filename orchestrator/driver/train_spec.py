@@ -56,6 +56,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         reshard_after_forward=ReshardAfterForward(par.reshard_after_forward),
         cpu_offload=par.cpu_offload,
         activation_checkpointing=par.activation_checkpointing,
+        ep=par.ep,
         seed=train.seed,
         dtype=resolve_dtype(config, backend),
         data_source=config.data.source,

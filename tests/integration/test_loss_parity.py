@@ -84,6 +84,24 @@ LAYOUTS = {
         "parallelism.tp=2",
         "parallelism.pp=1",
     ),
+    # Expert parallelism: each rank holds half the experts and computes the other's tokens routed
+    # to them (all-to-all); alone and under a pipeline.
+    "debug-moe-ep2-dp_shard2": (
+        "model.preset=debug-moe",
+        "training.steps=10",
+        "parallelism.dp_shard=2",
+        "parallelism.ep=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+    ),
+    "debug-moe-ep2-pp2-dp_shard2": (
+        "model.preset=debug-moe",
+        "training.steps=10",
+        "parallelism.dp_shard=2",
+        "parallelism.ep=2",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+    ),
 }
 
 

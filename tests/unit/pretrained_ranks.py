@@ -30,7 +30,7 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, TOKENS_SHAPE, generator=torch.Generator().manual_seed(3))
 
 
-def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshSpec) -> None:
+def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshSpec, ep: int = 1) -> None:
     init_generation(
         store=dist.FileStore(store_path, mesh.world_size),
         generation=0,
@@ -43,7 +43,7 @@ def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshS
     family = family_for_architecture(config["architectures"][0])
     assert family is not None, config["architectures"]
     model = family.spec_from_hf_config(config, "config.json")
-    spec = TrainSpec(model=model, steps=1, global_batch=4, seq_len=32, microbatch_size=1, microbatches=2)
+    spec = TrainSpec(model=model, steps=1, global_batch=4, seq_len=32, microbatch_size=1, microbatches=2, ep=ep)
     source = SyntheticSource(vocab_size=model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     report = load_pretrained(trainer, PretrainedSource(model_dir))

@@ -141,6 +141,33 @@ CASES = [
         "parallelism.cp=2: a mixture-of-experts model (model.n_experts=8) trains with cp=1 "
         "(its load-balancing loss is taken over whole sequences); set parallelism.cp=1",
     ),
+    (
+        ["--set", "parallelism.ep=2"],
+        "parallelism.ep=2 needs a mixture-of-experts model (model.n_experts is not set): set parallelism.ep=1, "
+        "or train a moe model (model.preset=debug-moe)",
+    ),
+    (
+        ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "parallelism.ep=4"],
+        "parallelism.ep=4 must divide parallelism.dp_shard=2: the experts are split over ranks of dp_shard; "
+        "choose an ep that divides it",
+    ),
+    (
+        [
+            "--set",
+            "model.preset=debug-moe",
+            "--set",
+            "parallelism.tp=1",
+            "--set",
+            "parallelism.dp_shard=6",
+            "--set",
+            "parallelism.ep=3",
+            "--set",
+            "training.global_batch=24",
+        ],
+        "parallelism.ep=3 must divide model.n_experts=8 so that every rank holds as many experts; "
+        "choose an ep that divides it",
+    ),
+    (["--set", "parallelism.ep=0"], "parallelism.ep=0 must be >= 1"),
 ]
 
 

@@ -10,16 +10,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
+from checkpointing.manifest import build_manifest
+from checkpointing.spec import manifest_key
+from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from orchestrator.cli import main
 from orchestrator.config import load_config
 from tests.hf_models import reference_logits, save_random_model
 from tests.jobs import DEMO_CONFIG, REPO
-from tests.unit import moe_ranks, pretrained_ranks
+from tests.unit import moe_checkpoint_ranks, moe_ranks, pretrained_ranks
 from tests.unit.spawned_ranks import spawn_ranks
 from workers.models import resolve_family
 from workers.models.moe import AttachAuxiliaryLoss, MixtureOfExperts
@@ -27,12 +32,22 @@ from workers.spec import PRESETS
 from workers.spec.hf_config import HfConfigError
 from workers.spec.moe_hf_config import moe_hf_config, moe_spec_from_hf
 
-HF_LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "pp2-dp_shard2": MeshSpec(dp_shard=2, tp=1, pp=2)}
+HF_LAYOUTS = {
+    "1-rank": (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), 1),
+    # Each rank loads its own experts (2 of the 4 per layer) from the per-expert tensors, and computes
+    # the tokens routed to them.
+    "ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), 2),
+}
 TRAIN_LAYOUTS = {
-    "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False),
-    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False),
+    "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False, 1),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False, 1),
     # Recomputation routes every token again: the same experts, the same auxiliary gradient.
-    "dp_shard2-activation_checkpointing": (MeshSpec(dp_shard=2, tp=1, pp=1), True),
+    "dp_shard2-activation_checkpointing": (MeshSpec(dp_shard=2, tp=1, pp=1), True, 1),
+    # Expert parallelism: each of the two dp_shard ranks holds 4 of the 8 experts and computes
+    # the other rank's tokens routed to them (all-to-all); the step must not change.
+    "ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False, 2),
+    "ep2-pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False, 2),
 }
 
 
@@ -40,9 +55,9 @@ TRAIN_LAYOUTS = {
 def test_qwen2_moe_logits_equal_transformers(layout, tmp_path):
     save_random_model("qwen2_moe", tmp_path / "model")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
-    mesh = HF_LAYOUTS[layout]
+    mesh, ep = HF_LAYOUTS[layout]
     ranks = spawn_ranks(
-        functools.partial(pretrained_ranks.run_rank, model_dir=str(tmp_path / "model"), mesh=mesh),
+        functools.partial(pretrained_ranks.run_rank, model_dir=str(tmp_path / "model"), mesh=mesh, ep=ep),
         world_size=mesh.world_size,
         store_path=str(tmp_path / "store"),
     )
@@ -61,22 +76,49 @@ def single_rank_run(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
 def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
-    mesh, activation_checkpointing = TRAIN_LAYOUTS[layout]
+    mesh, activation_checkpointing, ep = TRAIN_LAYOUTS[layout]
     ranks = spawn_ranks(
-        functools.partial(moe_ranks.run_rank, mesh=mesh, activation_checkpointing=activation_checkpointing),
+        functools.partial(moe_ranks.run_rank, mesh=mesh, activation_checkpointing=activation_checkpointing, ep=ep),
         world_size=mesh.world_size,
         store_path=str(tmp_path / "s"),
     )
-    expected, _ = single_rank_run
+    expected, _, _, expected_norms, _ = single_rank_run
     # Each data-parallel slice reports its own mean loss: the step's loss is their mean.
-    reported = [losses for losses, _ in ranks.values() if losses[0] is not None]
+    reported = [losses for losses, *_ in ranks.values() if losses[0] is not None]
     assert len(reported) == mesh.dp
     assert [sum(step) / mesh.dp for step in zip(*reported)] == pytest.approx(expected, rel=1e-3)
     assert expected[-1] < expected[0]
+    # Each rank computes (and holds, once gathered for its forward) n_experts / ep experts per layer.
+    assert {held for _, _, held, *_ in ranks.values()} == {8 // ep}
+    # Every rank clips by the norm of the whole model's gradient, the one process's norm (its
+    # experts' gradients live on other ranks under ep: the norm reduces over their mesh).
+    for _, _, _, norms, _ in ranks.values():
+        assert norms == pytest.approx(expected_norms, rel=1e-3)
+
+
+def test_expert_parallel_replica_groups_stay_bitwise_equal_and_train_as_one_process(tmp_path):
+    # dp_replicate=2 x dp_shard=2 with ep=2: the experts' FSDP is HSDP over (dp_replicate, dp_shard / ep).
+    single = functools.partial(moe_ranks.run_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), global_batch=16)
+    expected, *_ = spawn_ranks(single, world_size=1, store_path=str(tmp_path / "one"))[0]
+    mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    ranks = spawn_ranks(
+        functools.partial(moe_ranks.run_rank, mesh=mesh, ep=2, global_batch=16),
+        world_size=4,
+        store_path=str(tmp_path / "s"),
+    )
+    assert [sum(step) / 4 for step in zip(*(losses for losses, *_ in ranks.values()))] == pytest.approx(
+        expected, rel=1e-3
+    )
+    # Ranks that hold the same slices in the two replica groups hold the same bits (replica sync,
+    # peer snapshots and drops rely on it).
+    digests = {rank: digest for rank, (*_, digest) in ranks.items()}
+    for rank in range(4):
+        twin = mesh.rank(dataclasses.replace(mesh.coords(rank), dp_replicate=1 - mesh.coords(rank).dp_replicate))
+        assert digests[rank] == digests[twin]
 
 
 def test_expert_load_is_reported_per_layer(single_rank_run):
-    _, load = single_rank_run
+    _, load, *_ = single_rank_run
     assert sorted(load) == [f"layer{i}" for i in range(4)]
     # max over mean lies between 1 (even) and n_experts (every token on one expert).
     assert all(1.0 <= value <= 8.0 for value in load.values())
@@ -172,3 +214,53 @@ def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tm
     assert type(exported).__name__ == "Qwen2MoeForCausalLM"
     tokens = pretrained_ranks.fixed_tokens(source.config.vocab_size)
     torch.testing.assert_close(reference_logits(exported, tokens), reference_logits(source, tokens), rtol=0, atol=0)
+
+
+def test_a_checkpoint_saved_under_ep2_restores_into_ep1_bitwise_and_trains_on_alike(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saved = spawn_ranks(
+        functools.partial(
+            moe_checkpoint_ranks.save_rank, mesh=MeshSpec(dp_shard=2, tp=1, pp=1), ep=2, ckpt_dir=str(ckpt)
+        ),
+        world_size=2,
+        store_path=str(tmp_path / "saving"),
+    )
+    at = moe_checkpoint_ranks.SAVED_AT
+    manifest = build_manifest(
+        [report for report, _, _ in saved.values()],
+        step=at,
+        world_size=2,
+        mesh=MeshSpec(dp_shard=2, tp=1, pp=1).as_dict(),
+        model=PRESETS["debug-moe"].to_dict(),
+        config_hash=None,
+    )
+    assert open_storage(str(ckpt)).put_if_absent(manifest_key(at), manifest.to_json())
+    restored = spawn_ranks(
+        functools.partial(
+            moe_checkpoint_ranks.restore_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), ep=1, ckpt_dir=str(ckpt)
+        ),
+        world_size=1,
+        store_path=str(tmp_path / "restoring"),
+    )
+    state, losses = restored[0]
+    _, saved_state, _ = saved[0]
+    assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
+    assert sorted(state) == sorted(saved_state)
+    assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
+    ep2_losses = [sum(step) / 2 for step in zip(*(rank_losses for _, _, rank_losses in saved.values()))]
+    assert losses == pytest.approx(ep2_losses, rel=1e-3)
+
+
+def test_importing_a_model_that_lacks_one_experts_tensor_names_it(tmp_path, capsys):
+    save_random_model("qwen2_moe", tmp_path / "hf")
+    (weights_file,) = (tmp_path / "hf").glob("*.safetensors")
+    weights = load_file(weights_file)
+    del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    assert main(["ckpt", "import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "holds no tensor model.layers.1.mlp.experts.3.up_proj.weight (for parameter layers.1.mlp.experts.up_proj;"
+        in err
+    )
+    assert "Traceback" not in err

@@ -11,17 +11,9 @@ import sys
 
 import pytest
 
-from elastic.cost_model import (
-    Assumptions,
-    Cluster,
-    Layout,
-    Workload,
-    estimate,
-    fsdp_buffer_bytes,
-    pipeline_bubble,
-    zero_memory_per_gpu,
-)
+from elastic.cost_model import Assumptions, Cluster, Layout, Workload, estimate, pipeline_bubble
 from elastic.hardware import GPU_KINDS, gpu_spec
+from elastic.memory_model import fsdp_buffer_bytes, zero_memory_per_gpu
 from elastic.planner import Constraints, best_mesh, check_layout, plan_layouts
 from elastic.spec import MeshSpec
 from workers.spec import PRESETS
@@ -73,6 +65,19 @@ def test_fsdp_full_shard_is_zero3_in_the_estimate():
     )
     replicated_state = replicated.memory.params + replicated.memory.grads + replicated.memory.optimizer
     assert replicated_state == pytest.approx(zero_memory_per_gpu(model.num_params, stage=0, dp=8), rel=1e-9)
+
+
+def test_expert_parallelism_gathers_only_the_ranks_own_experts():
+    # dp_shard = 8 shards all state either way; ep = 8 gathers 1/8 of each layer's routed experts.
+    model = dataclasses.replace(PRESETS["debug-moe"], n_experts=64)
+    memory = {
+        ep: estimate(Workload(model, 512, 16), Cluster(8, 8, H100), Layout(MeshSpec(dp_shard=8), "none", ep=ep)).memory
+        for ep in (1, 8)
+    }
+    assert memory[8].params == memory[1].params and memory[8].optimizer == memory[1].optimizer
+    experts = 64 * 3 * model.dim * model.expert_ffn_dim
+    gathered = model.params_per_layer
+    assert memory[8].fsdp_buffers / memory[1].fsdp_buffers == pytest.approx((gathered - experts * 7 / 8) / gathered)
 
 
 def test_pipeline_bubble_formula():

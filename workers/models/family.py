@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from checkpointing.hf_format import HfName
 from workers.spec import PRESETS, ModelSpec
 
 
@@ -162,13 +163,18 @@ class ModelFamily:
         """The Hugging Face tensor name of parameter ``fqn`` (export, and import by default)."""
         raise NotImplementedError(f"model family {self.name!r} has no Hugging Face names")
 
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
-        """Which Hugging Face tensor each parameter is loaded from (``available``: the file's names).
+    def hf_names(self, spec: ModelSpec, fqn: str) -> HfName:
+        """The Hugging Face tensor(s) parameter ``fqn`` is exported as: ``hf_name``, or (a family with
+        stacked parameters) a tuple of names, one per slice along the first dimension."""
+        return self.hf_name(fqn)
 
-        Defaults to ``hf_name``; a family overrides it where one tensor feeds two parameters
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
+        """Which Hugging Face tensor(s) each parameter is loaded from (``available``: the file's names).
+
+        Defaults to ``hf_names``; a family overrides it where one tensor feeds two parameters
         (tied embeddings stored once).
         """
-        return {fqn: self.hf_name(fqn) for fqn in fqns}
+        return {fqn: self.hf_names(spec, fqn) for fqn in fqns}
 
 
 class FamilyError(ValueError):

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from checkpointing.hf_format import HfName
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
 from workers.spec import ModelSpec
@@ -231,10 +232,10 @@ class LlamaFamily(ModelFamily):
     def hf_name(self, fqn: str) -> str:
         return fqn if fqn == "lm_head.weight" else f"model.{fqn}"
 
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
         """A checkpoint with tied embeddings stores the embedding once: the output projection
         (trained untied here) starts from it."""
-        names = {fqn: self.hf_name(fqn) for fqn in fqns}
+        names: dict[str, HfName] = {fqn: self.hf_name(fqn) for fqn in fqns}
         if "lm_head.weight" in names and "lm_head.weight" not in available and spec.tie_embeddings:
             names["lm_head.weight"] = self.hf_name("embed_tokens.weight")
         return names

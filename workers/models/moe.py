@@ -4,9 +4,9 @@ Builds Qwen2-MoE (``Qwen2MoeForCausalLM``) and the ``debug-moe`` preset. Runs on
 (and on the driver for names and configs).
 
 Each layer's MLP is a router (``mlp.gate``, one logit per expert), ``n_experts`` SwiGLU experts
-(``mlp.experts.<e>``) and, optionally, a shared SwiGLU expert every token passes through, scaled
-by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``) as in Qwen2-MoE. Routing
-is top-k over softmax (or sigmoid) scores and dropless: every token is computed by each of its
+(``mlp.experts``, stacked: ``GroupedExperts``) and, optionally, a shared SwiGLU expert every
+token passes through, scaled by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``)
+as in Qwen2-MoE. Routing is top-k over softmax (or sigmoid) scores and dropless: every token is computed by each of its
 ``top_k_experts`` experts, whatever the load; no capacity factor, no token is ever dropped.
 
 Load balancing is Switch Transformer's auxiliary loss, per layer and per microbatch:
@@ -17,9 +17,11 @@ unchanged under pipelining and activation checkpointing; the reported loss is th
 entropy alone. (Hugging Face averages ``f`` and ``p`` over all layers before the product; the
 per-layer form is Megatron's and TorchTitan's, and needs nothing from other pipeline stages.)
 
-Parameter names are Hugging Face's per-expert names without ``model.`` (``transformers`` 5
-fuses the experts in memory, ``mlp.experts.gate_up_proj``, but saves and loads them per
-expert), so import and export are a rename, as for ``llama``.
+Parameter names are Hugging Face's without ``model.``, except the routed experts: a layer's
+experts are three stacked parameters (``mlp.experts.gate_proj`` [n_experts, hidden, dim], ...,
+see ``GroupedExperts``), which expert parallelism shards over the ``ep`` mesh. Each maps to
+``n_experts`` Hugging Face tensors (``model.layers.<l>.mlp.experts.<e>.gate_proj.weight``, the
+stacked parameter's slice ``[e]``), so import and export stack and unstack them.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from checkpointing.hf_format import HfName
 from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
+from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
 from workers.models.llama import Attention, LlamaFamily, RMSNorm
 from workers.spec import ModelSpec
 from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec_from_hf
 
 
 class SwiGLU(nn.Module):
-    """One expert (or the shared experts): ``down(silu(gate(x)) * up(x))``."""
+    """The shared experts: ``down(silu(gate(x)) * up(x))`` (the routed ones are ``GroupedExperts``)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -75,7 +79,7 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.spec = spec
         self.gate = nn.Linear(spec.dim, spec.n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(spec.dim, spec.expert_ffn_dim) for _ in range(spec.n_experts))
+        self.experts = GroupedExperts(spec.dim, spec.expert_ffn_dim, spec.n_experts)
         self.shared_expert = SwiGLU(spec.dim, spec.shared_ffn_dim) if spec.n_shared_experts else None
         self.shared_expert_gate = nn.Linear(spec.dim, 1, bias=False) if spec.n_shared_experts else None
         # The trainer's 1 / (microbatches per step), as its loss is scaled (``scale_auxiliary_losses``).
@@ -108,7 +112,8 @@ class MixtureOfExperts(nn.Module):
     def routed(self, tokens: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token through each of its top-k experts, weighted and summed (every token, no capacity).
 
-        Assignments are sorted by expert so that each expert runs one matmul over its tokens.
+        Assignments are sorted by expert so that each expert runs one matmul over its tokens
+        (on the rank that holds it, under expert parallelism: ``GroupedExperts``).
         """
         flat_experts = top_experts.reshape(-1)
         order = flat_experts.argsort(stable=True)
@@ -118,8 +123,7 @@ class MixtureOfExperts(nn.Module):
         self.routed_since_read = self.tokens_per_expert if read is None else read + self.tokens_per_expert
         token_index = order // self.spec.top_k_experts
         # .tolist() is a device sync point: the split sizes are needed on the host.
-        chunks = tokens[token_index].split(counts.tolist())
-        computed = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)])
+        computed = self.experts(tokens[token_index], counts.tolist())
         weighted = computed * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add_(0, token_index, weighted)
 
@@ -193,6 +197,12 @@ class MoeTransformer(StageModel):
 _LLAMA = LlamaFamily()
 
 
+def _stacked_expert(fqn: str) -> bool:
+    """Whether ``fqn`` is one of a layer's stacked expert parameters (``layers.<l>.mlp.experts.gate_proj``)."""
+    parts = fqn.split(".")
+    return len(parts) >= 3 and parts[-2] == "experts" and parts[-1] in EXPERT_WEIGHTS
+
+
 class MoeFamily(ModelFamily):
     """Qwen2-MoE-style decoders: llama attention, a mixture-of-experts MLP (see the module docstring).
 
@@ -212,13 +222,22 @@ class MoeFamily(ModelFamily):
         raise NotImplementedError("the moe family trains with parallelism.tp=1")
 
     def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
-        return _LLAMA.init_rule(fqn, spec)
+        # The stacked experts' down_proj is every expert's output projection (llama's rule by name).
+        return _LLAMA.init_rule(fqn + ".weight" if _stacked_expert(fqn) else fqn, spec)
 
     def hf_name(self, fqn: str) -> str:
         return _LLAMA.hf_name(fqn)
 
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, str]:
-        return _LLAMA.hf_source_names(spec, fqns, available)
+    def hf_names(self, spec: ModelSpec, fqn: str) -> HfName:
+        """A stacked expert parameter is ``n_experts`` Hugging Face tensors, expert ``e``'s slice ``[e]``."""
+        if not _stacked_expert(fqn):
+            return self.hf_name(fqn)
+        experts, weight = fqn.rsplit(".", 1)
+        return tuple(f"model.{experts}.{expert}.{weight}.weight" for expert in range(spec.n_experts))
+
+    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
+        names = _LLAMA.hf_source_names(spec, fqns, available)  # a tied embedding's source
+        return {fqn: self.hf_names(spec, fqn) if _stacked_expert(fqn) else name for fqn, name in names.items()}
 
     def problems(self, spec: ModelSpec) -> list[str]:
         found = spec.problems()

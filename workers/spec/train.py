@@ -143,6 +143,8 @@ class TrainSpec(OptimizerSpec):
     reshard_after_forward: ReshardAfterForward = ReshardAfterForward.AUTO
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    # Expert parallelism: ranks of dp_shard that split a mixture of experts' experts (1: none).
+    ep: int = 1
     seed: int = 0
     dtype: str = "float32"  # float32, or bfloat16 parameters with float32 gradient reduction
     data_source: str = "synthetic"

@@ -1,0 +1,78 @@
+"""Model-state and working memory per GPU: the ZeRO paper's arithmetic and FSDP2's buffers.
+
+Pure arithmetic (no ray, no torch), used by ``elastic.cost_model`` for every candidate layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from workers.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from elastic.cost_model import Layout
+
+# ZeRO paper's mixed-precision Adam: bf16 params + bf16 grads + K=12 optimizer bytes.
+PARAM_BYTES = 2
+GRAD_BYTES = 2
+ADAM_BYTES = 12
+# FSDP2 reduces (and, with no-sync, accumulates) gradients in fp32.
+REDUCE_BYTES = 4
+ACTIVATION_BYTES = 2  # bf16
+# Logits kept for the loss: the bf16 logits and their fp32 upcast.
+LOGIT_BYTES = 2 + 4
+
+
+def zero_memory_per_gpu(
+    num_params: float,
+    *,
+    stage: int,
+    dp: int,
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    optimizer_bytes: float = ADAM_BYTES,
+) -> float:
+    """Model-state bytes per GPU under ZeRO stage 0 (replicate), 1, 2 or 3 over ``dp`` GPUs.
+
+    The ZeRO paper's arithmetic: (2 + 2 + K)·Ψ unsharded; stage 1 divides the K·Ψ optimizer
+    bytes by N_d, stage 2 also the gradients, stage 3 also the parameters.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp!r}")
+    params = param_bytes * num_params / (dp if stage >= 3 else 1)
+    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
+    optimizer = optimizer_bytes * num_params / (dp if stage >= 1 else 1)
+    return params + grads + optimizer
+
+
+def activation_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes one token leaves behind in one layer for the backward pass (bf16, flash attention).
+
+    Attention: RMSNorm input and output (2h), q (h), k and v (2·kv), the attention output that
+    also feeds wo (h). Feed-forward: RMSNorm input and output (2h), w1 and w3 outputs, silu(w1)
+    and the product feeding w2 (4·ffn). Each value is 2 bytes.
+    """
+    kv_dim = model.n_kv_heads * model.head_dim
+    elements = 2 * model.dim + model.dim + 2 * kv_dim + model.dim + 2 * model.dim + 4 * model.ffn_dim
+    return ACTIVATION_BYTES * elements
+
+
+def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) -> float:
+    """FSDP2's unsharded working copies on a rank holding ``stage_params`` (0 without sharding).
+
+    Gathered bf16 parameters: the whole stage when they stay gathered (``keeps_gathered``), else
+    about two layers (the one running and the one prefetched). fp32 gradients before the
+    reduce-scatter: the whole stage with pipelining (the stage skips gradient sync until its last
+    microbatch), else two layers.
+    """
+    if layout.mesh.fsdp_shards == 1:  # FSDP shards over dp_shard x cp
+        return 0.0
+    pipelined, kept = layout.mesh.pp > 1, layout.keeps_gathered
+    if pipelined and kept:
+        return (PARAM_BYTES + REDUCE_BYTES) * stage_params
+    if not pipelined and not kept:
+        return 2 * (PARAM_BYTES + REDUCE_BYTES) * layer_params
+    gathered = PARAM_BYTES * stage_params if kept else 2 * PARAM_BYTES * layer_params
+    return gathered + (REDUCE_BYTES * stage_params if pipelined else 2 * REDUCE_BYTES * layer_params)

@@ -1,0 +1,88 @@
+"""Ranks (spawned processes, real gloo, no Ray) that save ``debug-moe`` under one expert-parallel
+degree and restore it under another, for tests/unit/test_moe_family.py.
+
+``save_rank`` trains ``SAVED_AT`` steps, writes its shard of the step (``CheckpointWriter``), gathers
+the whole state (every parameter and optimizer tensor, full) for the test to compare with, and
+trains on to step ``STEPS``. ``restore_rank`` builds a trainer for its own mesh, restores the
+committed step and reports its whole state and the losses of the steps after it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from checkpointing.catalog import load_manifest
+from checkpointing.reader import restore
+from checkpointing.storage import open_storage
+from checkpointing.writer import CheckpointWriter
+from elastic.spec import MeshSpec
+from tests.unit.moe_ranks import STEPS, moe_train_spec
+from workers.checkpoints import owns_plain_tensors
+from workers.data import SyntheticSource
+from workers.runtime import init_generation
+from workers.trainer import Trainer
+
+SAVED_AT = 5
+
+
+def _trainer(rank: int, store_path: str, mesh: MeshSpec, ep: int) -> Trainer:
+    torch.set_num_threads(1)
+    init_generation(
+        store=dist.FileStore(store_path, mesh.world_size),
+        generation=0,
+        rank=rank,
+        world_size=mesh.world_size,
+        backend="gloo",
+        timeout_s=120,
+    )
+    spec = moe_train_spec(ep=ep)
+    source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
+    return Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
+
+
+def _full_state(trainer: Trainer) -> dict[str, np.ndarray]:
+    """Collective over the mesh: every tensor of this rank's stages, whole (same order on every rank);
+    as numpy arrays, which pickle by value (a tensor would be passed as a file descriptor of this
+    process, gone once it exits)."""
+    state = trainer.checkpoint_state()
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().numpy().copy()
+        for name, value in sorted(state.items())
+    }
+
+
+def _finish(results, *values) -> None:
+    results.put(values)
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
+
+
+def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str) -> None:
+    trainer = _trainer(rank, store_path, mesh, ep)
+    trainer.init_weights()
+    for step in range(1, SAVED_AT + 1):
+        trainer.train_step(step)
+    reports: list = []
+    writer = CheckpointWriter(open_storage(ckpt_dir), rank=rank, report=reports.append, mesh=trainer.world_mesh)
+    writer.save_sync(SAVED_AT, trainer.checkpoint_state(), owns_plain_tensors=owns_plain_tensors(trainer))
+    writer.close(wait=True)
+    state = _full_state(trainer)
+    losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
+    _finish(results, rank, reports[0], state, losses)
+
+
+def restore_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str) -> None:
+    trainer = _trainer(rank, store_path, mesh, ep)
+    trainer.ensure_optimizer_state()
+    storage = open_storage(ckpt_dir)
+    restore(storage, load_manifest(storage, SAVED_AT), trainer.checkpoint_state())
+    state = _full_state(trainer)
+    losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
+    _finish(results, rank, state, losses)
