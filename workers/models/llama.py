@@ -14,6 +14,7 @@ and nothing else. A pipeline stage is this same class with the parts it does not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,12 +140,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Pre-norm attention then pre-norm MLP, each residual; ``make_mlp`` builds the MLP (a
+    family with another feed-forward, such as a mixture of experts, passes its own)."""
+
+    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec], nn.Module] = FeedForward) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.dim, spec.norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.dim, spec.norm_eps)
-        self.mlp = FeedForward(spec)
+        self.mlp = make_mlp(spec)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h))
@@ -157,11 +161,11 @@ class Transformer(StageModel):
     first_stage_modules = ("embed_tokens",)
     last_stage_modules = ("norm", "lm_head")
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec], nn.Module] = FeedForward) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, make_mlp) for i in range(spec.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
 

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.hf_format import HfName
-from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
+from workers.models.family import InitRule, ModelFamily, TensorParallelPlan, register_family
 from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
-from workers.models.llama import Attention, LlamaFamily, RMSNorm
+from workers.models.llama import LlamaFamily, Transformer
 from workers.spec import ModelSpec
 from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec_from_hf
 
@@ -137,40 +137,12 @@ class MixtureOfExperts(nn.Module):
         return self.spec.n_experts * (fraction_routed * probabilities.mean(0)).sum()
 
 
-class MoeBlock(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.dim, spec.norm_eps)
-        self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.dim, spec.norm_eps)
-        self.mlp = MixtureOfExperts(spec)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class MoeTransformer(StageModel):
-    """The whole model, or one pipeline stage of it (see ``StageModel.keep_only``)."""
-
-    first_stage_modules = ("embed_tokens",)
-    last_stage_modules = ("norm", "lm_head")
+class MoeTransformer(Transformer):
+    """The llama decoder with a mixture of experts as every layer's MLP (the whole model, or one
+    pipeline stage of it)."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
-        self.layers = nn.ModuleDict({str(i): MoeBlock(spec) for i in range(spec.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(spec.dim, spec.norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        assert self.embed_tokens is not None, "only the first stage embeds"
-        return self.embed_tokens(tokens)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.norm is not None and self.lm_head is not None, "only the last stage has the head"
-        return self.lm_head(self.norm(hidden))
+        super().__init__(spec, make_mlp=MixtureOfExperts)
 
     def scale_auxiliary_losses(self, scale: float) -> None:
         for module in self.modules():
