@@ -136,7 +136,7 @@ class FakeTrainer:
 
     device = torch.device("cpu")
     world_mesh = None
-    coords = SimpleNamespace(dp_replicate=0, dp_shard=0, tp=0)
+    coords = SimpleNamespace(dp_replicate=0, dp_shard=0, cp=0, tp=0)
 
     def __init__(self) -> None:
         self.parameters = {fqn: torch.zeros(shape) for fqn, shape in SHAPES.items()}

@@ -40,27 +40,34 @@ def llama_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "ll
             f"{', '.join(sorted(LLAMA_COMPATIBLE))} (or bring your own family: model.family: package.module:Class)"
         )
     _refuse_unbuilt_features(config, source)
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    return ModelSpec(
+        **decoder_fields(config, source),
+        family=family,
+        qkv_bias=LLAMA_COMPATIBLE[architecture],
+        sliding_window=int(window) if window else None,
+    )
+
+
+def decoder_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The shape fields every decoder config.json of ours gives alike (Llama, Qwen2, Qwen2-MoE)."""
     heads = _int(config, "num_attention_heads", source)
     dim = _int(config, "hidden_size", source)
     head_dim = config.get("head_dim")
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    return ModelSpec(
-        dim=dim,
-        n_layers=_int(config, "num_hidden_layers", source),
-        n_heads=heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or heads),
-        vocab_size=_int(config, "vocab_size", source),
-        ffn_dim=_int(config, "intermediate_size", source),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
-        max_seq_len=int(config.get("max_position_embeddings") or 8192),
-        family=family,
-        attention_head_dim=int(head_dim) if head_dim and int(head_dim) != dim // heads else None,
-        qkv_bias=LLAMA_COMPATIBLE[architecture],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=_rope_scaling(config, source),
-        sliding_window=int(window) if window else None,
-    )
+    return {
+        "dim": dim,
+        "n_layers": _int(config, "num_hidden_layers", source),
+        "n_heads": heads,
+        "n_kv_heads": int(config.get("num_key_value_heads") or heads),
+        "vocab_size": _int(config, "vocab_size", source),
+        "ffn_dim": _int(config, "intermediate_size", source),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta(config),
+        "max_seq_len": int(config.get("max_position_embeddings") or 8192),
+        "attention_head_dim": int(head_dim) if head_dim and int(head_dim) != dim // heads else None,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "rope_scaling": _rope_scaling(config, source),
+    }
 
 
 def _refuse_unbuilt_features(config: dict[str, Any], source: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.spec.hf_config import HfConfigError, _int, _rope_scaling, _rope_theta, architecture_of
+from workers.spec.hf_config import HfConfigError, _int, architecture_of, decoder_fields
 from workers.spec.model import ModelSpec
 
 MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -23,26 +23,12 @@ def moe_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "moe"
             f"{source}: architecture {architecture} is not built by the moe family ({MOE_ARCHITECTURE})"
         )
     _refuse_dense_layers(config, source)
-    heads = _int(config, "num_attention_heads", source)
-    dim = _int(config, "hidden_size", source)
-    head_dim = config.get("head_dim")
     shared_width = int(config.get("shared_expert_intermediate_size") or 0)
     return ModelSpec(
-        dim=dim,
-        n_layers=_int(config, "num_hidden_layers", source),
-        n_heads=heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or heads),
-        vocab_size=_int(config, "vocab_size", source),
-        ffn_dim=_int(config, "intermediate_size", source),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config),
-        max_seq_len=int(config.get("max_position_embeddings") or 8192),
+        **decoder_fields(config, source),
         family=family,
-        attention_head_dim=int(head_dim) if head_dim and int(head_dim) != dim // heads else None,
         # Configs written before transformers 5 have no such key: Qwen2-MoE always had the biases.
         qkv_bias=bool(config.get("qkv_bias", True)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=_rope_scaling(config, source),
         n_experts=_int(config, "num_experts", source),
         top_k_experts=_int(config, "num_experts_per_tok", source),
         moe_ffn_dim=_int(config, "moe_intermediate_size", source),
