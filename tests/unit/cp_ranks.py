@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
+from tests.unit.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.evaluation import Evaluator
-from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
 
@@ -44,14 +44,7 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
 
 def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
     torch.set_num_threads(1)
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     spec = cp_train_spec(activation_checkpointing=activation_checkpointing)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)

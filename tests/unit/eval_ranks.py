@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
+from tests.unit.spawned_ranks import join_gloo
 from workers import parallelize as par
 from workers.data import SyntheticSource
 from workers.evaluation import Evaluator
-from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.spec.train import BatchPlan
 from workers.trainer import Trainer
@@ -50,14 +50,7 @@ def fresh_trainer(mesh: MeshSpec, rank: int) -> Trainer:
 
 
 def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec) -> None:
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     evaluated = fresh_trainer(mesh, rank)
     before = evaluated.state_digest()
     first = Evaluator(evaluated, batches=EVAL_BATCHES).evaluate()

@@ -22,9 +22,9 @@ from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from elastic.spec import MeshSpec
 from tests.unit.moe_ranks import STEPS, moe_train_spec
+from tests.unit.spawned_ranks import join_gloo
 from workers.checkpoints import owns_plain_tensors
 from workers.data import SyntheticSource
-from workers.runtime import init_generation
 from workers.trainer import Trainer
 
 SAVED_AT = 5
@@ -32,14 +32,7 @@ SAVED_AT = 5
 
 def _trainer(rank: int, store_path: str, mesh: MeshSpec, ep: int) -> Trainer:
     torch.set_num_threads(1)
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     spec = moe_train_spec(ep=ep)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     return Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)

@@ -17,9 +17,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastic.spec import MeshSpec
+from tests.unit.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.models.grouped_experts import GroupedExperts
-from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
 
@@ -68,14 +68,7 @@ def run_rank(
     global_batch: int = 8,
 ) -> None:
     torch.set_num_threads(1)
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     spec = moe_train_spec(activation_checkpointing=activation_checkpointing, ep=ep, global_batch=global_batch)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
+from tests.unit.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
-from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
 
@@ -37,14 +37,7 @@ SPEC = TrainSpec(
 
 def run_rank(mesh_fields: dict[str, int], spec_fields: dict[str, Any], rank: int, store_path: str, results) -> None:
     mesh = MeshSpec(**mesh_fields)
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     torch.set_num_threads(1)
     microbatches = spec_fields.get("microbatches", SPEC.microbatches)
     microbatch_size = SPEC.global_batch // (mesh.dp * microbatches)

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
+from tests.unit.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.models import family_for_architecture
 from workers.pretrained import load_pretrained
-from workers.runtime import init_generation
 from workers.spec import TrainSpec
 from workers.spec.train import PretrainedSource
 from workers.trainer import Trainer
@@ -31,14 +31,7 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
 
 
 def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshSpec, ep: int = 1) -> None:
-    init_generation(
-        store=dist.FileStore(store_path, mesh.world_size),
-        generation=0,
-        rank=rank,
-        world_size=mesh.world_size,
-        backend="gloo",
-        timeout_s=120,
-    )
+    join_gloo(rank, store_path, mesh)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = family_for_architecture(config["architectures"][0])
     assert family is not None, config["architectures"]

@@ -3,7 +3,8 @@
     outcomes = spawn_ranks(run_rank, world_size=2, store_path=str(tmp / "store"))
 
 ``run_rank(rank, store_path, results)`` puts one tuple ``(rank, *values)`` on ``results``;
-the answer maps each rank to its values.
+the answer maps each rank to its values. Inside a rank, ``join_gloo(rank, store_path, mesh)``
+opens its generation-0 gloo process group.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from elastic.spec import MeshSpec
 
 
 def spawn_ranks(
@@ -28,3 +32,17 @@ def spawn_ranks(
     for process in processes:
         process.join(timeout=30)
     return {outcome[0]: outcome[1:] for outcome in outcomes}
+
+
+def join_gloo(rank: int, store_path: str, mesh: MeshSpec) -> None:
+    """In a spawned rank: join generation 0 of a gloo job of ``mesh`` through a file store."""
+    from workers.runtime import init_generation
+
+    init_generation(
+        store=dist.FileStore(store_path, mesh.world_size),
+        generation=0,
+        rank=rank,
+        world_size=mesh.world_size,
+        backend="gloo",
+        timeout_s=120,
+    )
