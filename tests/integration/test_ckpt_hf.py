@@ -115,10 +115,10 @@ def test_import_from_s3_to_s3(s3_bucket, tmp_path, capsys):
         (
             {"architectures": ["GPT2LMHeadModel"]},
             (),
-            "config.json: no model family loads architecture GPT2LMHeadModel (registered: llama); name one with "
+            "config.json: no model family loads architecture GPT2LMHeadModel (registered: llama, moe); name one with "
             "--family NAME or --family package.module:Class",
         ),
-        ({}, ("--family", "nosuch"), "model.family 'nosuch' is not a registered family (llama)"),
+        ({}, ("--family", "nosuch"), "model.family 'nosuch' is not a registered family (llama, moe)"),
         (
             {"hidden_size": 32, "head_dim": 16},
             (),
