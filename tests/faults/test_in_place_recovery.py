@@ -33,7 +33,7 @@ def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
     assert recovered["lost_steps"] == 0
     assert recovered["old_mesh"]["dp_replicate"] == 2
     # the replica group that lost a rank left whole; the other one went on without restarting
-    assert recovered["new_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "tp": 1}
+    assert recovered["new_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "cp": 1, "tp": 1}
     if kind != "hang":  # a hang costs elastic.hang_timeout_s by definition
         assert recovered["mttr_s"] < 15
 

@@ -144,8 +144,8 @@ def test_lost_node_shrinks_dp_shard_in_place_then_grows_back_from_peer_memory(re
     assert failure["kind"] == "node_lost" and failure["ranks"] == [2, 3]
     [shrunk, grown] = of_kind(events, "restored")
     assert shrunk["source"] == grown["source"] == "peer_memory"
-    assert shrunk["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "tp": 2}
-    assert grown["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "tp": 2}
+    assert shrunk["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+    assert grown["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
     [grow] = of_kind(events, "grow")

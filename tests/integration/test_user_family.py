@@ -28,7 +28,7 @@ def test_a_user_family_on_8_ranks_trains_like_one_process(ray_cluster, tmp_path)
     result, events = train(tmp_path / "eight", f"training.steps={STEPS}", FAMILY)
     assert result.exit_code == 0, result.reason
     start = next(e for e in events if e["event"] == "start")
-    assert start["mesh"] == {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "tp": 2} and start["world_size"] == 8
+    assert start["mesh"] == {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "cp": 1, "tp": 2} and start["world_size"] == 8
     parallel, reference = losses(events), losses(reference_events)
     assert sorted(parallel) == sorted(reference) == list(range(1, STEPS + 1))
     for step, expected in reference.items():
