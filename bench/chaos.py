@@ -19,7 +19,7 @@ dp_replicate=2 x dp_shard=2, seq_len 32, 2 spare actors, a checkpoint to S3 ever
    (``orchestrator/analysis/invariants.py``): finished, every step and sample once, losses equal
    to run 1's, replicas identical, every checkpoint verifies, nothing left on the cluster (checked
    before the worker nodes go).
-3. Ray Train V2's ``TorchTrainer`` (``bench/recovery_reference.py``: the same Trainer, model,
+3. Ray Train V2's ``TorchTrainer`` (``bench/support/recovery_reference.py``: the same Trainer, model,
    layout and data) under the faults of the schedule it meets as given: a worker's process
    SIGKILLed or raising at the start of the same step on the same rank, the node of that rank
    removed once the step completed (a spare node per node fault stands by, since Ray Train
@@ -27,7 +27,7 @@ dp_replicate=2 x dp_shard=2, seq_len 32, 2 spare actors, a checkpoint to S3 ever
    group from its last checkpoint (every 3 steps, local disk). The other kinds are listed in the
    JSON with why they were not applied; no figure is made up for them.
 
-How every figure is counted is in ``bench/chaos_figures.py``. A run that does not survive is a
+How every figure is counted is in ``bench/support/chaos_figures.py``. A run that does not survive is a
 result too: its figures, events and the failure are reported, and the exit code is 1. The last
 stdout line is one JSON object.
 """
@@ -46,7 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.chaos_figures import (  # noqa: E402
+from bench.common import REPO, emit  # noqa: E402
+from bench.support.chaos_figures import (  # noqa: E402
     GOODPUT_GOAL,
     chaos_figures,
     describe_fault,
@@ -55,8 +56,7 @@ from bench.chaos_figures import (  # noqa: E402
     reference_restarts,
     split_for_reference,
 )
-from bench.common import REPO, emit  # noqa: E402
-from bench.recovery_timing import table  # noqa: E402
+from bench.support.recovery_timing import table  # noqa: E402
 from tests.fixtures.worker_nodes import NODE_RESOURCE, WorkerNodes  # noqa: E402
 
 BENCH = "bench/chaos.py"
@@ -247,7 +247,7 @@ class NodeFaultsForReference:
 
 def run_ray_train(cluster, workdir: Path, *, steps: int, applied: list[dict[str, Any]]) -> dict[str, Any]:
     """Ray Train V2 training the same job under ``applied`` (kill, raise and node faults)."""
-    from bench.recovery_reference import all_records, run_reference
+    from bench.support.recovery_reference import all_records, run_reference
     from orchestrator.driver.train_spec import data_bytes, train_spec
 
     config = job_config(steps)  # the reference checkpoints on its own, to local disk

@@ -7,8 +7,7 @@ simulator uses are also recorded with ``orchestrator.analysis.bench_figures.reco
 The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py, hf_load.py,
 data.py, recovery.py, chaos.py, metrics_overhead.py, parallel.py and torchrun_reference.py (under
 torchrun).
-Modules the scripts import, not run on their own: this one, recovery_reference.py,
-recovery_timing.py, chaos_figures.py.
+Modules the scripts import, not run on their own: this one, and those in ``bench/support/``.
 """
 
 from __future__ import annotations

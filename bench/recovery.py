@@ -27,7 +27,7 @@ on CPU, global batch 16, seq_len 64. Measured, side by side:
    fault to first step and steps lost. Ray Train has no replica groups: its figure is (6)'s (a).
    Also the snapshots' cost: the median step time of uninterrupted one-replica runs with
    snapshots on over runs with them off (off, on, on, off), and the host memory per rank.
-6. The reference: Ray Train V2's ``TorchTrainer`` (``bench/recovery_reference.py``) on the same
+6. The reference: Ray Train V2's ``TorchTrainer`` (``bench/support/recovery_reference.py``) on the same
    model, FSDP2 layout, data and world size, checkpointing every few steps: (a) a worker
    SIGKILLs itself at the start of step S; (b) the node of a worker is removed (a spare node
    stands by, since Ray Train restarts the whole group at full size).
@@ -62,7 +62,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit  # noqa: E402
-from bench.recovery_timing import median, mesh_change, of_kind, ratio, restart_from_records, step_completed_at, table  # noqa: E402
+from bench.support.recovery_timing import (  # noqa: E402
+    median,
+    mesh_change,
+    of_kind,
+    ratio,
+    restart_from_records,
+    step_completed_at,
+    table,
+)
 from tests.fixtures.worker_nodes import NODE_RESOURCE, WorkerNodes  # noqa: E402
 
 BENCH = "bench/recovery.py"
@@ -401,7 +409,7 @@ def _losses(events, *, upto: int) -> dict[int, float]:
 
 # ------------------------------------------------------------------ the reference
 def reference_run(workdir: Path, *, steps: int, faults: list[dict[str, Any]] | None = None, on_step=None):
-    from bench.recovery_reference import run_reference
+    from bench.support.recovery_reference import run_reference
     from orchestrator.driver.train_spec import data_bytes, train_spec
 
     config = job_config(steps)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos_figures import chaos_figures, goals, reference_goodput, reference_restarts, split_for_reference
+from bench.support.chaos_figures import chaos_figures, goals, reference_goodput, reference_restarts, split_for_reference
 from workers.faults import FaultSpec
 
 

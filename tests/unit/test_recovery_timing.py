@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.recovery_timing import completions_by_attempt, mesh_change, ratio, restart_from_records
+from bench.support.recovery_timing import completions_by_attempt, mesh_change, ratio, restart_from_records
 from elastic.spec import MeshSpec
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer

@@ -4,7 +4,7 @@ Runs on the benchmark's driver (``bench/recovery.py``), after each scenario. Two
 
 - a meshpilot run's events (``events.jsonl`` as dicts): ``step`` events carry ``completed_at``
   (when the slowest rank finished the step) and the ``mesh`` that took it;
-- the Ray Train reference's per-rank records (``bench/recovery_reference.py``): one dict per
+- the Ray Train reference's per-rank records (``bench/support/recovery_reference.py``): one dict per
   completed step and rank, ``{"attempt", "step", "completed_at", ...}``.
 
 A figure is always measured from the fault's own wall-clock time (the SIGKILL, the node's

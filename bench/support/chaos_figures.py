@@ -3,7 +3,7 @@
 Runs on the benchmark's driver, after the runs. Two inputs:
 
 - a meshpilot run's events (``events.jsonl`` as dicts, see ``orchestrator/observe/events.py``);
-- the Ray Train reference's per-rank records (``bench/recovery_reference.py``): ``start``,
+- the Ray Train reference's per-rank records (``bench/support/recovery_reference.py``): ``start``,
   ``step`` (with ``step_time_s``) and the ``kill`` / ``raise`` a worker fired on itself.
 
 How each figure is counted:
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.recovery_timing import completions_by_attempt
+from bench.support.recovery_timing import completions_by_attempt
 
 GOODPUT_GOAL = 0.8
 # The kinds Ray Train V2 meets as meshpilot's schedule gives them (a worker's process killed or
