@@ -126,18 +126,9 @@ def llama_hf_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
     return {
         "architectures": [architecture],
         "model_type": "qwen2" if spec.qkv_bias else "llama",
-        "hidden_size": spec.dim,
-        "intermediate_size": spec.ffn_dim,
-        "num_hidden_layers": spec.n_layers,
-        "num_attention_heads": spec.n_heads,
-        "num_key_value_heads": spec.n_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
+        **decoder_config(spec),
         "rope_scaling": None if spec.rope_scaling is None else rope,
         "rope_parameters": rope,
-        "max_position_embeddings": spec.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -154,4 +145,20 @@ def _scaling_dict(scaling: RopeScaling) -> dict[str, Any]:
         "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor,
         "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
+
+
+def decoder_config(spec: ModelSpec) -> dict[str, Any]:
+    """The config.json keys every decoder of ours writes alike (the inverse of ``decoder_fields``)."""
+    return {
+        "hidden_size": spec.dim,
+        "intermediate_size": spec.ffn_dim,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_seq_len,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.spec.hf_config import HfConfigError, _int, architecture_of, decoder_fields
+from workers.spec.hf_config import HfConfigError, _int, architecture_of, decoder_config, decoder_fields
 from workers.spec.model import ModelSpec
 
 MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -67,17 +67,8 @@ def moe_hf_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
     return {
         "architectures": [MOE_ARCHITECTURE],
         "model_type": "qwen2_moe",
-        "hidden_size": spec.dim,
-        "intermediate_size": spec.ffn_dim,
-        "num_hidden_layers": spec.n_layers,
-        "num_attention_heads": spec.n_heads,
-        "num_key_value_heads": spec.n_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
+        **decoder_config(spec),
         "rope_parameters": rope,
-        "max_position_embeddings": spec.max_seq_len,
         "hidden_act": "silu",
         "qkv_bias": spec.qkv_bias,
         "num_experts": spec.n_experts,
