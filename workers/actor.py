@@ -65,6 +65,10 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
 
 log = logging.getLogger("meshpilot.rank")
 
+# How long a rank about to kill itself (an injected kill) waits for the driver to poll the
+# reports it queued: the driver polls every 0.25 s, so this is many polls, and still bounded.
+REPORTS_BEFORE_KILL_S = 5.0
+
 
 class RankActor:
     """One rank. Construct with ``ray.remote(RankActor).options(max_concurrency=4, ...)``."""
@@ -268,7 +272,10 @@ class RankActor:
         self._filled = False
         self._group_sockets = group_sockets.opened()
         self.faults = FaultInjector(
-            faults, rank=rank, on_fire=lambda f: log.warning("firing injected fault %s", f.describe())
+            faults,
+            rank=rank,
+            on_fire=lambda f: log.warning("firing injected fault %s", f.describe()),
+            before_kill=lambda: self.channel.wait_delivered(REPORTS_BEFORE_KILL_S),
         )
         checkpoints = (
             RankCheckpoints(self.spec, trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down)

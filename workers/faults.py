@@ -175,9 +175,19 @@ class DriverFaults:
 class FaultInjector:
     """Rank side: fires this generation's faults for this rank at the start of their step."""
 
-    def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, on_fire=None) -> None:
+    def __init__(
+        self,
+        faults: tuple[FaultSpec, ...],
+        *,
+        rank: int,
+        on_fire: Callable[[FaultSpec], None] | None = None,
+        before_kill: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_fire(fault)`` runs as a fault fires; ``before_kill()`` just before a kill ends the
+        process (the actor waits there until the driver has polled this rank's queued reports)."""
         self.faults = [f for f in faults if f.rank == rank and f.kind in RANK_KINDS]
         self.on_fire = on_fire
+        self.before_kill = before_kill
         self.storage_outage_until = 0.0
 
     def before_step(self, step: int) -> None:
@@ -204,6 +214,11 @@ class FaultInjector:
         if self.on_fire is not None:
             self.on_fire(fault)
         if fault.kind == FaultKind.KILL:
+            # The driver must know every step this rank completed before it died: it consumes the
+            # fault by the step the failure interrupted, and a kill that took queued step reports
+            # along would look like one of an earlier step and fire again on the redo, forever.
+            if self.before_kill is not None:
+                self.before_kill()
             kill_this_process()
         elif fault.kind == FaultKind.RAISE:
             raise InjectedFault(f"injected fault {fault.describe()}")

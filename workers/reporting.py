@@ -40,6 +40,12 @@ class ReportChannel:
         self.rank = rank
         self._reports: deque[RankReport] = deque(maxlen=max_reports)
         self._lock = threading.Lock()
+        # Reports queued so far, how many of them the driver has drained, and how many times it
+        # drained (``wait_delivered``).
+        self._queued = 0
+        self._delivered = 0
+        self._drains = 0
+        self._drained = threading.Condition(self._lock)
 
     def step(self, **fields: Any) -> None:
         """The loop applied a step (fields of ``StepReport`` other than rank and time)."""
@@ -62,12 +68,32 @@ class ReportChannel:
     def send(self, report: RankReport) -> None:
         with self._lock:
             self._reports.append(report)
+            self._queued += 1
 
     def drain(self) -> list[RankReport]:
         with self._lock:
             reports = list(self._reports)
             self._reports.clear()
+            self._delivered = self._queued
+            self._drains += 1
+            self._drained.notify_all()
         return reports
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Block until the driver holds every report queued before this call, or ``timeout_s``
+        passed; True when it does. Called by a rank about to end its own process (an injected
+        kill), whose queued reports would otherwise die with it.
+
+        A drain hands the reports to the reply of a ``poll``; the driver polls again only once
+        that poll has answered, so the next drain after ours means the reply was delivered.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._drained:
+            queued = self._queued
+            if not self._drained.wait_for(lambda: self._delivered >= queued, timeout=timeout_s):
+                return False
+            drains = self._drains
+            return self._drained.wait_for(lambda: self._drains > drains, timeout=max(0.0, deadline - time.monotonic()))
 
 
 class NullChannel(ReportChannel):
@@ -75,6 +101,9 @@ class NullChannel(ReportChannel):
 
     def send(self, report: RankReport) -> None:
         return None
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        return True
 
 
 class RankLogHandler(logging.Handler):

@@ -81,6 +81,29 @@ def test_no_surviving_replica_without_snapshots_restores_the_latest_checkpoint(r
     assert_resumed_like(events, reference, restored_step=restored["step"])
 
 
+def test_the_only_rank_killed_fires_its_fault_once(reference, s3_bucket, tmp_path):
+    """Regression (first seen on a GPU, where steps are fast): a one-rank job runs ahead of the
+    driver's polls, so a kill took the reports of the steps before it along; the driver took the
+    failure for one of an earlier step, kept the fault armed and the redo was killed again, until
+    the failure budget ended the run. A rank now dies only once the driver has its reports."""
+    result, events = run_job(
+        tmp_path,
+        *SINGLE_REPLICA,
+        "parallelism.dp_shard=1",
+        f"training.steps={STEPS}",
+        *checkpoints_to(s3_bucket, interval=3),
+        "elastic.snapshot_interval_steps=0",
+        faults=("kill@10:0",),
+    )
+    assert result.exit_code == 0, result.reason
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [0]
+    # Every step before the kill reached the driver: the failure interrupted step 10.
+    assert max(e["step"] for e in events[: events.index(failure)] if e["event"] == "step") == 9
+    [restored] = of_kind(events, "restored")
+    assert_resumed_like(events, reference, restored_step=restored["step"])
+
+
 def test_s3_outage_during_uploads_never_stops_training(reference, s3_bucket, tmp_path):
     result, events = run_job(
         tmp_path, *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket), faults=("s3_outage@3:0",)
