@@ -2,7 +2,7 @@
 #   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
 #   make test   install if needed, then lint (ruff, mypy) and the whole test suite
 #   make lint   ruff check, ruff format --check, mypy
-#   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with >= 2 CUDA GPUs (install a CUDA torch first:
+#   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with CUDA GPUs (install a CUDA torch first:
 #                   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -39,8 +39,8 @@ test: setup lint
 test-fast: setup lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# tests/gpu needs >= 2 CUDA GPUs: without them `make test` does not collect it, and naming it
-# here stops with one line (exit 4). On a machine with the GPUs `make test` runs it too.
+# tests/gpu needs a CUDA GPU (two for its replica-group tests): without one `make test` does not
+# collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` runs it too.
 test-gpu: setup
 	$(PY) -m pytest tests/gpu -s $(PYTEST_ARGS)
 	$(PY) bench/gpu.py --quick

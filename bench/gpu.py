@@ -38,7 +38,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def job_config(preset: str, gpus: int) -> JobConfig:
+def job_config(preset: str, gpus: int, extra: tuple[str, ...] = ()) -> JobConfig:
+    """The preset's job on ``gpus`` GPUs; ``extra`` overrides come last (``--set``)."""
     shape = PRESETS[preset]
     return load_config(
         DEMO_CONFIG,
@@ -55,6 +56,10 @@ def job_config(preset: str, gpus: int) -> JobConfig:
             f"training.seq_len={shape['seq_len']}",
             "runtime.gpus_per_rank=1",
             "runtime.cpus_per_rank=1",
+            # torchrun keeps no peer-memory snapshots: like with like (`--set
+            # elastic.snapshot_interval_steps=1` measures what they cost).
+            "elastic.snapshot_interval_steps=0",
+            *extra,
         ],
     )
 
@@ -68,9 +73,11 @@ def throughput(config: JobConfig, completions: list[float], warmup: int, gpus: i
     return {"step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s, 1), "mfu": mfu and round(mfu, 4)}
 
 
-def measure_preset(preset: str, gpus: int, steps: int, warmup: int, peak: float | None, workdir: Path) -> dict:
+def measure_preset(
+    preset: str, gpus: int, steps: int, warmup: int, peak: float | None, workdir: Path, extra: tuple[str, ...] = ()
+) -> dict:
     """One meshpilot run and one torchrun run of the preset; their figures and the ratio."""
-    config = job_config(preset, gpus)
+    config = job_config(preset, gpus, extra)
     config_path = workdir / f"{preset}.yaml"
     config_path.write_text(config.to_yaml())
     run_dir = workdir / preset
@@ -101,7 +108,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 steps per run instead of 40")
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     args = parser.parse_args()
+    extra = tuple(args.set)
     gpus = torch.cuda.device_count()
     if gpus == 0:
         print(f"bench/gpu.py needs CUDA GPUs; torch {torch.__version__} sees none", file=sys.stderr)
@@ -110,7 +119,9 @@ def main() -> None:
     peak = peak_flops(load_config(DEMO_CONFIG).metrics.device_peak_tflops, device_name)
     steps, warmup = (12, 3) if args.quick else (40, 5)
     with tempfile.TemporaryDirectory() as tmp:
-        presets = {preset: measure_preset(preset, gpus, steps, warmup, peak, Path(tmp)) for preset in args.presets}
+        presets = {
+            preset: measure_preset(preset, gpus, steps, warmup, peak, Path(tmp), extra) for preset in args.presets
+        }
     emit(
         {
             "benchmark": "gpu",
@@ -120,6 +131,7 @@ def main() -> None:
             "peak_tflops_per_gpu": peak and peak / 1e12,
             "steps": steps,
             "warmup_steps": warmup,
+            "overrides": list(extra),
             "presets": presets,
         }
     )

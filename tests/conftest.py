@@ -1,6 +1,7 @@
 """Session-wide fixtures live in tests/fixtures/*; each module is one shared resource.
 
-tests/gpu needs a machine with at least two CUDA GPUs. Elsewhere it is not collected at all,
+tests/gpu needs a machine with a CUDA GPU (its replica-group tests need two, and say so when
+they are skipped on a one-GPU machine). Elsewhere it is not collected at all,
 rather than collected and skipped, so that a CPU run reports only what it ran; on a machine
 that has the GPUs a plain ``pytest`` runs it with everything else. ``make test-gpu`` names the
 directory and, without the GPUs, stops with one line saying so (tests/gpu/conftest.py).
@@ -10,7 +11,7 @@ import torch
 
 pytest_plugins = ["tests.fixtures.ray_cluster", "tests.fixtures.s3"]
 
-GPUS_NEEDED = 2
+GPUS_NEEDED = 1
 
 # device_count asks the driver without creating a CUDA context, so Ray's actors still own
 # the GPUs; on the CPU build of torch it is 0.

@@ -18,6 +18,18 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def data_parallel_layout() -> tuple[str, ...]:
+    """FSDP over every GPU there is, up to two (one rank on a one-GPU machine)."""
+    width = min(2, gpu_count())
+    return ("parallelism.dp_replicate=1", f"parallelism.dp_shard={width}", "parallelism.tp=1", "parallelism.pp=1")
+
+
+def two_gpus_or_skip_reason() -> str:
+    """Why a test that needs a replica group on a GPU of its own cannot run here ('' if it can)."""
+    found = gpu_count()
+    return "" if found >= 2 else f"needs >= 2 CUDA GPUs (one rank per GPU, two replica groups); found {found}"
+
+
 def replica_size() -> int:
     """Ranks per replica group of ``replicated_layout``: 1 on a 2- or 3-GPU machine, else 2."""
     return 2 if gpu_count() >= 4 else 1

@@ -2,29 +2,29 @@
 
     make test-gpu        # or: python -m pytest tests/gpu/test_bf16_parity.py
 
-Two ranks (FSDP over dp_shard=2, NCCL), the demo model and text, 20 steps, once with bfloat16
-parameters (float32 gradient reduction, the GPU default) and once all in float32.
+FSDP over up to two GPUs (dp_shard=2, NCCL; one rank on a one-GPU machine), the demo model and
+text, 20 steps, once with bfloat16 parameters (float32 gradient reduction, the GPU default) and
+once all in float32.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.gpu.layouts import ON_GPUS
+from tests.gpu.layouts import ON_GPUS, data_parallel_layout
 from tests.jobs import losses, train
 
 STEPS = 20
-LAYOUT = ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=1", "parallelism.pp=1")
 # bfloat16 keeps 8 significant bits (a relative step of 2**-8 = 0.4%); 20 steps of drift in
 # the parameters' rounding stay within a few of those steps in the loss.
 BF16_REL = 2e-2
 
 
-def test_bf16_losses_track_float32(ray_cluster, tmp_path):
+def test_bf16_losses_track_float32(tmp_path):
     runs = {}
     for dtype in ("float32", "bfloat16"):
         result, events = train(
-            tmp_path / dtype, *ON_GPUS, *LAYOUT, f"training.steps={STEPS}", f"training.dtype={dtype}"
+            tmp_path / dtype, *ON_GPUS, *data_parallel_layout(), f"training.steps={STEPS}", f"training.dtype={dtype}"
         )
         assert result.exit_code == 0, result.reason
         runs[dtype] = losses(events)

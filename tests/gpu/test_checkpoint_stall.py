@@ -4,10 +4,10 @@ pageable memory).
 
     make test-gpu        # or: python -m pytest tests/gpu/test_checkpoint_stall.py -s
 
-A real job (two ranks, FSDP over dp_shard=2, a ~135M-parameter model so that a stall is
+A real job (FSDP over up to two GPUs, one rank per GPU, a ~135M-parameter model so that a stall is
 milliseconds, not noise) saves every 10 steps; its ``checkpoint_staged`` events carry the
 slowest rank's stall. The plain copy is timed afterwards in this process on one GPU, for the
-same per-rank tensors (parameters and both AdamW moments, float32, half of each).
+same per-rank tensors (parameters and both AdamW moments, float32, each rank's share).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from orchestrator.config import load_config
 from tests.faults.harness import of_kind
-from tests.gpu.layouts import ON_GPUS
+from tests.gpu.layouts import ON_GPUS, data_parallel_layout
 from tests.jobs import DEMO_CONFIG, train
 
 STEPS = 50
@@ -27,7 +27,6 @@ STEPS = 50
 # (back-pressure is a stall of its own, not the staging copy measured here).
 INTERVAL_STEPS = 10
 MODEL = ("model.dim=1024", "model.n_layers=8", "model.ffn_dim=4096")
-LAYOUT = ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=1", "parallelism.pp=1")
 # Pinned staging may be at most this much slower than the plain copy before the test fails;
 # it is expected to be faster (pinned copies run at the link's full rate).
 MARGIN_RATIO, MARGIN_S = 1.25, 0.005
@@ -58,8 +57,9 @@ def plain_copy_stall(numels: list[int]) -> float:
     return statistics.median(times)
 
 
-def test_pinned_staging_stalls_no_longer_than_a_plain_copy(ray_cluster, tmp_path):
-    overrides = (*MODEL, *LAYOUT, "training.dtype=float32")
+def test_pinned_staging_stalls_no_longer_than_a_plain_copy(tmp_path):
+    layout = data_parallel_layout()
+    overrides = (*MODEL, *layout, "training.dtype=float32")
     result, events = train(
         tmp_path / "run",
         *ON_GPUS,
@@ -74,7 +74,7 @@ def test_pinned_staging_stalls_no_longer_than_a_plain_copy(ray_cluster, tmp_path
     stalls = [e["stall_s"] for e in of_kind(events, "checkpoint_staged")]
     assert len(stalls) >= 4
     pinned = statistics.median(stalls[1:])  # the first save also allocates the pinned buffer
-    numels = per_rank_shards(overrides, dp_shard=2)
+    numels = per_rank_shards(overrides, dp_shard=load_config(DEMO_CONFIG, list(layout)).mesh.dp_shard)
     plain = plain_copy_stall(numels)
     print(
         f"checkpoint stall per save, {sum(numels) * 4 / 2**20:.0f} MiB per rank: pinned staging "
