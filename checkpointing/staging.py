@@ -21,8 +21,10 @@ FSDP2-over-TP strided shards and uneven shards.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,8 @@ from checkpointing.errors import CheckpointError
 from checkpointing.shardfile import build_header
 from checkpointing.spec import DTYPES, TensorEntry, block_count, block_rows
 from checkpointing.torch_compat import chunk_list
+
+log = logging.getLogger("meshpilot.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -257,13 +261,62 @@ def plan_layout(
     return Layout(signature=signature, header=header, slots=slots, tensors=tuple(entries))
 
 
-class HostBuffer:
-    """A host copy of one shard file, reused across saves while the layout stays the same."""
+# Page-locking host memory runs under the NVIDIA driver's process-wide locks. One call for a whole
+# large buffer holds them until every page is locked: 17 GiB (a 1.5B-parameter model's parameters
+# and AdamW state, one snapshot buffer) took 12.7 s on an H100, and the rank answered no heartbeat
+# meanwhile, so the driver declared it unresponsive. Larger buffers are therefore touched first
+# (outside the locks) and registered with the driver in chunks, each a short hold.
+PIN_IN_ONE_CALL_MAX_BYTES = 2 * 2**30
+PIN_CHUNK_BYTES = 2**30
 
-    def __init__(self, layout: Layout, *, pin_memory: bool) -> None:
+
+def register_pinned(storage: torch.Tensor, chunk_bytes: int) -> list[int]:
+    """Page-lock ``storage`` (uint8, host) chunk by chunk; returns the chunks' addresses for
+    ``unregister_pinned``. Raises ``RuntimeError`` (after undoing its chunks) if the driver refuses."""
+    cudart = torch.cuda.cudart()
+    base, size = storage.data_ptr(), storage.numel()
+    registered: list[int] = []
+    for start in range(0, size, chunk_bytes):
+        error = int(cudart.cudaHostRegister(base + start, min(chunk_bytes, size - start), 0))
+        if error:
+            unregister_pinned(registered)
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {error}")
+        registered.append(base + start)
+    return registered
+
+
+def unregister_pinned(addresses: list[int]) -> None:
+    """Undo ``register_pinned`` (before the memory is freed; errors at interpreter exit are moot)."""
+    if addresses and torch.cuda.is_initialized():
+        cudart = torch.cuda.cudart()
+        for address in addresses:
+            cudart.cudaHostUnregister(address)
+
+
+class HostBuffer:
+    """A host copy of one shard file, reused across saves while the layout stays the same.
+
+    ``pin_memory``: page-locked, so device-to-host copies run at the link's rate (about 51 GiB/s
+    on an H100, against 1.1 GiB/s into pageable memory); buffers over ``PIN_IN_ONE_CALL_MAX_BYTES``
+    are registered in ``PIN_CHUNK_BYTES`` chunks, and a copy never spans two chunks.
+    """
+
+    def __init__(
+        self, layout: Layout, *, pin_memory: bool, register: Callable[[torch.Tensor, int], list[int]] = register_pinned
+    ) -> None:
         self.layout = layout
-        self.storage = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pin_memory)
         self.pinned = pin_memory
+        self.chunk_bytes: int | None = None
+        if pin_memory and layout.size > PIN_IN_ONE_CALL_MAX_BYTES:
+            self.storage = torch.zeros(layout.size, dtype=torch.uint8)  # every page touched, outside the locks
+            try:
+                weakref.finalize(self, unregister_pinned, register(self.storage, PIN_CHUNK_BYTES))
+                self.chunk_bytes = PIN_CHUNK_BYTES
+            except RuntimeError as error:  # correct, only slower: copies into pageable memory
+                log.warning("host buffer of %d bytes stays pageable: %s", layout.size, error)
+                self.pinned = False
+        else:
+            self.storage = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pin_memory)
         self.storage[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
         self.views = [self._view(slot) for slot in layout.slots]
 
@@ -275,11 +328,26 @@ class HostBuffer:
         """Copy every owned slice into the buffer; returns once the bytes are in host memory."""
         on_device = False
         for slot, view in zip(self.layout.slots, self.views):
-            source = local_data(tensors[slot.fqn])
+            source = local_data(tensors[slot.fqn]).detach()
             on_device = on_device or source.device.type != "cpu"
-            view.copy_(source.detach(), non_blocking=self.pinned)
+            chunk = self.chunk_bytes
+            if chunk is None or slot.begin // chunk == (slot.end - 1) // chunk:
+                view.copy_(source, non_blocking=self.pinned)
+            else:
+                self._copy_across_chunks(slot, source, chunk)
         if on_device and self.pinned:
             torch.cuda.synchronize()  # non-blocking copies must land before the optimizer moves on
+
+    def _copy_across_chunks(self, slot: Slot, source: torch.Tensor, chunk: int) -> None:
+        """A slice whose bytes span chunks is copied one chunk's part at a time (each part lies in
+        one page-locked registration, so each is a direct transfer)."""
+        data = source.contiguous().view(-1).view(torch.uint8)
+        position = slot.begin
+        while position < slot.end:
+            end = min(slot.end, (position // chunk + 1) * chunk)
+            part = data[position - slot.begin : end - slot.begin]
+            self.storage[position:end].copy_(part, non_blocking=self.pinned)
+            position = end
 
     def memoryview(self) -> memoryview:
         # numpy declares ndarray.__buffer__ only for Python >= 3.12; every ndarray has the buffer protocol.
