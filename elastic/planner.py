@@ -365,7 +365,7 @@ def _pp_cp_degrees(workload: Workload, constraints: Constraints, remaining: int,
         while cp <= max(MAX_CP, constraints.fixed.get("cp", 1)) and (remaining // pp) % cp == 0:
             long_enough = "cp" in constraints.fixed or seq_len // cp >= MIN_CP_TOKENS
             fits_sequence = cp == 1 or (seq_len % (2 * cp) == 0 and (seq_len // cp) % tp == 0 and long_enough)
-            if fits_sequence and _allowed(constraints, "cp", cp) and not (cp > 1 and workload.model.is_moe):
+            if fits_sequence and _allowed(constraints, "cp", cp):
                 yield pp, cp
             cp *= 2
 

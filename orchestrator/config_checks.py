@@ -193,11 +193,6 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             f"parallelism.tp={par.tp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
             "with tp=1; set parallelism.tp=1 and shard over parallelism.dp_shard"
         )
-    if model.is_moe and par.cp > 1:
-        problems.append(
-            f"parallelism.cp={par.cp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
-            "with cp=1 (its load-balancing loss is taken over whole sequences); set parallelism.cp=1"
-        )
     problems.extend(_expert_parallel_problems(config, model))
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from

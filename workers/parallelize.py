@@ -98,7 +98,15 @@ def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMesh
         # The config check refuses this; a mesh chosen later (a resize) must keep dp_shard a multiple.
         raise ValueError(f"parallelism.ep={ep} does not divide this mesh's dp_shard={mesh.dp_shard}")
     split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
-    fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
+    if mesh.cp == 1:
+        fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
+        return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
+    # The cp ranks hold other tokens of the same samples: their expert gradients are averaged like
+    # the dense parameters' (FSDP over dp_shard x cp), so the experts' FSDP spans cp too. The
+    # flattened dimension is registered on the root mesh: HSDP slices it from there, as
+    # ``data_parallel_mesh`` does.
+    shard = flatten_mesh(split["dp_shard_mod_ep", "cp"], "dp_shard_mod_ep_cp")
+    fsdp = world_mesh["dp_replicate", "dp_shard_mod_ep_cp"] if mesh.dp_replicate > 1 else shard
     return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
 
 
@@ -244,6 +252,10 @@ def apply_expert_fsdp(module: StageModel, experts: ExpertMeshes, *, param_dtype:
         if isinstance(grouped, GroupedExperts):
             sharded = fully_shard(grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=not pipelined)
             sharded.set_gradient_divide_factor(float(data_parallel))
+            if experts.fsdp.device_type == "cpu":
+                # A divide factor other than the group's size is NCCL's pre-multiplied sum, which
+                # gloo lacks: divide the gradients before a plain sum instead.
+                sharded.set_force_sum_reduction_for_comms(True)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

@@ -377,7 +377,14 @@ class Trainer(TrainerState):
         reduced per mesh, in parameter order on every rank, and then combined.
         """
         norms = []
+        # torch reduces a DTensor norm's partial dimensions in one collective over a flattened
+        # mesh, which it cannot build when they are not adjacent in the root mesh: the experts'
+        # mesh under context parallelism (dp_shard / ep x cp, then ep) is one.
+        by_dimension = self.spec.ep > 1 and self.mesh.cp > 1
         for same_mesh in by_mesh(grads):
+            if by_dimension and isinstance(same_mesh[0], DTensor):
+                norms.append(_norm_by_mesh_dimension(cast(list[DTensor], same_mesh)))
+                continue
             norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0, foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
@@ -396,3 +403,18 @@ class Trainer(TrainerState):
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
         self.__dict__.pop("expert_meshes", None)
+
+
+def _norm_by_mesh_dimension(grads: list[DTensor]) -> torch.Tensor:
+    """Collective over the gradients' (common) mesh: their 2-norm, each placement's local sum of
+    squares reduced one mesh dimension at a time over the dimensions it is split on."""
+    mesh = grads[0].device_mesh
+    total = torch.zeros((), device=grads[0].to_local().device, dtype=torch.float32)
+    for placements in dict.fromkeys(grad.placements for grad in grads):
+        local = [grad.to_local() for grad in grads if grad.placements == placements]
+        squared = torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in local]).pow(2).sum()
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() or placement.is_partial():
+                dist.all_reduce(squared, group=mesh.get_group(dim))
+        total = total + squared
+    return total.sqrt()

@@ -137,11 +137,6 @@ CASES = [
         "parallelism: tp=4 must divide training.seq_len=12 / cp=2 = 6 (sequence parallel)",
     ),
     (
-        ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "parallelism.cp=2"],
-        "parallelism.cp=2: a mixture-of-experts model (model.n_experts=8) trains with cp=1 "
-        "(its load-balancing loss is taken over whole sequences); set parallelism.cp=1",
-    ),
-    (
         ["--set", "parallelism.ep=2"],
         "parallelism.ep=2 needs a mixture-of-experts model (model.n_experts is not set): set parallelism.ep=1, "
         "or train a moe model (model.preset=debug-moe)",

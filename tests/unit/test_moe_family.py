@@ -48,6 +48,11 @@ TRAIN_LAYOUTS = {
     # the other rank's tokens routed to them (all-to-all); the step must not change.
     "ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False, 2),
     "ep2-pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), False, 2),
+    # Context parallelism: each rank holds half of every sequence; the load-balancing loss counts
+    # the experts' tokens over the whole microbatch (the cp ranks' counts summed).
+    "cp2": (MeshSpec(dp_shard=1, cp=2, tp=1, pp=1), False, 1),
+    # ... and with expert parallelism: the experts' FSDP spans the cp ranks (dp_shard / ep x cp).
+    "cp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), False, 2),
 }
 
 
@@ -142,7 +147,8 @@ def test_load_balancing_loss_gradient_is_added_to_the_training_loss():
 
     plain = _moe_block(coef=0.0)
     out = plain(x)
-    aux = plain.load_balancing_loss(plain.gate(x.reshape(-1, 64)).float().softmax(-1))
+    assert plain.tokens_per_expert is not None
+    aux = plain.load_balancing_loss(plain.gate(x.reshape(-1, 64)).float().softmax(-1), plain.tokens_per_expert)
     (out.square().mean() + 0.5 / 4 * 0.25 * aux).backward()
     torch.testing.assert_close(attached, plain.gate.weight.grad)
     assert not torch.equal(attached, _router_grad_without_aux(x))
@@ -216,39 +222,58 @@ def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tm
     torch.testing.assert_close(reference_logits(exported, tokens), reference_logits(source, tokens), rtol=0, atol=0)
 
 
-def test_a_checkpoint_saved_under_ep2_restores_into_ep1_bitwise_and_trains_on_alike(tmp_path):
+# (mesh, ep) a checkpoint is saved under, and (mesh, ep) it is restored into.
+CHECKPOINT_MOVES = {
+    "ep2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=1, pp=1), 2), (MeshSpec(dp_shard=1, tp=1, pp=1), 1)),
+    "ep2-cp2-dp_shard2 -> ep1-1_rank": (
+        (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),
+        (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
+    ),
+    # the same checkpoint into another data-parallel degree, experts whole on each rank
+    "ep2-cp2-dp_shard2 -> ep1-dp_shard2": (
+        (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),
+        (MeshSpec(dp_shard=2, tp=1, pp=1), 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("move", list(CHECKPOINT_MOVES))
+def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trains_on_alike(move, tmp_path):
+    (saved_mesh, saved_ep), (mesh, ep) = CHECKPOINT_MOVES[move]
     ckpt = tmp_path / "ckpt"
     saved = spawn_ranks(
-        functools.partial(
-            moe_checkpoint_ranks.save_rank, mesh=MeshSpec(dp_shard=2, tp=1, pp=1), ep=2, ckpt_dir=str(ckpt)
-        ),
-        world_size=2,
+        functools.partial(moe_checkpoint_ranks.save_rank, mesh=saved_mesh, ep=saved_ep, ckpt_dir=str(ckpt)),
+        world_size=saved_mesh.world_size,
         store_path=str(tmp_path / "saving"),
     )
     at = moe_checkpoint_ranks.SAVED_AT
     manifest = build_manifest(
         [report for report, _, _ in saved.values()],
         step=at,
-        world_size=2,
-        mesh=MeshSpec(dp_shard=2, tp=1, pp=1).as_dict(),
+        world_size=saved_mesh.world_size,
+        mesh=saved_mesh.as_dict(),
         model=PRESETS["debug-moe"].to_dict(),
         config_hash=None,
     )
     assert open_storage(str(ckpt)).put_if_absent(manifest_key(at), manifest.to_json())
     restored = spawn_ranks(
-        functools.partial(
-            moe_checkpoint_ranks.restore_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), ep=1, ckpt_dir=str(ckpt)
-        ),
-        world_size=1,
+        functools.partial(moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt)),
+        world_size=mesh.world_size,
         store_path=str(tmp_path / "restoring"),
     )
-    state, losses = restored[0]
     _, saved_state, _ = saved[0]
-    assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
-    assert sorted(state) == sorted(saved_state)
-    assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
-    ep2_losses = [sum(step) / 2 for step in zip(*(rank_losses for _, _, rank_losses in saved.values()))]
-    assert losses == pytest.approx(ep2_losses, rel=1e-3)
+    for state, _ in restored.values():
+        assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
+        assert sorted(state) == sorted(saved_state)
+        assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
+    # The steps after the restore train as the saving mesh's did (each loss-reporting rank's mean).
+    saved_losses = _reported_mean(rank_losses for _, _, rank_losses in saved.values())
+    assert _reported_mean(losses for _, losses in restored.values()) == pytest.approx(saved_losses, rel=1e-3)
+
+
+def _reported_mean(per_rank) -> list[float]:
+    reported = [losses for losses in per_rank if losses[0] is not None]
+    return [sum(step) / len(reported) for step in zip(*reported)]
 
 
 def test_importing_a_model_that_lacks_one_experts_tensor_names_it(tmp_path, capsys):

@@ -16,6 +16,9 @@ added to the training loss's in the backward pass (``AttachAuxiliaryLoss``), so 
 unchanged under pipelining and activation checkpointing; the reported loss is the cross
 entropy alone. (Hugging Face averages ``f`` and ``p`` over all layers before the product; the
 per-layer form is Megatron's and TorchTitan's, and needs nothing from other pipeline stages.)
+Under context parallelism a rank holds part of every sequence: ``f_e`` is counted over the whole
+microbatch (the cp ranks' counts summed), and each rank's ``p_e`` sum covers its own tokens, so
+the gradients the cp ranks' FSDP averages are those of the one-process loss.
 
 Parameter names are Hugging Face's without ``model.``, except the routed experts: a layer's
 experts are three stacked parameters (``mlp.experts.gate_proj`` [n_experts, hidden, dim], ...,
@@ -29,10 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.hf_format import HfName
+from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 from workers.models.family import InitRule, ModelFamily, TensorParallelPlan, register_family
 from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
 from workers.models.llama import LlamaFamily, Transformer
@@ -88,6 +93,8 @@ class MixtureOfExperts(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         # The same, summed over the forward passes since ``MoeTransformer.expert_load`` last read it.
         self.routed_since_read: torch.Tensor | None = None
+        # This rank's part of every sequence (set by ``workers.parallelize.apply_context_parallel``).
+        self.sequence_shard: SequenceShard = WHOLE_SEQUENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:
@@ -100,17 +107,20 @@ class MixtureOfExperts(nn.Module):
         top_scores, top_experts = scores.topk(self.spec.top_k_experts, dim=-1)
         if self.spec.normalize_top_k:
             top_scores = top_scores / top_scores.sum(-1, keepdim=True)
-        out = self.routed(tokens, top_experts, top_scores.to(tokens.dtype))
+        out, counts = self.routed(tokens, top_experts, top_scores.to(tokens.dtype))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         out = out.view_as(x)
         if torch.is_grad_enabled() and self.spec.router_aux_loss_coef > 0:
             scale = self.spec.router_aux_loss_coef / self.spec.n_layers * self.auxiliary_loss_scale
-            out = AttachAuxiliaryLoss.apply(out, self.load_balancing_loss(scores), scale)
+            out = AttachAuxiliaryLoss.apply(out, self.load_balancing_loss(scores, counts), scale)
         return out
 
-    def routed(self, tokens: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each token through each of its top-k experts, weighted and summed (every token, no capacity).
+    def routed(
+        self, tokens: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token through each of its top-k experts, weighted and summed (every token, no
+        capacity); and the tokens routed to each expert (on the tokens' device).
 
         Assignments are sorted by expert so that each expert runs one matmul over its tokens
         (on the rank that holds it, under expert parallelism: ``GroupedExperts``).
@@ -125,16 +135,26 @@ class MixtureOfExperts(nn.Module):
         # .tolist() is a device sync point: the split sizes are needed on the host.
         computed = self.experts(tokens[token_index], counts.tolist())
         weighted = computed * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add_(0, token_index, weighted)
+        return torch.zeros_like(tokens).index_add_(0, token_index, weighted), counts
 
-    def load_balancing_loss(self, scores: torch.Tensor) -> torch.Tensor:
+    def load_balancing_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch Transformer's ``n_experts * sum_e(f_e * p_e)`` over this layer's tokens, with ``f_e``
-        the fraction of tokens that chose expert ``e`` (as Hugging Face counts it): ``top_k`` when even."""
+        the fraction of tokens that chose expert ``e`` (as Hugging Face counts it): ``top_k`` when even.
+
+        With cp > 1 (collective over the cp group: an all-reduce of the counts) the tokens are the
+        whole microbatch's: ``f_e`` from every cp rank's counts, and this rank's share of ``p_e``'s
+        sum, times cp, since FSDP averages the cp ranks' gradients (its value is then not the
+        loss; only its gradient is used, and it is the one-process gradient).
+        """
         n_tokens = scores.shape[0]
-        assert self.tokens_per_expert is not None, "routed() counts the tokens first"
-        fraction_routed = self.tokens_per_expert.to(scores.device, torch.float32) / n_tokens
-        probabilities = scores / scores.sum(-1, keepdim=True)
-        return self.spec.n_experts * (fraction_routed * probabilities.mean(0)).sum()
+        shard = self.sequence_shard
+        if shard.split:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=shard.group)
+            n_tokens *= shard.cp
+        fraction_routed = counts.to(torch.float32) / n_tokens
+        probability_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
+        return shard.cp * self.spec.n_experts * (fraction_routed * probability_sums).sum() / n_tokens
 
 
 class MoeTransformer(Transformer):
