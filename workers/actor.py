@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
-from workers.faults import FaultInjector, FaultSpec
+from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.peer_snapshots import SnapshotStore
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
@@ -64,10 +64,6 @@ if TYPE_CHECKING:  # for annotations only: the actor's process imports these ins
     from workers.trainer import Trainer
 
 log = logging.getLogger("meshpilot.rank")
-
-# How long a rank about to kill itself (an injected kill) waits for the driver to poll the
-# reports it queued: the driver polls every 0.25 s, so this is many polls, and still bounded.
-REPORTS_BEFORE_KILL_S = 5.0
 
 
 class RankActor:

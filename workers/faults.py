@@ -116,6 +116,11 @@ class FaultSpec:
         return f"{self.kind}@{self.step}:{self.rank}{suffix}"
 
 
+# How long a rank about to kill itself (an injected kill) waits for the driver to poll the
+# reports it queued: the driver polls every 0.25 s, so this is many polls, and still bounded.
+REPORTS_BEFORE_KILL_S = 5.0
+
+
 def kill_this_process() -> None:
     """SIGKILL: no handler, no cleanup, exactly as a crash or the OOM killer ends a process."""
     os.kill(os.getpid(), signal.SIGKILL)
