@@ -186,7 +186,7 @@ class FaultInjector:
         *,
         rank: int,
         on_fire: Callable[[FaultSpec], None] | None = None,
-        before_kill: Callable[[], None] | None = None,
+        before_kill: Callable[[], object] | None = None,
     ) -> None:
         """``on_fire(fault)`` runs as a fault fires; ``before_kill()`` just before a kill ends the
         process (the actor waits there until the driver has polled this rank's queued reports)."""
