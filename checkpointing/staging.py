@@ -21,6 +21,7 @@ FSDP2-over-TP strided shards and uneven shards.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import weakref
@@ -268,19 +269,35 @@ def plan_layout(
 # (outside the locks) and registered with the driver in chunks, each a short hold.
 PIN_IN_ONE_CALL_MAX_BYTES = 2 * 2**30
 PIN_CHUNK_BYTES = 2**30
+# Registrations start on page boundaries so that no two share a page (the driver locks whole
+# pages, and a page registered twice is refused).
+PAGE_BYTES = 4096
 
 
-def register_pinned(storage: torch.Tensor, chunk_bytes: int) -> list[int]:
-    """Page-lock ``storage`` (uint8, host) chunk by chunk; returns the chunks' addresses for
-    ``unregister_pinned``. Raises ``RuntimeError`` (after undoing its chunks) if the driver refuses."""
+def chunk_offsets(base: int, size: int, chunk_bytes: int) -> list[int]:
+    """Offsets from ``base`` where each registration of a ``size``-byte buffer starts: 0, then a
+    page boundary about every ``chunk_bytes``."""
+    offsets = [0]
+    while True:
+        end = base + offsets[-1] + chunk_bytes
+        following = (end + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES - base
+        if following >= size:
+            return offsets
+        offsets.append(following)
+
+
+def register_pinned(storage: torch.Tensor, offsets: list[int]) -> list[int]:
+    """Page-lock ``storage`` (uint8, host) one registration per ``offsets`` entry; returns their
+    addresses for ``unregister_pinned``. Raises ``RuntimeError`` (after undoing its registrations)
+    if the driver refuses one."""
     cudart = torch.cuda.cudart()
     base, size = storage.data_ptr(), storage.numel()
     registered: list[int] = []
-    for start in range(0, size, chunk_bytes):
-        error = int(cudart.cudaHostRegister(base + start, min(chunk_bytes, size - start), 0))
+    for start, end in zip(offsets, [*offsets[1:], size]):
+        error = int(cudart.cudaHostRegister(base + start, end - start, 0))
         if error:
             unregister_pinned(registered)
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {error}")
+            raise RuntimeError(f"cudaHostRegister of {end - start} bytes failed with CUDA error {error}")
         registered.append(base + start)
     return registered
 
@@ -298,20 +315,27 @@ class HostBuffer:
 
     ``pin_memory``: page-locked, so device-to-host copies run at the link's rate (about 51 GiB/s
     on an H100, against 1.1 GiB/s into pageable memory); buffers over ``PIN_IN_ONE_CALL_MAX_BYTES``
-    are registered in ``PIN_CHUNK_BYTES`` chunks, and a copy never spans two chunks.
+    are registered in chunks of about ``PIN_CHUNK_BYTES`` on page boundaries, and a copy never
+    spans two of them.
     """
 
     def __init__(
-        self, layout: Layout, *, pin_memory: bool, register: Callable[[torch.Tensor, int], list[int]] = register_pinned
+        self,
+        layout: Layout,
+        *,
+        pin_memory: bool,
+        register: Callable[[torch.Tensor, list[int]], list[int]] = register_pinned,
     ) -> None:
         self.layout = layout
         self.pinned = pin_memory
-        self.chunk_bytes: int | None = None
+        # Where each page-locked registration starts (offsets), when the buffer is registered in chunks.
+        self.chunk_starts: list[int] | None = None
         if pin_memory and layout.size > PIN_IN_ONE_CALL_MAX_BYTES:
             self.storage = torch.zeros(layout.size, dtype=torch.uint8)  # every page touched, outside the locks
+            offsets = chunk_offsets(self.storage.data_ptr(), layout.size, PIN_CHUNK_BYTES)
             try:
-                weakref.finalize(self, unregister_pinned, register(self.storage, PIN_CHUNK_BYTES))
-                self.chunk_bytes = PIN_CHUNK_BYTES
+                weakref.finalize(self, unregister_pinned, register(self.storage, offsets))
+                self.chunk_starts = offsets
             except RuntimeError as error:  # correct, only slower: copies into pageable memory
                 log.warning("host buffer of %d bytes stays pageable: %s", layout.size, error)
                 self.pinned = False
@@ -330,21 +354,22 @@ class HostBuffer:
         for slot, view in zip(self.layout.slots, self.views):
             source = local_data(tensors[slot.fqn]).detach()
             on_device = on_device or source.device.type != "cpu"
-            chunk = self.chunk_bytes
-            if chunk is None or slot.begin // chunk == (slot.end - 1) // chunk:
+            starts = self.chunk_starts
+            if starts is None or bisect.bisect_right(starts, slot.begin) == bisect.bisect_right(starts, slot.end - 1):
                 view.copy_(source, non_blocking=self.pinned)
             else:
-                self._copy_across_chunks(slot, source, chunk)
+                self._copy_across_chunks(slot, source, starts)
         if on_device and self.pinned:
             torch.cuda.synchronize()  # non-blocking copies must land before the optimizer moves on
 
-    def _copy_across_chunks(self, slot: Slot, source: torch.Tensor, chunk: int) -> None:
-        """A slice whose bytes span chunks is copied one chunk's part at a time (each part lies in
-        one page-locked registration, so each is a direct transfer)."""
+    def _copy_across_chunks(self, slot: Slot, source: torch.Tensor, starts: list[int]) -> None:
+        """A slice whose bytes span registrations is copied one registration's part at a time (each
+        part lies in one page-locked range, so each is a direct transfer)."""
         data = source.contiguous().view(-1).view(torch.uint8)
+        ends = [*starts[1:], self.layout.size]
         position = slot.begin
         while position < slot.end:
-            end = min(slot.end, (position // chunk + 1) * chunk)
+            end = min(slot.end, ends[bisect.bisect_right(starts, position) - 1])
             part = data[position - slot.begin : end - slot.begin]
             self.storage[position:end].copy_(part, non_blocking=self.pinned)
             position = end
