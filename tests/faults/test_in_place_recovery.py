@@ -79,3 +79,26 @@ def test_a_joining_rank_killed_while_the_refill_configures_restarts_the_recovery
     assert [(e["kind"], e["ranks"]) for e in of_kind(events, "failure")] == [("rank_died", [2]), ("rank_died", [2])]
     recoveries = of_kind(events, "recovered")
     assert recoveries[0]["lost_steps"] == 0 and not of_kind(events, "restored")
+
+
+# Two replica groups of a mixture of experts, each holding its experts over ep=2 (dp_shard=2). Its
+# first steps take longer than the dense model's 8 s hang threshold on a busy 2-core machine.
+EXPERT_PARALLEL_LAYOUT = (*ELASTIC_LAYOUT, "model.preset=debug-moe", "parallelism.ep=2", "elastic.hang_timeout_s=30")
+
+
+def test_a_killed_rank_of_an_expert_parallel_replica_group_recovers_in_place(tmp_path):
+    """An expert shard is state like any other: rank 3 (half of replica group 1's experts) is
+    killed, the job goes on in place on replica group 0, with the uninterrupted run's losses."""
+    result, events = run_job(tmp_path / "uninterrupted", *EXPERT_PARALLEL_LAYOUT, f"training.steps={STEPS}")
+    assert result.exit_code == 0, result.reason
+    reference = losses(events)
+    result, events = run_job(
+        tmp_path / "killed", *EXPERT_PARALLEL_LAYOUT, f"training.steps={STEPS}", faults=("kill@4:3",)
+    )
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS, rel=1e-3)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [3]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0
+    assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"]["dp_shard"]) == (1, 2)
