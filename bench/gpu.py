@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from bench.common import REPO, emit, steady_step_time  # noqa: E402
 from bench.overhead import measure_meshpilot, measure_torchrun  # noqa: E402
 from orchestrator.config import JobConfig, load_config  # noqa: E402
+from orchestrator.errors import UserError  # noqa: E402
 from orchestrator.observe.metric_names import peak_flops  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"
@@ -111,6 +112,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     args = parser.parse_args()
     extra = tuple(args.set)
+    try:  # a bad --set gets one line before any GPU or run is touched
+        for preset in args.presets:
+            job_config(preset, 1, extra)
+    except UserError as error:
+        print(f"bench/gpu.py: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     gpus = torch.cuda.device_count()
     if gpus == 0:
         print(f"bench/gpu.py needs CUDA GPUs; torch {torch.__version__} sees none", file=sys.stderr)

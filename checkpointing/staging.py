@@ -351,10 +351,10 @@ class HostBuffer:
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every owned slice into the buffer; returns once the bytes are in host memory."""
         on_device = False
+        starts = self.chunk_starts
         for slot, view in zip(self.layout.slots, self.views):
             source = local_data(tensors[slot.fqn]).detach()
             on_device = on_device or source.device.type != "cpu"
-            starts = self.chunk_starts
             if starts is None or bisect.bisect_right(starts, slot.begin) == bisect.bisect_right(starts, slot.end - 1):
                 view.copy_(source, non_blocking=self.pinned)
             else:

@@ -36,3 +36,17 @@ def test_gpu_benchmark_without_cuda_exits_2_with_one_line():
     )
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [f"bench/gpu.py needs CUDA GPUs; torch {torch.__version__} sees none"]
+
+
+def test_a_bad_override_exits_2_with_one_line_before_looking_for_gpus():
+    process = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--quick", "--set", "nonsense"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines() == [
+        "bench/gpu.py: invalid config: --set 'nonsense': expected dotted.key=value, e.g. --set parallelism.tp=4"
+    ]
