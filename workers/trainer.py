@@ -15,6 +15,7 @@ step with the scheduled learning rate.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from workers.pipeline_schedules import build_schedule
 from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
 from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
+
+log = logging.getLogger("meshpilot")
 
 
 class StepAborted(RuntimeError):
@@ -108,7 +111,13 @@ class Trainer(TrainerState):
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
         self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
-        self.expert_meshes = par.expert_meshes(self.world_mesh, mesh, spec.ep) if spec.ep > 1 else None
+        # A restore onto fewer ranks may leave a dp_shard the configured ep does not divide.
+        self.ep = spec.ep_on(mesh.dp_shard)
+        if self.ep != spec.ep and rank == 0:
+            log.info(
+                "parallelism.ep=%d does not divide dp_shard=%d: experts split %d ways", spec.ep, mesh.dp_shard, self.ep
+            )
+        self.expert_meshes = par.expert_meshes(self.world_mesh, mesh, self.ep) if self.ep > 1 else None
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -380,7 +389,7 @@ class Trainer(TrainerState):
         # torch reduces a DTensor norm's partial dimensions in one collective over a flattened
         # mesh, which it cannot build when they are not adjacent in the root mesh: the experts'
         # mesh under context parallelism (dp_shard / ep x cp, then ep) is one.
-        by_dimension = self.spec.ep > 1 and self.mesh.cp > 1
+        by_dimension = self.ep > 1 and self.mesh.cp > 1
         for same_mesh in by_mesh(grads):
             if by_dimension and isinstance(same_mesh[0], DTensor):
                 norms.append(_norm_by_mesh_dimension(cast(list[DTensor], same_mesh)))

@@ -173,6 +173,12 @@ class TrainSpec(OptimizerSpec):
         """Forward/backward rounds per step on ``dp`` data-parallel ranks (see BatchPlan.accumulation)."""
         return self.batch.accumulation(dp)
 
+    def ep_on(self, dp_shard: int) -> int:
+        """Expert-parallel degree on a mesh with ``dp_shard``: the configured ``ep``, or on a mesh
+        restored onto fewer ranks whose dp_shard it no longer divides, the largest common divisor
+        (it still divides the expert count). Called by every rank when it builds its trainer."""
+        return math.gcd(self.ep, dp_shard)
+
     def lr_at(self, step: int) -> float:
         """Learning rate of (1-based) step: linear warmup, then cosine down to lr * min_lr_ratio."""
         if self.warmup_steps and step <= self.warmup_steps:
