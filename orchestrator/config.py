@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -424,6 +425,11 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     return cls(**values)
 
 
+# PyYAML reads YAML 1.1, where "1e-3" (no dot in the mantissa) is a string, not a number as in
+# YAML 1.2 and JSON; a float setting takes it as the number everyone means.
+_EXPONENT_WITHOUT_DOT = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
+
+
 def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | None, problems: list[str]) -> Any:
     allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
     if value is None:
@@ -439,6 +445,8 @@ def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | Non
         if candidate is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if candidate is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if candidate is float and isinstance(value, str) and _EXPONENT_WITHOUT_DOT.fullmatch(value):
             return float(value)
         if candidate is str and isinstance(value, str):
             if choices and value not in choices:

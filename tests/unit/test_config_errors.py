@@ -238,3 +238,11 @@ def test_hash_ignores_layout_but_not_model(monkeypatch):
     base = load_config(DEMO_CONFIG)
     assert load_config(DEMO_CONFIG, ["parallelism.tp=1"]).config_hash() == base.config_hash()
     assert load_config(DEMO_CONFIG, ["model.dim=128"]).config_hash() != base.config_hash()
+
+
+def test_a_number_written_without_a_dot_in_its_mantissa_is_a_number():
+    # YAML 1.1 (PyYAML) reads 1e-3 as a string; every other reader of YAML 1.2 or JSON as 0.001.
+    config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", "training.lr=1e-3"])
+    assert config.training.lr == 0.001
+    config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", "training.lr=3E+0"])
+    assert config.training.lr == 3.0
