@@ -33,6 +33,15 @@ The model, and where each piece comes from:
   the whole sequence: load-balanced causal chunks); every layer all-gathers the other ranks'
   keys and values forward (again when recomputing) and reduce-scatters their gradients
   backward, on the critical path; FSDP shards over ``dp_shard x cp``.
+* Expert parallel (``ep``, a mixture of experts): ``ep`` consecutive ranks of ``dp_shard`` each
+  hold ``n_experts / ep`` of every layer's routed experts, FSDP-sharded over the other
+  ``dp_shard / ep x cp`` ranks (so the state per GPU is the same; the gathers and their buffers
+  are ``1 / ep`` of the experts). Every MoE layer sends each token's ``k`` copies to their
+  experts and back (two all-to-alls forward, two backward, two more when recomputing), each
+  moving ``(ep - 1)/ep`` of ``k·h`` values per token; on the critical path, unless the
+  ``overlap_expert_all_to_all`` assumption holds for a V schedule: DeepSeek-V3's DualPipe runs a
+  forward and a backward chunk of two microbatches together and hides one's all-to-all behind
+  the other's compute (DeepSeek-V3 report, section 3.2.1), leaving only what exceeds it.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from elastic.memory_model import (
     REDUCE_BYTES,
     activation_bytes_per_token,
     fsdp_buffer_bytes,
+    routed_expert_params_per_layer,
 )
 from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
 from elastic.spec import BatchPlan, MeshSpec
@@ -90,6 +100,14 @@ class Assumptions:
     link_efficiency: float = 0.8
     # Fraction of GPU memory kept back for the CUDA context, NCCL buffers and fragmentation.
     memory_reserve: float = 0.1
+    # Whether a V schedule (dualpipev, zbv) hides the experts' all-to-all behind the paired
+    # chunk's compute, as DeepSeek-V3's DualPipe does. meshpilot's runtime runs the pair one
+    # after the other (torch's schedule without an overlapping OVERLAP_F_B), hence off.
+    overlap_expert_all_to_all: bool = False
+    # Node-limited routing (DeepSeek-V3: each token to experts on at most 4 nodes, sent once per
+    # node over the network and forwarded inside it over NVLink); None: a plain all-to-all,
+    # every one of a token's k copies sent to its expert's rank, as meshpilot's runtime does.
+    expert_routing_nodes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,8 @@ class Layout:
         ac = "AC on" if self.activation_checkpointing else "AC off"
         zero = "" if self.reshard_after_forward == "auto" else f", reshard_after_forward {self.reshard_after_forward}"
         offload = ", CPU offload" if self.cpu_offload else ""
-        return f"{self.mesh.describe()}, {schedule}, {self.microbatches} microbatches, {ac}{zero}{offload}"
+        experts = f" x ep={self.ep}" if self.ep > 1 else ""
+        return f"{self.mesh.describe()}{experts}, {schedule}, {self.microbatches} microbatches, {ac}{zero}{offload}"
 
 
 @dataclass(frozen=True)
@@ -237,6 +256,7 @@ def estimate(
     layer_s, output_s = _layer_seconds(workload, cluster, layout, assumptions, tokens)
     tp_link, tp_bytes_layer, tp_layer_s = _tp_per_layer(workload, cluster, layout, assumptions, tokens)
     cp_layer_s, cp_comm = _context_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
+    ep_layer_s, ep_comm = _expert_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
 
     pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
     p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
@@ -245,11 +265,18 @@ def estimate(
     output_layers = output_s / layer_s
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
-    layer_s += tp_layer_s + cp_layer_s  # the collectives inside a layer are on its critical path
+    if ep_comm is not None and layout.schedule in V_SCHEDULES and assumptions.overlap_expert_all_to_all:
+        ep_layer_s = max(0.0, ep_layer_s - layer_s)  # hidden behind the paired chunk's compute
+        ep_comm = CommCost(ep_comm.bytes_per_step, ep_comm.link, ep_comm.busy_s, ep_layer_s * layers_on_rank * m)
+    layer_s += tp_layer_s + cp_layer_s + ep_layer_s  # the collectives inside a layer are on its critical path
     compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v, layout.schedule)
 
-    dp_costs = _data_parallel(mesh, cluster, assumptions, layout, params_on_rank, rank_microbatch_s, layers_on_rank)
+    experts_on_rank = layers_on_rank * routed_expert_params_per_layer(model) / tp
+    fsdp_params = _fsdp_peer_params(layout, params_on_rank, experts_on_rank)
+    dp_costs = _data_parallel(
+        mesh, cluster, assumptions, layout, params_on_rank, fsdp_params, rank_microbatch_s, layers_on_rank
+    )
     comm = {
         "tp": CommCost(
             tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0,
@@ -260,6 +287,7 @@ def estimate(
         "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
         **dp_costs,
         **({"cp": cp_comm} if cp_comm is not None else {}),
+        **({"ep": ep_comm} if ep_comm is not None else {}),
     }
     step_s = compute_s + sum(cost.exposed_s for cost in dp_costs.values())
     model_flops = model.flops_per_token(workload.seq_len) * workload.tokens_per_step
@@ -341,6 +369,41 @@ def _context_parallel(
     return layer_bytes / cp_bw, CommCost(layer_bytes * step_layers, cp_link, step_s, step_s)
 
 
+def _expert_parallel(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
+) -> tuple[float, CommCost | None]:
+    """Expert-parallel all-to-all time of one layer and microbatch, and the step's ep traffic (None
+    without experts split over ranks). ``tokens`` is this rank's share of the microbatch."""
+    model, ep = workload.model, layout.ep
+    if not model.is_moe or ep == 1:
+        return 0.0, None
+    ep_link, ep_bw = _link(layout.mesh, "ep", cluster, assumptions, degree=ep)
+    collectives = 4 + (2 if layout.activation_checkpointing else 0)  # dispatch and combine, each way
+    copies = collectives * ACTIVATION_BYTES * tokens * model.dim  # one copy of each token, every exchange
+    layer_bytes = (ep - 1) / ep * model.top_k_experts * copies
+    layer_s = layer_bytes / ep_bw
+    nodes = -(-layout.mesh.stride("dp_shard") * ep // cluster.gpus_per_node)
+    if nodes > 1 and assumptions.expert_routing_nodes is not None:
+        # Once per destination node over the network, then k copies over NVLink inside the nodes.
+        remote = min(assumptions.expert_routing_nodes, nodes) * (nodes - 1) / nodes
+        network_bytes = remote * copies
+        nvlink_s = model.top_k_experts * copies / (cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency)
+        layer_bytes, layer_s = network_bytes, max(network_bytes / ep_bw, nvlink_s)
+    step_layers = layers_on_rank * layout.microbatches
+    step_s = layer_s * step_layers
+    return layer_s, CommCost(layer_bytes * step_layers, ep_link, step_s, step_s)
+
+
+def _fsdp_peer_params(layout: Layout, params_on_rank: float, experts_on_rank: float) -> float:
+    """Parameters a rank receives in one all-gather of its stage (and sends in one reduce-scatter):
+    ``(n - 1)/n`` of each FSDP group's unsharded size. The routed experts, ``1 / ep`` of them on
+    the rank, are sharded over ``dp_shard / ep x cp``; everything else over ``dp_shard x cp``."""
+    shard = layout.mesh.fsdp_shards
+    expert_shard = shard // layout.ep
+    dense = params_on_rank - experts_on_rank
+    return (shard - 1) / shard * dense + (expert_shard - 1) / expert_shard * experts_on_rank / layout.ep
+
+
 def _memory(
     workload: Workload, layout: Layout, layers_per_chunk: int, layers_on_rank: int, tokens: int
 ) -> tuple[MemoryEstimate, float]:
@@ -352,9 +415,8 @@ def _memory(
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
     # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it.
-    gathered_layer = (
-        model.params_per_layer - (1 - 1 / layout.ep) * model.n_experts * 3 * model.dim * model.expert_ffn_dim
-    )
+    not_gathered_experts = (1 - 1 / layout.ep) * routed_expert_params_per_layer(model)
+    gathered_layer = model.params_per_layer - not_gathered_experts
     # The V schedules put the first and the last stage on rank 0.
     v_shaped = layout.schedule in V_SCHEDULES
     stages = [(0, embedding + (output if pp == 1 or v_shaped else 0))]
@@ -364,7 +426,7 @@ def _memory(
     worst_params = 0.0
     for stage, extra in stages:
         params = (layers_on_rank * model.params_per_layer + extra) / tp
-        buffers = fsdp_buffer_bytes(layout, params, gathered_layer / tp)
+        buffers = fsdp_buffer_bytes(layout, params - layers_on_rank * not_gathered_experts / tp, gathered_layer / tp)
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
         # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
         activations = tokens * (held * kept_per_token_layer + per_token_layer)
@@ -388,15 +450,23 @@ def _memory(
     return worst, worst_params
 
 
-def _link(mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions) -> tuple[str, float]:
+def _link(
+    mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions, *, degree: int | None = None
+) -> tuple[str, float]:
     """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction.
 
     ``dim="dp_shard"`` is FSDP's group: ``dp_shard x cp`` (adjacent in the rank order, one block).
+    ``dim="ep"`` is the block of ``degree`` consecutive ranks of ``dp_shard`` (its inner part).
     """
-    degree = mesh.fsdp_shards if dim == "dp_shard" else getattr(mesh, dim)
+    if dim == "ep":
+        stride = mesh.stride("dp_shard")
+    else:
+        degree = mesh.fsdp_shards if dim == "dp_shard" else getattr(mesh, dim)
+        stride = mesh.stride("cp" if dim == "dp_shard" else dim)
+    assert degree is not None
     if degree == 1:
         return "-", math.inf
-    within_node = mesh.stride("cp" if dim == "dp_shard" else dim) * degree <= cluster.gpus_per_node
+    within_node = stride * degree <= cluster.gpus_per_node
     if within_node:
         return "nvlink", cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency
     return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
@@ -408,6 +478,7 @@ def _data_parallel(
     assumptions: Assumptions,
     layout: Layout,
     params_on_rank: float,
+    fsdp_params: float,
     rank_microbatch_s: float,
     layers_on_rank: int,
 ) -> dict[str, CommCost]:
@@ -419,13 +490,13 @@ def _data_parallel(
     forward and reduces once during the last one's backward. ``reshard_after_forward`` moves
     between the two: ``never`` drops the backward's gather, ``always`` with a pipeline gathers
     twice per microbatch. The first gather and last reduce of a layer cannot overlap anything
-    (the ``tail``).
+    (the ``tail``). ``fsdp_params``: what one gather brings in (``_fsdp_peer_params``).
     """
     shard, replicas, m = mesh.fsdp_shards, mesh.dp_replicate, layout.microbatches  # dp_shard x cp
     shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
     repl_link, repl_bw = _link(mesh, "dp_replicate", cluster, assumptions)
-    gather_bytes = (shard - 1) / shard * PARAM_BYTES * params_on_rank
-    reduce_bytes = (shard - 1) / shard * REDUCE_BYTES * params_on_rank
+    gather_bytes = PARAM_BYTES * fsdp_params
+    reduce_bytes = REDUCE_BYTES * fsdp_params
     allreduce_bytes = 2 * (replicas - 1) / replicas * REDUCE_BYTES * params_on_rank / shard
     gather_s = gather_bytes / shard_bw if shard > 1 else 0.0
     reduce_s = reduce_bytes / shard_bw if shard > 1 else 0.0

@@ -73,6 +73,8 @@ class GpuSpec:
 
 GPU_KINDS: dict[str, GpuSpec] = {
     "h100-80g": GpuSpec("h100-80g", memory_gb=80, bf16_tflops=989, nvlink_gb_per_s=450, network_gbit_per_s=400),
+    # H100's compute with NVLink cut to 400 GB/s both ways (DeepSeek-V3's cluster: 8 x 400 Gb/s IB per node).
+    "h800": GpuSpec("h800", memory_gb=80, bf16_tflops=989, nvlink_gb_per_s=200, network_gbit_per_s=400),
     "h200": GpuSpec("h200", memory_gb=141, bf16_tflops=989, nvlink_gb_per_s=450, network_gbit_per_s=400),
     "b200": GpuSpec("b200", memory_gb=180, bf16_tflops=2250, nvlink_gb_per_s=900, network_gbit_per_s=400),
 }

@@ -5,11 +5,12 @@ Pure (no ray, no torch); ``elastic.planner`` calls these while it searches.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
+from elastic.cost_model import Assumptions, Cluster, Estimate, Workload, estimate
 
 if TYPE_CHECKING:  # the planner imports this module; only its type is needed here
     from elastic.planner import Constraints
@@ -73,7 +74,7 @@ def explain_choice(
             f"bubble {chosen.bubble:.1%} ({schedule}, {layout.microbatches} microbatches of "
             f"{chosen.microbatch_size} sequence{'s' if chosen.microbatch_size > 1 else ''})"
         )
-    for dim in ("tp", "cp", "pp", "dp_shard", "dp_replicate"):
+    for dim in ("tp", "cp", "ep", "pp", "dp_shard", "dp_replicate"):
         cost = chosen.comm.get(dim)
         if cost is not None and cost.bytes_per_step > 0:
             reasons.append(
@@ -88,12 +89,7 @@ def explain_choice(
             "(meshpilot's trainer splits layers evenly today; --even-stages plans only such splits)"
         )
     if layout.activation_checkpointing and False in constraints.activation_checkpointing:
-        without = estimate(
-            workload,
-            cluster,
-            Layout(layout.mesh, layout.schedule, layout.virtual_stages, layout.microbatches, False),
-            assumptions,
-        )
+        without = estimate(workload, cluster, dataclasses.replace(layout, activation_checkpointing=False), assumptions)
         if not without.fits:
             reasons.append(f"activation checkpointing needed (off: {format_gb(without.memory.total)} GB)")
     return tuple(reasons)

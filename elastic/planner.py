@@ -14,7 +14,8 @@ Search, smallest first so whole families are rejected with one reason:
    ``dp = N / (tp·pp·cp)`` must split the global batch, and with a pipeline leave at least ``pp``
    microbatches per data-parallel rank.
 4. every ``dp_replicate x dp_shard = dp`` split, every schedule (GPipe, 1F1B, interleaved 1F1B
-   with 2..16 virtual stages) and activation checkpointing on/off are priced by
+   with 2..16 virtual stages), activation checkpointing on/off and, for a mixture of experts,
+   every expert-parallel degree ``ep`` dividing both ``dp_shard`` and the expert count are priced by
    ``elastic.cost_model.estimate``. Microbatches: with a pipeline, as many as the batch allows
    (one sequence each: the smallest bubble and the least activation memory); without one, the
    fewest gradient-accumulation steps that fit (each costs FSDP another gather).
@@ -26,6 +27,7 @@ group uses from ``MeshSpec.stride``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,8 @@ class Constraints:
     min_replicas: int = 1
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     activation_checkpointing: tuple[bool, ...] = (False, True)
+    # A fixed expert-parallel degree (a mixture of experts only); None: every one that divides.
+    ep: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +100,11 @@ class PlanResult:
     elapsed_s: float
 
     def top(self, k: int) -> list[Plan]:
-        """The best ``k`` plans with distinct (tp, pp, cp): the dp split and schedule each at its best."""
-        seen: set[tuple[int, int, int]] = set()
+        """The best ``k`` plans with distinct (tp, pp, cp, ep): the dp split and schedule each at its best."""
+        seen: set[tuple[int, int, int, int]] = set()
         chosen = []
         for plan in self.plans:
-            key = (plan.mesh.tp, plan.mesh.pp, plan.mesh.cp)
+            key = (plan.mesh.tp, plan.mesh.pp, plan.mesh.cp, plan.layout.ep)
             if key in seen:
                 continue
             seen.add(key)
@@ -149,9 +153,13 @@ def plan_layouts(
                 mesh = MeshSpec(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp)
                 fitting, closest, count = _price_mesh(workload, cluster, constraints, assumptions, mesh)
                 priced += count
-                if fitting is not None:
-                    plans.append(Plan(fitting, explain_choice(workload, cluster, constraints, assumptions, fitting)))
-                elif closest is not None and (best_failure is None or closest.memory.total < best_failure.memory.total):
+                for fits in fitting:
+                    plans.append(Plan(fits, explain_choice(workload, cluster, constraints, assumptions, fits)))
+                if (
+                    not fitting
+                    and closest is not None
+                    and (best_failure is None or closest.memory.total < best_failure.memory.total)
+                ):
                     best_failure = closest
             if best_failure is not None and not any((p.mesh.tp, p.mesh.pp, p.mesh.cp) == (tp, pp, cp) for p in plans):
                 rejections.append(memory_rejection(name, best_failure, len(splits)))
@@ -165,29 +173,47 @@ def plan_layouts(
 
 def _price_mesh(
     workload: Workload, cluster: Cluster, constraints: Constraints, assumptions: Assumptions, mesh: MeshSpec
-) -> tuple[Estimate | None, Estimate | None, int]:
-    """The fastest fitting variant of ``mesh`` (or None), the smallest non-fitting one, and how many were priced."""
-    best: Estimate | None = None
+) -> tuple[list[Estimate], Estimate | None, int]:
+    """The fastest fitting variant of ``mesh`` for each expert-parallel degree (none fitting: an
+    empty list), the smallest non-fitting one, and how many were priced."""
+    best: dict[int, Estimate] = {}
     smallest: Estimate | None = None
     priced = 0
-    settled: set[bool] = set()  # without a pipeline: checkpointing choices that already fit
+    settled: set[tuple[bool, int]] = set()  # without a pipeline: (checkpointing, ep) that already fit
     for layout in _variants(workload, constraints, mesh):
-        if layout.activation_checkpointing in settled:
+        if (layout.activation_checkpointing, layout.ep) in settled:
             continue
         result = estimate(workload, cluster, layout, assumptions)
         priced += 1
         if result.fits:
-            if best is None or (result.step_s, result.memory.total) < (best.step_s, best.memory.total):
-                best = result
+            known = best.get(layout.ep)
+            if known is None or (result.step_s, result.memory.total) < (known.step_s, known.memory.total):
+                best[layout.ep] = result
             if mesh.pp == 1:
                 # Gradient-accumulation steps are tried fewest first; more would only add gathers.
-                settled.add(layout.activation_checkpointing)
+                settled.add((layout.activation_checkpointing, layout.ep))
         elif smallest is None or result.memory.total < smallest.memory.total:
             smallest = result
-    return best, smallest, priced
+    return list(best.values()), smallest, priced
 
 
 def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> Iterator[Layout]:
+    """Schedules x virtual stages x activation checkpointing x microbatches x ep worth pricing."""
+    for layout in _schedule_variants(workload, constraints, mesh):
+        for ep in expert_degrees(workload.model, mesh, constraints.ep):
+            yield dataclasses.replace(layout, ep=ep) if ep > 1 else layout
+
+
+def expert_degrees(model: ModelSpec, mesh: MeshSpec, fixed: int | None = None) -> list[int]:
+    """The expert-parallel degrees ``mesh`` can run ``model`` with: 1 for a dense model, else the
+    divisors of ``dp_shard`` that divide the expert count (only ``fixed`` when given)."""
+    if not model.is_moe:
+        return [1]
+    degrees = [ep for ep in _divisors(mesh.dp_shard) if model.n_experts % ep == 0]
+    return [ep for ep in degrees if ep == fixed] if fixed is not None else degrees
+
+
+def _schedule_variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> Iterator[Layout]:
     """Schedules x virtual stages x activation checkpointing x microbatches worth pricing."""
     model = workload.model
     per_rank = samples_per_rank(workload.global_batch, mesh.dp)
@@ -276,6 +302,12 @@ def check_layout(
         problems.append(f"virtual_stages={layout.virtual_stages}: {layout.schedule} takes {counts[0]}..{counts[-1]}")
     if layout.schedule == "none" and layout.virtual_stages != 1:
         problems.append(f"virtual_stages={layout.virtual_stages} needs a pipeline schedule")
+    if layout.ep not in expert_degrees(model, mesh) and layout.ep != 1:
+        problems.append(
+            f"ep={layout.ep} must divide dp_shard={mesh.dp_shard} and model.n_experts={model.n_experts}"
+            if model.is_moe
+            else f"ep={layout.ep} needs a mixture of experts (model.n_experts is 0)"
+        )
     problems.extend(
         mesh.check_divides(
             n_heads=model.n_heads,

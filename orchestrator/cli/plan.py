@@ -81,6 +81,12 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
             f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim, help=f"fix {dim} to this degree"
         )
     parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="fix the expert-parallel degree of a mixture of experts (default: every one dividing dp_shard)",
+    )
+    parser.add_argument(
         "--min-replicas",
         type=int,
         default=1,
@@ -126,6 +132,19 @@ def _add_assumption_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=Assumptions.memory_reserve,
         help="fraction of GPU memory kept free for CUDA context, NCCL, fragmentation (default %(default)s)",
+    )
+    parser.add_argument(
+        "--overlap-expert-all-to-all",
+        action="store_true",
+        help="price zbv/dualpipev as hiding the experts' all-to-all behind the paired chunk's compute, as "
+        "DeepSeek-V3's DualPipe does (meshpilot's runtime does not overlap them yet)",
+    )
+    parser.add_argument(
+        "--expert-routing-nodes",
+        type=int,
+        default=None,
+        help="node-limited routing: each token reaches experts on at most this many nodes, sent once per "
+        "node (DeepSeek-V3: 4; default: a plain all-to-all, as meshpilot runs)",
     )
 
 
@@ -294,6 +313,11 @@ def _inputs(
             raise UserError(f"{flag}={value} must lie in (0, 1]")
     if not 0 <= args.memory_reserve < 1:
         raise UserError(f"--memory-reserve={args.memory_reserve} must lie in [0, 1)")
+    for flag, value in (("--ep", args.ep), ("--expert-routing-nodes", args.expert_routing_nodes)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag}={value} must be >= 1")
+    if args.ep is not None and args.ep > 1 and not model.is_moe:
+        raise UserError(f"--ep={args.ep} needs a mixture of experts (model.n_experts >= 1); drop --ep")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
     constraints = Constraints(
         fixed=fixed,
@@ -302,11 +326,14 @@ def _inputs(
         min_replicas=args.min_replicas,
         schedules=tuple(args.schedule) if args.schedule else SEARCHED_SCHEDULES,
         activation_checkpointing=checkpointing,
+        ep=args.ep,
     )
     assumptions = Assumptions(
         compute_efficiency=args.compute_efficiency,
         link_efficiency=args.link_efficiency,
         memory_reserve=args.memory_reserve,
+        overlap_expert_all_to_all=args.overlap_expert_all_to_all,
+        expert_routing_nodes=args.expert_routing_nodes,
     )
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), hardware_from_args(args))
     return Workload(model, seq_len, global_batch), cluster, constraints, assumptions
@@ -344,6 +371,8 @@ def config_snippet(plan: Plan) -> dict[str, object]:
         section["pp_schedule"] = layout.schedule
         if layout.virtual_stages > 1:
             section["stages_per_rank"] = layout.virtual_stages
+    if layout.ep > 1:
+        section["ep"] = layout.ep
     section["microbatches"] = layout.microbatches
     section["activation_checkpointing"] = layout.activation_checkpointing
     return section
@@ -369,6 +398,8 @@ def plan_json(name: str, result: PlanResult, shown: list[Plan]) -> dict[str, obj
             "compute_efficiency": assumptions.compute_efficiency,
             "link_efficiency": assumptions.link_efficiency,
             "memory_reserve": assumptions.memory_reserve,
+            "overlap_expert_all_to_all": assumptions.overlap_expert_all_to_all,
+            "expert_routing_nodes": assumptions.expert_routing_nodes,
         },
         "plans": [_plan_dict(rank, plan) for rank, plan in enumerate(shown, start=1)],
         "feasible": len(result.plans),
@@ -409,7 +440,7 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
         "",
     ]
     if shown:
-        lines.append("best layouts (fastest first; one per tp x pp, its best dp split and schedule):")
+        lines.append("best layouts (fastest first; one per tp x pp x cp x ep, its best dp split and schedule):")
         lines.append(
             f"  {'#':>2} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>4}  {'schedule':<22} "
             f"{'micro':>5} {'AC':>3} {'GB/GPU':>7} {'step s':>7} {'MFU':>6} {'tok/s/GPU':>9} {'bubble':>6}"
@@ -448,6 +479,8 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
         schedule += f" v={layout.virtual_stages}"
     if mesh.cp > 1:
         schedule += f" cp={mesh.cp}"
+    if layout.ep > 1:
+        schedule += f" ep={layout.ep}"
     lines = [
         f"  {rank:>2} {mesh.dp_replicate:>6} {mesh.dp_shard:>8} {mesh.tp:>3} {mesh.pp:>4}  {schedule:<22} "
         f"{layout.microbatches:>5} {'on' if layout.activation_checkpointing else 'off':>3} "

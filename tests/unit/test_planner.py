@@ -16,7 +16,7 @@ from elastic.hardware import GPU_KINDS, gpu_spec
 from elastic.memory_model import fsdp_buffer_bytes, zero_memory_per_gpu
 from elastic.planner import Constraints, best_mesh, check_layout, plan_layouts
 from elastic.spec import MeshSpec
-from workers.spec import PRESETS
+from workers.spec import PRESETS, ModelSpec
 
 H100 = GPU_KINDS["h100-80g"]
 
@@ -419,3 +419,82 @@ def test_a_long_context_is_planned_with_context_parallelism():
     # The same batch at 8K tokens needs no cp: the cost of all-gathering K/V buys nothing there.
     short = plan_layouts(Workload(PRESETS["llama3-405b"], seq_len=8192, global_batch=2048), Cluster(16384, 8, H100))
     assert {plan.mesh.cp for plan in short.plans} == {1}
+
+
+# DeepSeek-V3's shape as a moe-family model (DeepSeek-V3 Technical Report, 2024, section 4.2):
+# 61 layers, hidden 7168, 128 heads, 256 routed experts of width 2048 and one shared, top-8, a
+# 129K vocabulary. Its multi-head latent attention is priced as plain attention and its first
+# three dense layers as MoE ones: 705B parameters (37.6B active) for the reported 671B (37B).
+DEEPSEEK_V3 = ModelSpec(
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    n_kv_heads=128,
+    vocab_size=129280,
+    ffn_dim=18432,
+    max_seq_len=4096,
+    family="moe",
+    n_experts=256,
+    top_k_experts=8,
+    moe_ffn_dim=2048,
+    n_shared_experts=1,
+)
+# Its pre-training run: 2,048 H800s, 4K sequences, batch 15,360 sequences; V schedules searched.
+DEEPSEEK_RUN = (Workload(DEEPSEEK_V3, 4096, 15360), Cluster(2048, 8, GPU_KINDS["h800"]))
+V_AND_CLASSIC = Constraints(schedules=("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"))
+
+
+def test_deepseek_v3_pp16_ep64_is_a_top_choice_when_priced_as_its_runtime_runs():
+    # The report (section 3.2): PP 16, EP 64 over 8 nodes, ZeRO-1 DP, DualPipe overlapping the
+    # all-to-all with computation, each token routed to at most 4 nodes.
+    workload, cluster = DEEPSEEK_RUN
+    deepseek_runtime = Assumptions(overlap_expert_all_to_all=True, expert_routing_nodes=4)
+    result = plan_layouts(workload, cluster, constraints=V_AND_CLASSIC, assumptions=deepseek_runtime)
+    top = result.top(5)
+    assert (16, 64) in [(plan.mesh.pp, plan.layout.ep) for plan in top], [p.layout.describe() for p in top]
+    published = next(plan for plan in top if (plan.mesh.pp, plan.layout.ep) == (16, 64))
+    assert published.mesh.tp == 1 and published.mesh.dp == 128 and published.layout.schedule in ("zbv", "dualpipev")
+    assert published.estimate.step_s <= 1.05 * top[0].estimate.step_s
+    assert published.estimate.comm["ep"].link == "network" and published.estimate.comm["ep"].exposed_s == 0.0
+    assert result.elapsed_s < 2.0
+
+
+def test_a_plain_all_to_all_keeps_expert_parallelism_inside_a_node():
+    # meshpilot's own runtime: every token copy crosses the network when ep spans nodes, nothing
+    # overlaps it; the planner then keeps the expert group on NVLink.
+    workload, cluster = DEEPSEEK_RUN
+    best = plan_layouts(workload, cluster, constraints=V_AND_CLASSIC).plans[0]
+    assert best.layout.ep * best.mesh.stride("dp_shard") <= cluster.gpus_per_node
+    assert best.estimate.comm["ep"].link == "nvlink" and best.estimate.comm["ep"].exposed_s > 0
+    across_nodes = estimate(workload, cluster, dataclasses.replace(best.layout, ep=64))
+    assert across_nodes.comm["ep"].link == "network" and across_nodes.step_s > best.estimate.step_s
+
+
+def test_expert_parallel_traffic_follows_the_all_to_all_and_fsdp_arithmetic():
+    model = dataclasses.replace(PRESETS["debug-moe"], n_experts=64)
+    workload, cluster = Workload(model, 512, 16), Cluster(8, 8, H100)
+    layouts = {ep: Layout(MeshSpec(dp_shard=8), "none", 1, 1, False, ep=ep) for ep in (1, 8)}
+    costs = {ep: estimate(workload, cluster, layout) for ep, layout in layouts.items()}
+    assert "ep" not in costs[1].comm
+    # Two all-to-alls forward, two backward, each sending 7/8 of top-k copies of 256 tokens.
+    tokens = 512 * 16 // 8
+    per_layer = 4 * 7 / 8 * 2 * tokens * model.top_k_experts * model.dim
+    assert costs[8].comm["ep"].bytes_per_step == pytest.approx(per_layer * model.n_layers)
+    # With ep = dp_shard the experts are not FSDP-gathered at all: only the rest of the model is.
+    experts = model.n_layers * 64 * 3 * model.dim * model.expert_ffn_dim
+    fsdp = {ep: cost.comm["dp_shard"].bytes_per_step for ep, cost in costs.items()}
+    assert fsdp[1] - fsdp[8] == pytest.approx(7 / 8 * (2 + 2 + 4) * experts)
+
+
+def test_the_planner_searches_and_checks_the_expert_parallel_degree():
+    model = dataclasses.replace(PRESETS["debug-moe"], n_experts=4)
+    workload, cluster = Workload(model, 512, 16), Cluster(8, 8, H100)
+    result = plan_layouts(workload, cluster)
+    assert {plan.layout.ep for plan in result.plans} == {1, 2, 4}  # divisors of dp_shard and of 4 experts
+    assert all(plan.mesh.dp_shard % plan.layout.ep == 0 for plan in result.plans)
+    fixed = plan_layouts(workload, cluster, constraints=Constraints(ep=2))
+    assert {plan.layout.ep for plan in fixed.plans} == {2}
+    _, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=8), "none", ep=8))
+    assert problems == ["ep=8 must divide dp_shard=8 and model.n_experts=4"]
+    _, problems = check_layout(Workload(PRESETS["debug"], 512, 16), cluster, Layout(MeshSpec(dp_shard=8), "none", ep=2))
+    assert problems == ["ep=2 needs a mixture of experts (model.n_experts is 0)"]

@@ -146,6 +146,14 @@ def test_custom_gpu_flags_override_the_kind(capsys):
             "meshpilot: the fixed degrees (--tp=4, --pp=3) multiply to 12, which does not divide --gpus=16\n",
         ),
         (
+            ["--model", "llama3-8b", "--gpus", "8", "--ep", "2"],
+            "meshpilot: --ep=2 needs a mixture of experts (model.n_experts >= 1); drop --ep\n",
+        ),
+        (
+            ["--model", "debug-moe", "--gpus", "8", "--expert-routing-nodes", "0"],
+            "meshpilot: --expert-routing-nodes=0 must be >= 1\n",
+        ),
+        (
             ["--model", "missing.yaml", "--gpus", "8"],
             "meshpilot: invalid config: config file 'missing.yaml' does not exist; pass the path of a YAML job file\n",
         ),
@@ -209,7 +217,7 @@ def test_an_unknown_gpu_kind_is_refused_by_the_parser():
     # Python versions differ in quoting the choices; the line is otherwise fixed.
     assert re.fullmatch(
         r"meshpilot plan: error: argument --gpu: invalid choice: 'a100' "
-        r"\(choose from '?b200'?, '?h100-80g'?, '?h200'?\)\n",
+        r"\(choose from '?b200'?, '?h100-80g'?, '?h200'?, '?h800'?\)\n",
         process.stderr,
     ), process.stderr
 
@@ -222,3 +230,14 @@ def test_plan_with_a_fixed_cp_prices_the_key_value_gather(capsys):
     assert re.search(r"^\s+1\s.* cp=2\s", out, re.MULTILINE)
     assert re.search(r"^\s+- cp [\d.]+ GB/step over (nvlink|network)", out, re.MULTILINE)
     assert re.search(r"config: parallelism: \{dp_replicate: \d+, pp: \d+, dp_shard: \d+, cp: 2, tp: \d+", out)
+
+
+def test_plan_of_a_mixture_of_experts_prices_each_expert_parallel_degree(capsys):
+    code, out, err = run(capsys, "plan", "--model", "debug-moe", "--gpus", "8", "--seq-len", "512", "--top", "20")
+    assert code == 0 and err == ""
+    assert re.search(r"^\s+\d+\s.* ep=2\s", out, re.MULTILINE) and re.search(r"^\s+\d+\s.* ep=8\s", out, re.MULTILINE)
+    assert re.search(r"^\s+- ep [\d.]+ GB/step over nvlink", out, re.MULTILINE)
+    assert re.search(r"config: parallelism: \{.*ep: 8, microbatches", out)
+    code, out, _ = run(capsys, "plan", "--model", "debug-moe", "--gpus", "8", "--seq-len", "512", "--ep", "4", "--json")
+    plans = json.loads(out)["plans"]
+    assert code == 0 and plans and all(plan["parallelism"]["ep"] == 4 for plan in plans)
