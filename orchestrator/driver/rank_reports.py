@@ -114,7 +114,7 @@ class ReportRouter:
         if len(ranks) < self.mesh.world_size:
             # A rank died after applying the step but before its report reached the driver:
             # the loss is the mean over the data-parallel slices that did report.
-            extra = {"loss_partial": True, "reported_ranks": len(ranks)}
+            extra |= {"loss_partial": True, "reported_ranks": len(ranks)}
         self.events.emit(
             "step",
             **extra,

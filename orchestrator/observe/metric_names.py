@@ -94,6 +94,12 @@ METRICS: dict[str, MetricSpec] = {
         "straggler_ratio", "Slowest rank's step time over the median rank's, last step (1 = even)."
     ),
     "slowest_rank": _gauge("slowest_rank", "Rank with the longest step time, last step."),
+    "expert_load": _gauge(
+        "expert_load_max_over_mean",
+        "Mixture of experts, last step: per layer, the busiest expert's tokens over the mean expert's "
+        "(1 = even), the most uneven data-parallel slice's.",
+        ("layer",),
+    ),
     "mfu": _gauge("mfu_ratio", "Model FLOPs utilisation estimate, 0..1 (NaN when the device peak is unknown)."),
     "effective_seconds": _gauge(
         "effective_training_seconds", "Wall time spent in completed steps; steps lost to a restore are taken back out."

@@ -191,6 +191,8 @@ class MetricsExporter:
             if self._flops_per_token and self._peak_flops and world_size:
                 m.mfu.set(throughput * self._flops_per_token / (world_size * self._peak_flops))
         self._set_rank_times(event.get("rank_step_time_s"))
+        for layer, ratio in (event.get("expert_load_max_over_mean") or {}).items():
+            m.expert_load.labels(layer=layer).set(ratio)
 
     def _on_eval(self, event: dict[str, Any]) -> None:
         self.m.eval_loss.set(event["loss"])

@@ -392,3 +392,11 @@ def test_a_recorded_real_drain_and_grow_are_no_recoveries():
     assert value(samples, "meshpilot_recoveries_total") == 0 and value(samples, "meshpilot_recovery_seconds_count") == 0
     assert value(samples, "meshpilot_world_size") == 4 and value(samples, "meshpilot_steps_total") == 24
     assert {labels for name, labels in samples if name == "meshpilot_failures_total"} == set()
+
+
+def test_a_mixture_of_experts_load_balance_is_exported_per_layer():
+    events = synthetic_run()
+    last = [e for e in events if e["event"] == "step"][-1]["expert_load_max_over_mean"]
+    samples = scrape(fed_exporter(events))
+    for layer, ratio in last.items():
+        assert value(samples, "meshpilot_expert_load_max_over_mean", layer=layer) == ratio
