@@ -3,7 +3,9 @@
     spec.py        MeshSpec: the parallel degrees, ranks and replica groups, validated
     policy.py      failure and scaling policies -> Continue / Shrink / Grow / Reshape /
                    RestoreFromCheckpoint / Fail
-    planner.py     the mesh for a model on a cluster; cost_model.py and hardware.py behind it
+    planner.py     the mesh for a model on a cluster; cost_model.py (with memory_model.py,
+                   layer_traffic.py, pipeline_cost.py) and hardware.py behind it;
+                   plan_check.py prices one given layout, plan_explain.py says why
     placement.py   which node each replica group goes to
     simulator.py   goodput of the recovery policies over a failure trace
 

@@ -50,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from elastic.hardware import GpuSpec
+from elastic.layer_traffic import CommCost, context_parallel, expert_parallel, link, tp_per_layer
 from elastic.memory_model import (
     ACTIVATION_BYTES,
     ADAM_BYTES,
@@ -166,24 +167,6 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class CommCost:
-    """One mesh dimension's traffic per GPU per step and the time it adds to the step."""
-
-    bytes_per_step: float
-    link: str  # "nvlink", "network" or "-" when the dimension has degree 1
-    busy_s: float
-    exposed_s: float
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "gb_per_step": round(self.bytes_per_step / 1e9, 3),
-            "link": self.link,
-            "busy_s": round(self.busy_s, 4),
-            "exposed_s": round(self.exposed_s, 4),
-        }
-
-
-@dataclass(frozen=True)
 class Estimate:
     """Everything the planner ranks and prints about one layout."""
 
@@ -254,36 +237,27 @@ def estimate(
     usable = cluster.gpu.memory_bytes * (1.0 - assumptions.memory_reserve)
 
     layer_s, output_s = _layer_seconds(workload, cluster, layout, assumptions, tokens)
-    tp_link, tp_bytes_layer, tp_layer_s = _tp_per_layer(workload, cluster, layout, assumptions, tokens)
-    cp_layer_s, cp_comm = _context_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
-    ep_layer_s, ep_comm = _expert_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
+    tp_link, tp_bytes_layer, tp_layer_s = tp_per_layer(workload, cluster, layout, assumptions, tokens)
+    cp_layer_s, cp_comm = context_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank)
+    ep_layer_s, ep_comm = expert_parallel(workload, cluster, layout, assumptions, tokens, layers_on_rank, layer_s)
 
-    pp_link, pp_bw = _link(mesh, "pp", cluster, assumptions)
+    pp_link, pp_bw = link(mesh, "pp", cluster, assumptions)
     p2p_bytes = 2 * ACTIVATION_BYTES * tokens * model.dim / tp  # one activation forward, one gradient back
     p2p_s = p2p_bytes / pp_bw if pp > 1 else 0.0
 
     output_layers = output_s / layer_s
     load = _bottleneck_load(model.n_layers, chunks, output_layers)
     imbalance = load * chunks / (model.n_layers + output_layers)
-    if ep_comm is not None and layout.schedule in V_SCHEDULES and assumptions.overlap_expert_all_to_all:
-        ep_layer_s = max(0.0, ep_layer_s - layer_s)  # hidden behind the paired chunk's compute
-        ep_comm = CommCost(ep_comm.bytes_per_step, ep_comm.link, ep_comm.busy_s, ep_layer_s * layers_on_rank * m)
     layer_s += tp_layer_s + cp_layer_s + ep_layer_s  # the collectives inside a layer are on its critical path
     compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v, layout.schedule)
-
-    experts_on_rank = layers_on_rank * routed_expert_params_per_layer(model) / tp
-    fsdp_params = _fsdp_peer_params(layout, params_on_rank, experts_on_rank)
+    fsdp_params = _fsdp_peer_params(layout, params_on_rank, layers_on_rank * routed_expert_params_per_layer(model) / tp)
     dp_costs = _data_parallel(
         mesh, cluster, assumptions, layout, params_on_rank, fsdp_params, rank_microbatch_s, layers_on_rank
     )
+    tp_step_s = tp_layer_s * layers_on_rank * m
     comm = {
-        "tp": CommCost(
-            tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0,
-            tp_link,
-            tp_layer_s * layers_on_rank * m,
-            tp_layer_s * layers_on_rank * m,
-        ),
+        "tp": CommCost(tp_bytes_layer * layers_on_rank * m if tp > 1 else 0.0, tp_link, tp_step_s, tp_step_s),
         "pp": CommCost(p2p_bytes * m * v if pp > 1 else 0.0, pp_link, p2p_s * m * v, p2p_s * m * v),
         **dp_costs,
         **({"cp": cp_comm} if cp_comm is not None else {}),
@@ -335,63 +309,6 @@ def _layer_seconds(
     layer_flops = layer_flops_per_token(model, workload.seq_len)
     output_flops = model.flops_per_token(workload.seq_len) - model.n_layers * layer_flops
     return layer_flops * recompute * tokens / (tp * flops_rate), output_flops * tokens / (tp * flops_rate)
-
-
-def _tp_per_layer(
-    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
-) -> tuple[str, float, float]:
-    """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds)."""
-    tp = layout.mesh.tp
-    tp_link, tp_bw = _link(layout.mesh, "tp", cluster, assumptions)
-    collectives = 8 + (4 if layout.activation_checkpointing else 0)
-    tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * workload.model.dim
-    return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
-
-
-def _context_parallel(
-    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
-) -> tuple[float, CommCost | None]:
-    """Context-parallel time of one layer and microbatch, and the step's cp traffic (None with cp = 1).
-
-    Each cp rank receives the other ranks' keys and values (an all-gather forward, again when
-    recomputing) and sends their gradients back (a reduce-scatter backward); ``tokens`` is this
-    rank's share of the sequence. Counted on the critical path, like tensor parallel's.
-    """
-    mesh, model = layout.mesh, workload.model
-    if mesh.cp == 1:
-        return 0.0, None
-    cp_link, cp_bw = _link(mesh, "cp", cluster, assumptions)
-    collectives = 2 + (1 if layout.activation_checkpointing else 0)
-    kv_bytes = 2 * ACTIVATION_BYTES * tokens * model.n_kv_heads * model.head_dim / mesh.tp  # K and V
-    layer_bytes = collectives * (mesh.cp - 1) * kv_bytes
-    step_layers = layers_on_rank * layout.microbatches
-    step_s = layer_bytes / cp_bw * step_layers
-    return layer_bytes / cp_bw, CommCost(layer_bytes * step_layers, cp_link, step_s, step_s)
-
-
-def _expert_parallel(
-    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
-) -> tuple[float, CommCost | None]:
-    """Expert-parallel all-to-all time of one layer and microbatch, and the step's ep traffic (None
-    without experts split over ranks). ``tokens`` is this rank's share of the microbatch."""
-    model, ep = workload.model, layout.ep
-    if not model.is_moe or ep == 1:
-        return 0.0, None
-    ep_link, ep_bw = _link(layout.mesh, "ep", cluster, assumptions, degree=ep)
-    collectives = 4 + (2 if layout.activation_checkpointing else 0)  # dispatch and combine, each way
-    copies = collectives * ACTIVATION_BYTES * tokens * model.dim  # one copy of each token, every exchange
-    layer_bytes = (ep - 1) / ep * model.top_k_experts * copies
-    layer_s = layer_bytes / ep_bw
-    nodes = -(-layout.mesh.stride("dp_shard") * ep // cluster.gpus_per_node)
-    if nodes > 1 and assumptions.expert_routing_nodes is not None:
-        # Once per destination node over the network, then k copies over NVLink inside the nodes.
-        remote = min(assumptions.expert_routing_nodes, nodes) * (nodes - 1) / nodes
-        network_bytes = remote * copies
-        nvlink_s = model.top_k_experts * copies / (cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency)
-        layer_bytes, layer_s = network_bytes, max(network_bytes / ep_bw, nvlink_s)
-    step_layers = layers_on_rank * layout.microbatches
-    step_s = layer_s * step_layers
-    return layer_s, CommCost(layer_bytes * step_layers, ep_link, step_s, step_s)
 
 
 def _fsdp_peer_params(layout: Layout, params_on_rank: float, experts_on_rank: float) -> float:
@@ -450,28 +367,6 @@ def _memory(
     return worst, worst_params
 
 
-def _link(
-    mesh: MeshSpec, dim: str, cluster: Cluster, assumptions: Assumptions, *, degree: int | None = None
-) -> tuple[str, float]:
-    """Which link a ``dim`` group uses and its effective bytes/s per GPU, one direction.
-
-    ``dim="dp_shard"`` is FSDP's group: ``dp_shard x cp`` (adjacent in the rank order, one block).
-    ``dim="ep"`` is the block of ``degree`` consecutive ranks of ``dp_shard`` (its inner part).
-    """
-    if dim == "ep":
-        stride = mesh.stride("dp_shard")
-    else:
-        degree = mesh.fsdp_shards if dim == "dp_shard" else getattr(mesh, dim)
-        stride = mesh.stride("cp" if dim == "dp_shard" else dim)
-    assert degree is not None
-    if degree == 1:
-        return "-", math.inf
-    within_node = stride * degree <= cluster.gpus_per_node
-    if within_node:
-        return "nvlink", cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency
-    return "network", cluster.gpu.network_bytes_per_s * assumptions.link_efficiency
-
-
 def _data_parallel(
     mesh: MeshSpec,
     cluster: Cluster,
@@ -493,8 +388,8 @@ def _data_parallel(
     (the ``tail``). ``fsdp_params``: what one gather brings in (``_fsdp_peer_params``).
     """
     shard, replicas, m = mesh.fsdp_shards, mesh.dp_replicate, layout.microbatches  # dp_shard x cp
-    shard_link, shard_bw = _link(mesh, "dp_shard", cluster, assumptions)
-    repl_link, repl_bw = _link(mesh, "dp_replicate", cluster, assumptions)
+    shard_link, shard_bw = link(mesh, "dp_shard", cluster, assumptions)
+    repl_link, repl_bw = link(mesh, "dp_replicate", cluster, assumptions)
     gather_bytes = PARAM_BYTES * fsdp_params
     reduce_bytes = REDUCE_BYTES * fsdp_params
     allreduce_bytes = 2 * (replicas - 1) / replicas * REDUCE_BYTES * params_on_rank / shard

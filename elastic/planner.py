@@ -133,7 +133,7 @@ def plan_layouts(
             continue
         family = _count_meshes(gpus // tp, constraints)
         considered += family
-        problem = _tp_problem(workload, cluster, constraints, tp)
+        problem = tp_problem(workload, cluster, constraints, tp)
         if problem:
             rejections.append(Rejection(f"tp={tp}", problem, "tp", family))
             continue
@@ -226,8 +226,7 @@ def _schedule_variants(workload: Workload, constraints: Constraints, mesh: MeshS
             microbatches = _pipeline_microbatches(per_rank, mesh.pp, schedule)
             if microbatches is None:
                 continue
-            stage_counts = _stage_counts(schedule)
-            for virtual in stage_counts:
+            for virtual in stage_counts(schedule):
                 problems = mesh.check_divides(
                     n_heads=model.n_heads,
                     n_kv_heads=model.n_kv_heads,
@@ -244,7 +243,7 @@ def _schedule_variants(workload: Workload, constraints: Constraints, mesh: MeshS
                 yield Layout(mesh, schedule, virtual, microbatches, checkpointing)
 
 
-def _stage_counts(schedule: str) -> Sequence[int]:
+def stage_counts(schedule: str) -> Sequence[int]:
     """The stages per rank a schedule is priced with: 2..16 interleaved, 2 for the V schedules."""
     rules = RULES[PipelineSchedule(schedule)]
     if rules.exact:
@@ -264,73 +263,8 @@ def _pipeline_microbatches(per_rank: int, pp: int, schedule: str) -> int | None:
     return None
 
 
-def check_layout(
-    workload: Workload,
-    cluster: Cluster,
-    layout: Layout,
-    *,
-    constraints: Constraints = Constraints(),
-    assumptions: Assumptions = Assumptions(),
-) -> tuple[Estimate | None, list[str]]:
-    """Price one given layout (a config's, a published one) and list why it cannot run, if it cannot.
-
-    Returns (estimate, problems): the estimate is None when the layout does not even divide the
-    model and batch; problems is empty when it runs and fits.
-    """
-    mesh, model = layout.mesh, workload.model
-    problems: list[str] = []
-    if mesh.world_size != cluster.gpus:
-        problems.append(f"{mesh.describe()} has {mesh.world_size} ranks, not the {cluster.gpus} GPUs planned for")
-    tp_problem = _tp_problem(workload, cluster, constraints, mesh.tp)
-    if tp_problem:
-        problems.append(f"tp={mesh.tp}: {tp_problem}")
-    if mesh.pp == 1 and layout.schedule != "none":
-        problems.append(f"schedule {layout.schedule!r} needs pp > 1")
-    if mesh.pp > 1:
-        if layout.schedule not in PIPELINE_SCHEDULES:
-            problems.append(f"pp={mesh.pp} needs a schedule from {', '.join(PIPELINE_SCHEDULES)}")
-        if layout.microbatches < mesh.pp:
-            problems.append(f"microbatches={layout.microbatches} must be >= pp={mesh.pp} so every stage has work")
-        if layout.schedule in ("interleaved_1f1b", "zero_bubble") and layout.microbatches % mesh.pp:
-            problems.append(
-                f"microbatches={layout.microbatches} must be a multiple of pp={mesh.pp} for {layout.schedule}"
-            )
-        if layout.schedule == "dualpipev" and layout.microbatches < 2 * mesh.pp:
-            problems.append(f"microbatches={layout.microbatches} must be >= 2 x pp={mesh.pp} for dualpipev")
-    if layout.schedule in PIPELINE_SCHEDULES and layout.virtual_stages not in _stage_counts(layout.schedule):
-        counts = _stage_counts(layout.schedule)
-        problems.append(f"virtual_stages={layout.virtual_stages}: {layout.schedule} takes {counts[0]}..{counts[-1]}")
-    if layout.schedule == "none" and layout.virtual_stages != 1:
-        problems.append(f"virtual_stages={layout.virtual_stages} needs a pipeline schedule")
-    if layout.ep not in expert_degrees(model, mesh) and layout.ep != 1:
-        problems.append(
-            f"ep={layout.ep} must divide dp_shard={mesh.dp_shard} and model.n_experts={model.n_experts}"
-            if model.is_moe
-            else f"ep={layout.ep} needs a mixture of experts (model.n_experts is 0)"
-        )
-    problems.extend(
-        mesh.check_divides(
-            n_heads=model.n_heads,
-            n_kv_heads=model.n_kv_heads,
-            n_layers=model.n_layers,
-            ffn_dim=model.ffn_dim,
-            global_batch=workload.global_batch,
-            microbatches=layout.microbatches,
-            seq_len=workload.seq_len,
-            stages_per_rank=layout.virtual_stages,
-            even_stages=constraints.even_stages,
-        )
-    )
-    if problems:
-        return None, problems
-    result = estimate(workload, cluster, layout, assumptions)
-    if not result.fits:
-        problems.append(memory_rejection(layout.describe(), result, 1).reason)
-    return result, problems
-
-
 # ---------------------------------------------------------------------------- rules
-def _tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, tp: int) -> str | None:
+def tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, tp: int) -> str | None:
     model = workload.model
     problems = MeshSpec(tp=tp).check_divides(
         n_heads=model.n_heads,

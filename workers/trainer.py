@@ -111,13 +111,7 @@ class Trainer(TrainerState):
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
         self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
-        # A restore onto fewer ranks may leave a dp_shard the configured ep does not divide.
-        self.ep = spec.ep_on(mesh.dp_shard)
-        if self.ep != spec.ep and rank == 0:
-            log.info(
-                "parallelism.ep=%d does not divide dp_shard=%d: experts split %d ways", spec.ep, mesh.dp_shard, self.ep
-            )
-        self.expert_meshes = par.expert_meshes(self.world_mesh, mesh, self.ep) if self.ep > 1 else None
+        self.ep, self.expert_meshes = self._expert_parallel()
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -147,6 +141,19 @@ class Trainer(TrainerState):
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
 
     # ------------------------------------------------------------------ building
+    def _expert_parallel(self) -> tuple[int, par.ExpertMeshes | None]:
+        """This mesh's expert-parallel degree and meshes (collective when ep > 1). A restore onto
+        fewer ranks may leave a dp_shard the configured ep does not divide (``TrainSpec.ep_on``)."""
+        ep = self.spec.ep_on(self.mesh.dp_shard)
+        if ep != self.spec.ep and self.rank == 0:
+            log.info(
+                "parallelism.ep=%d does not divide dp_shard=%d: experts split %d ways",
+                self.spec.ep,
+                self.mesh.dp_shard,
+                ep,
+            )
+        return ep, par.expert_meshes(self.world_mesh, self.mesh, ep) if ep > 1 else None
+
     def _build_module(self, plan: par.StagePlan) -> StageModel:
         module = par.build_stage_module(self.family, self.spec.model, plan)
         if self.mesh.tp > 1:

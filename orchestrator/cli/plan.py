@@ -17,16 +17,9 @@ from pathlib import Path
 
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
+from elastic.plan_check import check_layout
 from elastic.plan_explain import format_gb
-from elastic.planner import (
-    PIPELINE_SCHEDULES,
-    SEARCHED_SCHEDULES,
-    Constraints,
-    Plan,
-    PlanResult,
-    check_layout,
-    plan_layouts,
-)
+from elastic.planner import PIPELINE_SCHEDULES, SEARCHED_SCHEDULES, Constraints, Plan, PlanResult, plan_layouts
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
 
@@ -308,16 +301,6 @@ def _inputs(
     if args.gpus % product:
         named = ", ".join(f"--{dim.replace('_', '-')}={value}" for dim, value in fixed.items())
         raise UserError(f"the fixed degrees ({named}) multiply to {product}, which does not divide --gpus={args.gpus}")
-    for flag, value in (("--compute-efficiency", args.compute_efficiency), ("--link-efficiency", args.link_efficiency)):
-        if not 0 < value <= 1:
-            raise UserError(f"{flag}={value} must lie in (0, 1]")
-    if not 0 <= args.memory_reserve < 1:
-        raise UserError(f"--memory-reserve={args.memory_reserve} must lie in [0, 1)")
-    for flag, value in (("--ep", args.ep), ("--expert-routing-nodes", args.expert_routing_nodes)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag}={value} must be >= 1")
-    if args.ep is not None and args.ep > 1 and not model.is_moe:
-        raise UserError(f"--ep={args.ep} needs a mixture of experts (model.n_experts >= 1); drop --ep")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
     constraints = Constraints(
         fixed=fixed,
@@ -328,15 +311,33 @@ def _inputs(
         activation_checkpointing=checkpointing,
         ep=args.ep,
     )
-    assumptions = Assumptions(
+    _check_expert_flags(args, model)
+    assumptions = _assumptions(args)
+    cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), hardware_from_args(args))
+    return Workload(model, seq_len, global_batch), cluster, constraints, assumptions
+
+
+def _assumptions(args: argparse.Namespace) -> Assumptions:
+    for flag, value in (("--compute-efficiency", args.compute_efficiency), ("--link-efficiency", args.link_efficiency)):
+        if not 0 < value <= 1:
+            raise UserError(f"{flag}={value} must lie in (0, 1]")
+    if not 0 <= args.memory_reserve < 1:
+        raise UserError(f"--memory-reserve={args.memory_reserve} must lie in [0, 1)")
+    return Assumptions(
         compute_efficiency=args.compute_efficiency,
         link_efficiency=args.link_efficiency,
         memory_reserve=args.memory_reserve,
         overlap_expert_all_to_all=args.overlap_expert_all_to_all,
         expert_routing_nodes=args.expert_routing_nodes,
     )
-    cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), hardware_from_args(args))
-    return Workload(model, seq_len, global_batch), cluster, constraints, assumptions
+
+
+def _check_expert_flags(args: argparse.Namespace, model: ModelSpec) -> None:
+    for flag, value in (("--ep", args.ep), ("--expert-routing-nodes", args.expert_routing_nodes)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag}={value} must be >= 1")
+    if args.ep is not None and args.ep > 1 and not model.is_moe:
+        raise UserError(f"--ep={args.ep} needs a mixture of experts (model.n_experts >= 1); drop --ep")
 
 
 def _no_layout_message(name: str, result: PlanResult) -> str:

@@ -14,7 +14,8 @@ import pytest
 from elastic.cost_model import Assumptions, Cluster, Layout, Workload, estimate, pipeline_bubble
 from elastic.hardware import GPU_KINDS, gpu_spec
 from elastic.memory_model import fsdp_buffer_bytes, zero_memory_per_gpu
-from elastic.planner import Constraints, best_mesh, check_layout, plan_layouts
+from elastic.plan_check import check_layout
+from elastic.planner import Constraints, best_mesh, plan_layouts
 from elastic.spec import MeshSpec
 from workers.spec import PRESETS, ModelSpec
 
