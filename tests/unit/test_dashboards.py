@@ -177,6 +177,7 @@ def test_dashboard_has_the_panels_and_a_sound_layout():
         "MFU",
         "Step time per rank",
         "Straggler",
+        "Expert load (mixture of experts)",
     ):
         assert title in titles, f"no {title!r} panel"
     assert titles["Step time per rank"]["type"] == "heatmap"
