@@ -32,7 +32,7 @@ def check_layout(
     if tp_reason:
         problems.append(f"tp={mesh.tp}: {tp_reason}")
     problems.extend(schedule_problems(layout))
-    if layout.ep not in expert_degrees(model, mesh) and layout.ep != 1:
+    if layout.ep not in expert_degrees(model, mesh):  # [1] for a dense model
         problems.append(
             f"ep={layout.ep} must divide dp_shard={mesh.dp_shard} and model.n_experts={model.n_experts}"
             if model.is_moe

@@ -338,6 +338,8 @@ def _check_expert_flags(args: argparse.Namespace, model: ModelSpec) -> None:
             raise UserError(f"{flag}={value} must be >= 1")
     if args.ep is not None and args.ep > 1 and not model.is_moe:
         raise UserError(f"--ep={args.ep} needs a mixture of experts (model.n_experts >= 1); drop --ep")
+    if args.ep is not None and model.is_moe and model.n_experts % args.ep:
+        raise UserError(f"--ep={args.ep} must divide model.n_experts={model.n_experts}; pick a divisor of it")
 
 
 def _no_layout_message(name: str, result: PlanResult) -> str:

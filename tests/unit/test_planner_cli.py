@@ -150,6 +150,10 @@ def test_custom_gpu_flags_override_the_kind(capsys):
             "meshpilot: --ep=2 needs a mixture of experts (model.n_experts >= 1); drop --ep\n",
         ),
         (
+            ["--model", "debug-moe", "--gpus", "8", "--ep", "3"],
+            "meshpilot: --ep=3 must divide model.n_experts=8; pick a divisor of it\n",
+        ),
+        (
             ["--model", "debug-moe", "--gpus", "8", "--expert-routing-nodes", "0"],
             "meshpilot: --expert-routing-nodes=0 must be >= 1\n",
         ),
