@@ -32,5 +32,6 @@ def test_expert_parallel_throughput_is_measured_for_ep1_and_ep2_side_by_side():
     row = measure_experts(case, rounds=1)
     assert len(row["step_s_ep1"]) == len(row["step_s_ep2"]) == 1 and min(row["step_s_ep1"] + row["step_s_ep2"]) > 0
     assert row["tokens_per_step"] == 32
-    assert row["tokens_per_s_ep1"] == pytest.approx(32 / row["step_s_ep1"][0], rel=1e-3)
-    assert row["ratio_ep2_over_ep1"] == pytest.approx(row["tokens_per_s_ep2"] / row["tokens_per_s_ep1"], rel=1e-3)
+    # The JSON rounds tokens/s to 0.1 and step times to 0.1 ms: compare within that rounding.
+    assert row["tokens_per_s_ep1"] == pytest.approx(32 / row["step_s_ep1"][0], rel=1e-2, abs=0.1)
+    assert row["ratio_ep2_over_ep1"] == pytest.approx(row["tokens_per_s_ep2"] / row["tokens_per_s_ep1"], rel=1e-2)
