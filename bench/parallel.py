@@ -103,11 +103,7 @@ def run_rank(case: dict[str, Any], rank: int, store_path: str, results: Any) -> 
         busy[0] = 0.0
         result = trainer.train_step(step)
         idle.append(1.0 - busy[0] / result.phases["compute_s"])
-    results.put((rank, idle[WARMUP_STEPS:]))
-    results.close()
-    results.join_thread()
-    dist.barrier()
-    os._exit(0)
+    _send_and_exit(results, rank, idle[WARMUP_STEPS:])
 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +145,12 @@ def run_expert_rank(case: dict[str, Any], rank: int, store_path: str, results: A
         started = time.perf_counter()
         trainer.train_step(step)
         seconds.append(time.perf_counter() - started)
-    results.put((rank, seconds[WARMUP_STEPS:]))
+    _send_and_exit(results, rank, seconds[WARMUP_STEPS:])
+
+
+def _send_and_exit(results: Any, rank: int, values: list[float]) -> None:
+    """Hand the parent this rank's figures, wait for the other ranks, and leave without teardown."""
+    results.put((rank, values))
     results.close()
     results.join_thread()
     dist.barrier()
