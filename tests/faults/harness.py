@@ -67,6 +67,14 @@ def of_kind(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == kind]
 
 
+def before_grow(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The events of ``kind`` before the mesh first grew back: a shrunk job whose lost rank's
+    actor restarts in time grows back before its end, and that grow restores (and reports
+    ``restored``) as well."""
+    grows = [i for i, e in enumerate(events) if e["event"] == "grow"]
+    return of_kind(events[: grows[0]] if grows else events, kind)
+
+
 def assert_completed_like(
     events: list[dict[str, Any]], reference: dict[int, float], steps: int, rel: float = 1e-4
 ) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, of_kind, run_job
+from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, before_grow, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import losses
 
@@ -80,7 +80,7 @@ def test_without_a_spare_the_mesh_shrinks_dp_shard_in_place(reference, tmp_path)
     result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@6:1",))
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference(ONE_REPLICA), STEPS, rel=1e-3)
-    [restored] = of_kind(events, "restored")
+    [restored] = before_grow(events, "restored")
     assert restored["source"] == "peer_memory" and restored["step"] == 5
     assert restored["to_mesh"]["dp_shard"] < 4
     [recovered] = of_kind(events, "recovered")
@@ -129,7 +129,7 @@ def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(reference, 
     whole, so the one of step 3 is loaded (one step redone), never a mix of the two."""
     result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@4:3/snapshot",))
     assert result.exit_code == 0, result.reason
-    [restored] = of_kind(events, "restored")
+    [restored] = before_grow(events, "restored")
     assert restored["source"] == "peer_memory" and restored["step"] == 3
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 1
