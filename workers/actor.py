@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any
 from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
 from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
+from workers.group_abort import abort_groups, watch_abort
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.peer_snapshots import SnapshotStore
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
 from workers.reporting import RankLogHandler, ReportChannel
-from workers.sockets import GroupSockets, shutdown_sockets
+from workers.sockets import GroupSockets
 from workers.spec import TrainSpec
 from workers.spec.messages import (
     FailureKind,
@@ -125,8 +126,10 @@ class RankActor:
             ).start()
         # Whether the trainer holds the job's state (its configure filled it).
         self._filled = False
-        # Sockets opened by this generation's process groups (see workers/sockets.py).
+        # Sockets opened by this generation's process groups (see workers/sockets.py), and
+        # those open before the rank joined it.
         self._group_sockets: set[str] = set()
+        self._sockets_before_join: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
 
     # ------------------------------------------------------------------ control
@@ -266,7 +269,7 @@ class RankActor:
         )
         self.trainer = trainer
         self._filled = False
-        self._group_sockets = group_sockets.opened()
+        self._group_sockets, self._sockets_before_join = group_sockets.opened(), group_sockets.before
         self.faults = FaultInjector(
             faults,
             rank=rank,
@@ -427,13 +430,20 @@ class RankActor:
         generation unblocks in well under a second. A call that arrives late, once the rank
         has moved on to a later generation, is ignored. The device is synced and emptied by
         the loop thread as it leaves the generation (``_drop_process_groups``), not here: this
-        answers on a control thread and must return at once.
+        answers on a control thread and must return at once. A timer checks a few seconds later
+        that the loop did leave (``workers/group_abort.py``).
         """
         if generation != self.generation:
             return
         self._aborted.set()
-        shutdown_sockets(self._group_sockets)
-        _abort_all_groups()
+        abort_groups(self._group_sockets)
+        watch_abort(
+            rank=self.rank,
+            generation=generation,
+            still_in=lambda: self.generation == generation and self._loop_thread is not None,
+            sockets=self._group_sockets,
+            before_join=self._sockets_before_join,
+        )
 
     def _drop_process_groups(self, *, keep_shards: bool) -> None:
         """Leave the generation: keep the slices as plain tensors, drop every object holding a
@@ -461,9 +471,8 @@ class RankActor:
             self.source.close()  # its prefetch thread ends here
             self.source = None
         self.committer = None
-        shutdown_sockets(self._group_sockets)
+        abort_groups(self._group_sockets)
         self._group_sockets = set()
-        _abort_all_groups()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -486,15 +495,3 @@ class RankActor:
 
     def _set_phase(self, phase: Phase) -> None:
         self._phase = (phase, time.monotonic())
-
-
-def _abort_all_groups() -> None:
-    import torch.distributed as dist
-
-    from checkpointing.torch_compat import abort_process_groups
-
-    if dist.is_initialized():
-        try:
-            abort_process_groups()
-        except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
-            log.debug("abort of process groups: %s", error)

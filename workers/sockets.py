@@ -30,16 +30,16 @@ class GroupSockets:
     ``watch = GroupSockets(backend)`` before ``init_process_group`` (and whatever builds the
     generation's sub-groups), ``watch.opened()`` after: the sockets to shut down when the
     rank leaves or the driver aborts the generation. Empty for a backend not in
-    ``SOCKET_SHUTDOWN_BACKENDS``.
+    ``SOCKET_SHUTDOWN_BACKENDS``. ``before``: the sockets open at construction.
     """
 
     def __init__(self, backend: str) -> None:
         self.tracked = backend in SOCKET_SHUTDOWN_BACKENDS
-        self._before = socket_inodes() if self.tracked else set()
+        self.before = socket_inodes() if self.tracked else set()
 
     def opened(self) -> set[str]:
         """Sockets opened since construction (none when the backend's are not tracked)."""
-        return socket_inodes() - self._before if self.tracked else set()
+        return socket_inodes() - self.before if self.tracked else set()
 
 
 def socket_inodes() -> set[str]:

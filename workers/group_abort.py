@@ -1,0 +1,91 @@
+"""Aborting a generation's process groups on a rank, and making sure the abort took.
+
+Runs on every rank: ``abort_groups`` on the control thread that answers the driver's
+``abort_collectives`` and on the loop thread as it leaves a generation; ``watch_abort`` starts a
+timer thread after the driver's abort.
+
+The abort shuts the generation's sockets down (``workers/sockets.py``) and aborts the groups:
+the collective the loop is blocked in fails at once, well under a second. A few times in many
+CI runs (never alone) a survivor's gloo collective stayed blocked through the driver's whole
+unwind window, and the driver had to count the survivor's replica group as hit. So, once
+``CHECK_AFTER_S`` has passed with the loop still in the aborted generation, the watch aborts
+again (an abort that raced something still being set up) and logs what names the cause: how
+many of the groups' sockets gloo has still not closed, the sockets opened since the rank
+joined that no group noted, and every Python thread's stack.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+from workers.sockets import shutdown_sockets, socket_inodes
+
+log = logging.getLogger("meshpilot.rank")
+
+# Long enough for a healthy unwind (well under a second), short enough to act before the
+# driver's unwind window (elastic.hang_timeout_s, at least 8 s in the tests) ends.
+CHECK_AFTER_S = 4.0
+
+
+def abort_groups(sockets: set[str]) -> None:
+    """Shut ``sockets`` (the generation's, noted when the rank joined it) down, then abort every
+    process group of this process; errors of groups already aborted are logged, not raised."""
+    import torch.distributed as dist
+
+    from checkpointing.torch_compat import abort_process_groups
+
+    shutdown_sockets(sockets)
+    if dist.is_initialized():
+        try:
+            abort_process_groups()
+        except Exception as error:  # noqa: BLE001 - already aborted, or a backend without abort
+            log.debug("abort of process groups: %s", error)
+
+
+def watch_abort(
+    *,
+    rank: int,
+    generation: int,
+    still_in: Callable[[], bool],
+    sockets: set[str],
+    before_join: set[str],
+    after_s: float = CHECK_AFTER_S,
+) -> threading.Timer:
+    """Check once, ``after_s`` from now, that the loop left ``generation`` (``still_in()`` is
+    False); if not, abort again and log why it may be stuck (see the module docstring)."""
+
+    def check() -> None:
+        if not still_in():
+            return
+        open_now = socket_inodes()
+        abort_groups(sockets)
+        log.warning(
+            "rank %d still in generation %d %g s after its abort; aborted again. %d of its groups' "
+            "%d sockets still open, %d sockets opened since it joined not noted as its groups'. "
+            "Its threads:\n%s",
+            rank,
+            generation,
+            after_s,
+            len(sockets & open_now),
+            len(sockets),
+            len(open_now - before_join - sockets),
+            thread_stacks(),
+        )
+
+    timer = threading.Timer(after_s, check)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def thread_stacks() -> str:
+    """Every Python thread's stack, innermost call last, headed by the thread's name."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )
