@@ -63,16 +63,19 @@ def watch_abort(
             return
         open_now = socket_inodes()
         abort_groups(sockets)
+        # Sockets are noted for gloo only (an NCCL group's are NCCL's to close): say nothing of them otherwise.
+        noted = (
+            f" {len(sockets & open_now)} of its groups' {len(sockets)} sockets still open, "
+            f"{len(open_now - before_join - sockets)} sockets opened since it joined not noted as its groups'."
+            if before_join
+            else ""
+        )
         log.warning(
-            "rank %d still in generation %d %g s after its abort; aborted again. %d of its groups' "
-            "%d sockets still open, %d sockets opened since it joined not noted as its groups'. "
-            "Its threads:\n%s",
+            "rank %d still in generation %d %g s after its abort; aborted again.%s Its threads:\n%s",
             rank,
             generation,
             after_s,
-            len(sockets & open_now),
-            len(sockets),
-            len(open_now - before_join - sockets),
+            noted,
             thread_stacks(),
         )
 

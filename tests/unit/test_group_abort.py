@@ -37,7 +37,7 @@ def test_a_loop_still_in_the_aborted_generation_is_aborted_again_and_explained(c
     sockets = {"socket:[1]", "socket:[2]"}
     with caplog.at_level(logging.WARNING, logger="meshpilot.rank"):
         timer = watch_abort(
-            rank=3, generation=7, still_in=lambda: still_in, sockets=sockets, before_join=set(), after_s=0.01
+            rank=3, generation=7, still_in=lambda: still_in, sockets=sockets, before_join={"socket:[0]"}, after_s=0.01
         )
         timer.join(timeout=5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
