@@ -126,8 +126,7 @@ class RankActor:
             ).start()
         # Whether the trainer holds the job's state (its configure filled it).
         self._filled = False
-        # Sockets opened by this generation's process groups (see workers/sockets.py), and
-        # those open before the rank joined it.
+        # Sockets opened by this generation's process groups (workers/sockets.py), and those before.
         self._group_sockets: set[str] = set()
         self._sockets_before_join: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
