@@ -1,6 +1,6 @@
 """Orchestration overhead: meshpilot train vs plain torchrun, same model, mesh, data, machine.
 
-    python bench/overhead.py [--quick] [--config configs/tiny-3d.yaml]
+    python bench/overhead.py [--quick] [--config configs/tiny-3d.yaml] [--set KEY=VALUE ...]
 
 Measures, in one run, (1) steady-state step time — the median wall-clock gap between
 consecutive step completions after warm-up — and (2) the time from the command to the first
@@ -176,17 +176,31 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny-3d.yaml"))
     parser.add_argument("--quick", action="store_true", help="few short rounds (a wide interval)")
     parser.add_argument("--rounds", type=int, default=None, help="2-rank rounds, alternating the order (default 8)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both sides and both meshes, e.g. elastic.snapshot_interval_steps=0",
+    )
     args = parser.parse_args()
+    overrides = tuple(args.set)
     config = Path(args.config)
     steps, warmup = (16, 4) if args.quick else (40, 5)
     two_ranks = compare(
-        config, TWO_RANKS, steps=steps, warmup=warmup, rounds=args.rounds or (3 if args.quick else 8), label="2 ranks"
+        config,
+        (*TWO_RANKS, *overrides),
+        steps=steps,
+        warmup=warmup,
+        rounds=args.rounds or (3 if args.quick else 8),
+        label="2 ranks",
     )
-    demo_mesh = compare(config, (), steps=steps, warmup=warmup, rounds=1 if args.quick else 2, label="demo mesh")
+    demo_mesh = compare(config, overrides, steps=steps, warmup=warmup, rounds=1 if args.quick else 2, label="demo mesh")
     result = {
         "benchmark": "overhead",
         "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
         "quick": args.quick,
+        "overrides": list(overrides),
         # The goal's figure: 2 ranks on 2 cores, nothing oversubscribed.
         "two_ranks": two_ranks,
         # The demo's 8-rank mesh on the same 2 cores: 8 ranks and Ray's processes share them,
