@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
 from orchestrator.config import load_config  # noqa: E402
+from orchestrator.errors import UserError  # noqa: E402
 from orchestrator.observe.events import read_events  # noqa: E402
 
 
@@ -186,6 +187,12 @@ def main() -> None:
     args = parser.parse_args()
     overrides = tuple(args.set)
     config = Path(args.config)
+    try:  # a bad --set or config gets one line before any run starts
+        for mesh_overrides in ((*TWO_RANKS, *overrides), overrides):
+            load_config(config, overrides=list(mesh_overrides))
+    except UserError as error:
+        print(f"bench/overhead.py: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     steps, warmup = (16, 4) if args.quick else (40, 5)
     two_ranks = compare(
         config,
