@@ -188,11 +188,6 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
         problems.append(f"parallelism.stages_per_rank={par.stages_per_rank} must be >= 1")
     else:
         problems.extend(_schedule_problems(config))
-    if model.is_moe and par.tp > 1:
-        problems.append(
-            f"parallelism.tp={par.tp}: a mixture-of-experts model (model.n_experts={model.n_experts}) trains "
-            "with tp=1; set parallelism.tp=1 and shard over parallelism.dp_shard"
-        )
     problems.extend(_expert_parallel_problems(config, model))
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from

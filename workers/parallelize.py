@@ -84,8 +84,9 @@ class ExpertMeshes:
 
     ``dp_shard`` reshaped into (dp_shard / ep, ep) over the same ranks: ``ep`` holds the ranks
     that exchange tokens and split the experts between them (each rank ``n_experts / ep``),
-    ``fsdp`` the rest of the data-parallel ranks (with dp_replicate, HSDP), over which FSDP2
-    shards each rank's experts further.
+    ``fsdp`` the rest of the data-parallel ranks (with dp_replicate, HSDP), and the cp and tp
+    ranks, which hold other tokens of the same samples, over which FSDP2 shards each rank's
+    experts further.
     """
 
     ep: DeviceMesh
@@ -98,16 +99,30 @@ def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMesh
         # The config check refuses this; a mesh chosen later (a resize) must keep dp_shard a multiple.
         raise ValueError(f"parallelism.ep={ep} does not divide this mesh's dp_shard={mesh.dp_shard}")
     split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
-    if mesh.cp == 1:
+    dims = ("dp_shard_mod_ep", *_token_dims(mesh))
+    if len(dims) == 1:
         fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
         return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
-    # The cp ranks hold other tokens of the same samples: their expert gradients are averaged like
-    # the dense parameters' (FSDP over dp_shard x cp), so the experts' FSDP spans cp too. The
-    # flattened dimension is registered on the root mesh: HSDP slices it from there, as
-    # ``data_parallel_mesh`` does.
-    shard = flatten_mesh(split["dp_shard_mod_ep", "cp"], "dp_shard_mod_ep_cp")
-    fsdp = world_mesh["dp_replicate", "dp_shard_mod_ep_cp"] if mesh.dp_replicate > 1 else shard
+    # The cp and tp ranks hold other tokens of the same samples: the experts' FSDP spans them
+    # (``apply_whole_weight_fsdp`` says how their gradients combine). The flattened dimension is
+    # registered on the root mesh: HSDP slices it from there, as ``data_parallel_mesh`` does.
+    shard = flatten_mesh(split[dims], "_".join(dims))
+    fsdp = world_mesh["dp_replicate", "_".join(dims)] if mesh.dp_replicate > 1 else shard
     return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
+
+
+def _token_dims(mesh: MeshSpec) -> tuple[str, ...]:
+    """The mesh dimensions over which a sample's tokens are split (cp, and tp's sequence parallelism)."""
+    return tuple(name for name in ("cp", "tp") if getattr(mesh, name) > 1)
+
+
+def whole_weight_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
+    """The mesh FSDP2 shards the weights of modules that tensor parallelism leaves whole (a
+    mixture of experts' router and experts) over: dp_shard, cp and tp flattened (with
+    dp_replicate, HSDP). Collective the first time (flattening creates groups)."""
+    dims = ("dp_shard", *_token_dims(mesh))
+    shard = flatten_mesh(world_mesh[dims], "_".join(dims))
+    return world_mesh["dp_replicate", "_".join(dims)] if mesh.dp_replicate > 1 else shard
 
 
 def apply_expert_parallel(module: StageModel, ep_mesh: DeviceMesh) -> None:
@@ -174,6 +189,11 @@ def apply_tensor_parallel(module: StageModel, family: ModelFamily, model: ModelS
         parallelize_module(module, tp_mesh, top)
     for layer in module.layers.values():
         parallelize_module(layer, tp_mesh, {name: style for name, style in plan.layer.items() if _holds(layer, name)})
+    # Modules that run their rank's sequence-parallel tokens through whole weights (a mixture of
+    # experts) count routed tokens over the tp group.
+    for sub in module.modules():
+        if hasattr(sub, "tensor_parallel_group"):
+            setattr(sub, "tensor_parallel_group", tp_mesh.get_group())  # noqa: B010 - any family's module
 
 
 def _holds(module: nn.Module, name: str) -> bool:
@@ -238,24 +258,50 @@ def apply_fsdp(
     fully_shard(module, **options)
 
 
-def apply_expert_fsdp(module: StageModel, experts: ExpertMeshes, *, param_dtype: torch.dtype, pipelined: bool) -> None:
+def apply_expert_fsdp(
+    module: StageModel, experts: ExpertMeshes, *, data_parallel: int, param_dtype: torch.dtype, pipelined: bool
+) -> None:
     """FSDP2 over ``experts.fsdp`` for each block's expert-parallel experts; before ``apply_fsdp``,
     so that each block's own FSDP group leaves them to theirs (the same policy and resharding).
 
     An expert's gradient already sums the gradients of the tokens of every rank in its ep group
-    (the exchange brought them), so it is divided by the whole data-parallel degree, not by the
-    size of ``experts.fsdp``: the mean over the global batch, as for every other parameter.
+    (the exchange brought them), and of the tp ranks', so it is divided by the data-parallel
+    degree (dp_replicate x dp_shard x cp), not by the size of ``experts.fsdp``: the mean over
+    the global batch, as for every other parameter.
     """
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    data_parallel = experts.fsdp.size() * experts.ep.size()
     for grouped in module.modules():
         if isinstance(grouped, GroupedExperts):
-            sharded = fully_shard(grouped, mesh=experts.fsdp, mp_policy=policy, reshard_after_forward=not pipelined)
-            sharded.set_gradient_divide_factor(float(data_parallel))
-            if experts.fsdp.device_type == "cpu":
-                # A divide factor other than the group's size is NCCL's pre-multiplied sum, which
-                # gloo lacks: divide the gradients before a plain sum instead.
-                sharded.set_force_sum_reduction_for_comms(True)
+            _shard_summed(
+                grouped, experts.fsdp, data_parallel=data_parallel, param_dtype=param_dtype, pipelined=pipelined
+            )
+
+
+def apply_whole_weight_fsdp(
+    module: StageModel, mesh: DeviceMesh, *, data_parallel: int, param_dtype: torch.dtype, pipelined: bool
+) -> None:
+    """FSDP2 over ``mesh`` (``whole_weight_mesh``) for each module tensor parallelism leaves whole
+    (those with a ``tensor_parallel_group``); after ``apply_expert_fsdp``, before ``apply_fsdp``.
+
+    Each tp rank runs its own tokens through the whole weights, so its gradient covers those
+    tokens only: the tp ranks' gradients are summed, the data-parallel ranks' averaged (divided
+    by ``data_parallel``, not by the mesh's size).
+    """
+    for sub in module.modules():
+        if hasattr(sub, "tensor_parallel_group"):
+            _shard_summed(sub, mesh, data_parallel=data_parallel, param_dtype=param_dtype, pipelined=pipelined)
+
+
+def _shard_summed(
+    module: nn.Module, mesh: DeviceMesh, *, data_parallel: int, param_dtype: torch.dtype, pipelined: bool
+) -> None:
+    """``fully_shard`` with gradients summed over ``mesh`` then divided by ``data_parallel``."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    sharded = fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+    sharded.set_gradient_divide_factor(float(data_parallel))
+    if mesh.device_type == "cpu":
+        # A divide factor other than the group's size is NCCL's pre-multiplied sum, which gloo
+        # lacks: divide the gradients before a plain sum instead.
+        sharded.set_force_sum_reduction_for_comms(True)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

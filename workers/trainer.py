@@ -112,6 +112,10 @@ class Trainer(TrainerState):
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
         self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
         self.ep, self.expert_meshes = self._expert_parallel()
+        # A mixture of experts under tp runs each rank's tokens through whole weights, sharded by
+        # FSDP over data x tensor ranks (collective: every rank decides alike, from the spec).
+        moe_tp = mesh.tp > 1 and spec.model.is_moe
+        self.whole_weight_mesh = par.whole_weight_mesh(self.world_mesh, mesh) if moe_tp else None
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -165,13 +169,26 @@ class Trainer(TrainerState):
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
+        pipelined = self.mesh.pp > 1
+        # Gradients summed over the tp ranks (other tokens of the same samples) are divided by this.
+        data_parallel = self.mesh.dp * self.mesh.cp
         if self.expert_meshes is not None:
-            par.apply_expert_fsdp(module, self.expert_meshes, param_dtype=param_dtype, pipelined=self.mesh.pp > 1)
+            par.apply_expert_fsdp(
+                module, self.expert_meshes, data_parallel=data_parallel, param_dtype=param_dtype, pipelined=pipelined
+            )
+        if self.whole_weight_mesh is not None:
+            par.apply_whole_weight_fsdp(
+                module,
+                self.whole_weight_mesh,
+                data_parallel=data_parallel,
+                param_dtype=param_dtype,
+                pipelined=pipelined,
+            )
         par.apply_fsdp(
             module,
             par.data_parallel_mesh(self.world_mesh, self.mesh),
             param_dtype=param_dtype,
-            pipelined=self.mesh.pp > 1,
+            pipelined=pipelined,
             reshard=self.spec.reshard_after_forward,
             cpu_offload=self.spec.cpu_offload,
         )
@@ -395,8 +412,8 @@ class Trainer(TrainerState):
         norms = []
         # torch reduces a DTensor norm's partial dimensions in one collective over a flattened
         # mesh, which it cannot build when they are not adjacent in the root mesh: the experts'
-        # mesh under context parallelism (dp_shard / ep x cp, then ep) is one.
-        by_dimension = self.ep > 1 and self.mesh.cp > 1
+        # mesh under context or tensor parallelism (dp_shard / ep x cp x tp, then ep) is one.
+        by_dimension = self.ep > 1 and (self.mesh.cp > 1 or self.mesh.tp > 1)
         for same_mesh in by_mesh(grads):
             if by_dimension and isinstance(same_mesh[0], DTensor):
                 norms.append(_norm_by_mesh_dimension(cast(list[DTensor], same_mesh)))
@@ -419,6 +436,7 @@ class Trainer(TrainerState):
         self.__dict__.pop("optimizer", None)
         self.__dict__.pop("world_mesh", None)
         self.__dict__.pop("expert_meshes", None)
+        self.__dict__.pop("whole_weight_mesh", None)
 
 
 def _norm_by_mesh_dimension(grads: list[DTensor]) -> torch.Tensor:
@@ -430,7 +448,8 @@ def _norm_by_mesh_dimension(grads: list[DTensor]) -> torch.Tensor:
         local = [grad.to_local() for grad in grads if grad.placements == placements]
         squared = torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in local]).pow(2).sum()
         for dim, placement in enumerate(placements):
-            if placement.is_shard() or placement.is_partial():
+            # Not ``is_shard()``: FSDP's strided shard of a tensor-parallel shard answers False to it.
+            if not placement.is_replicate():
                 dist.all_reduce(squared, group=mesh.get_group(dim))
         total = total + squared
     return total.sqrt()

@@ -102,6 +102,16 @@ LAYOUTS = {
         "parallelism.tp=1",
         "parallelism.pp=2",
     ),
+    # Tensor parallelism with experts: each tp rank runs its sequence-parallel tokens through the
+    # whole MoE block (FSDP-sharded over dp_shard x tp), the experts split over two ep ranks.
+    "debug-moe-tp2-ep2-dp_shard2": (
+        "model.preset=debug-moe",
+        "training.steps=10",
+        "parallelism.dp_shard=2",
+        "parallelism.ep=2",
+        "parallelism.tp=2",
+        "parallelism.pp=1",
+    ),
     # All three on 8 ranks: every sequence over two cp ranks, experts over two ep ranks, two stages.
     "debug-moe-cp2-ep2-pp2-dp_shard2": (
         "model.preset=debug-moe",

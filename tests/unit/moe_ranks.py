@@ -49,7 +49,7 @@ def experts_computed(trainer: Trainer) -> int:
     block = trainer.modules[0].layers[str(trainer.plans[0].layer_ids[0])]
     experts = block.get_submodule("mlp.experts")
     assert isinstance(experts, GroupedExperts)
-    for module in (block, experts):
+    for module in (block, block.get_submodule("mlp"), experts):
         if isinstance(module, FSDPModule):
             module.unshard()
     held = experts.gate_proj.to_local() if isinstance(experts.gate_proj, DTensor) else experts.gate_proj

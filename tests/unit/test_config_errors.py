@@ -113,11 +113,6 @@ CASES = [
         "the phases are /configure (for kill and raise, e.g. kill@5:1/configure) and /snapshot (for kill",
     ),
     (
-        ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=2"],
-        "parallelism.tp=2: a mixture-of-experts model (model.n_experts=8) trains with tp=1; "
-        "set parallelism.tp=1 and shard over parallelism.dp_shard",
-    ),
-    (
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.top_k_experts=9"],
         "model.top_k_experts=9 must lie in 1..model.n_experts=8",
     ),

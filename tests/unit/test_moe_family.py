@@ -38,6 +38,8 @@ HF_LAYOUTS = {
     # Each rank loads its own experts (2 of the 4 per layer) from the per-expert tensors, and computes
     # the tokens routed to them.
     "ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), 2),
+    # Each tp rank loads the whole MoE block's slice FSDP gives it over dp_shard x tp.
+    "tp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=2, pp=1), 2),
 }
 TRAIN_LAYOUTS = {
     "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), False, 1),
@@ -53,6 +55,10 @@ TRAIN_LAYOUTS = {
     "cp2": (MeshSpec(dp_shard=1, cp=2, tp=1, pp=1), False, 1),
     # ... and with expert parallelism: the experts' FSDP spans the cp ranks (dp_shard / ep x cp).
     "cp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), False, 2),
+    # Tensor parallelism: the MoE block takes each rank's sequence-parallel tokens through whole
+    # weights, sharded by FSDP over dp_shard x tp with their gradients summed over tp.
+    "tp2": (MeshSpec(dp_shard=1, tp=2, pp=1), False, 1),
+    "tp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=2, pp=1), False, 2),
 }
 
 
@@ -229,6 +235,7 @@ CHECKPOINT_MOVES = {
         (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),
         (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
     ),
+    "ep2-tp2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=2, pp=1), 2), (MeshSpec(dp_shard=1, tp=1, pp=1), 1)),
     # the same checkpoint into another data-parallel degree, experts whole on each rank
     "ep2-cp2-dp_shard2 -> ep1-dp_shard2": (
         (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),

@@ -183,12 +183,12 @@ class Transformer(StageModel):
 # placed ``Shard(-1)`` (each rank holds vocab/tp columns), and the trainer computes the loss
 # on the shards under ``loss_parallel``; gathering them would hold the whole (tokens x vocab)
 # logits, and their float32 upcast, on every TP rank.
-_TOP_PLAN: dict[str, ParallelStyle] = {
+TOP_PLAN: dict[str, ParallelStyle] = {
     "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "norm": SequenceParallel(),
     "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
 }
-_LAYER_PLAN: dict[str, ParallelStyle] = {
+LAYER_PLAN: dict[str, ParallelStyle] = {
     "input_layernorm": SequenceParallel(),
     "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     "self_attn.q_proj": ColwiseParallel(),
@@ -213,7 +213,7 @@ class LlamaFamily(ModelFamily):
         return Transformer(spec)
 
     def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
-        return TensorParallelPlan(top=_TOP_PLAN, layer=_LAYER_PLAN)
+        return TensorParallelPlan(top=TOP_PLAN, layer=LAYER_PLAN)
 
     def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
         """Norm weights start at one and biases at zero. Output projections of each residual

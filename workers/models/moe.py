@@ -20,6 +20,13 @@ Under context parallelism a rank holds part of every sequence: ``f_e`` is counte
 microbatch (the cp ranks' counts summed), and each rank's ``p_e`` sum covers its own tokens, so
 the gradients the cp ranks' FSDP averages are those of the one-process loss.
 
+Under tensor parallelism the block takes its rank's sequence-parallel tokens (1/tp of each
+sequence, as the norms hold them) and runs them through whole weights: no weight is split over
+tp and no activation is gathered. Each tp rank's gradient then covers its own tokens, so the
+block's weights are sharded by FSDP over the data and tensor ranks together and their
+gradients summed over tp (``workers.parallelize.apply_whole_weight_fsdp``); ``f_e`` counts the
+tp ranks' tokens too.
+
 Parameter names are Hugging Face's without ``model.``, except the routed experts: a layer's
 experts are three stacked parameters (``mlp.experts.gate_proj`` [n_experts, hidden, dim], ...,
 see ``GroupedExperts``), which expert parallelism shards over the ``ep`` mesh. Each maps to
@@ -35,12 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from checkpointing.hf_format import HfName
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 from workers.models.family import InitRule, ModelFamily, TensorParallelPlan, register_family
 from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
-from workers.models.llama import LlamaFamily, Transformer
+from workers.models.llama import LAYER_PLAN, TOP_PLAN, LlamaFamily, Transformer
 from workers.spec import ModelSpec
 from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec_from_hf
 
@@ -95,6 +104,9 @@ class MixtureOfExperts(nn.Module):
         self.routed_since_read: torch.Tensor | None = None
         # This rank's part of every sequence (set by ``workers.parallelize.apply_context_parallel``).
         self.sequence_shard: SequenceShard = WHOLE_SEQUENCE
+        # The tp group whose ranks hold the other sequence-parallel tokens (set by
+        # ``workers.parallelize.apply_tensor_parallel``; None: tp = 1).
+        self.tensor_parallel_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:
@@ -107,24 +119,24 @@ class MixtureOfExperts(nn.Module):
         top_scores, top_experts = scores.topk(self.spec.top_k_experts, dim=-1)
         if self.spec.normalize_top_k:
             top_scores = top_scores / top_scores.sum(-1, keepdim=True)
-        out, counts = self.routed(tokens, top_experts, top_scores.to(tokens.dtype))
+        out = self.routed(x, top_experts, top_scores.to(tokens.dtype), scores)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        out = out.view_as(x)
-        if torch.is_grad_enabled() and self.spec.router_aux_loss_coef > 0:
-            scale = self.spec.router_aux_loss_coef / self.spec.n_layers * self.auxiliary_loss_scale
-            out = AttachAuxiliaryLoss.apply(out, self.load_balancing_loss(scores, counts), scale)
+            shared = torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+            out = out + shared.view_as(x)
         return out
 
     def routed(
-        self, tokens: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token through each of its top-k experts, weighted and summed (every token, no
-        capacity); and the tokens routed to each expert (on the tokens' device).
+        self, x: torch.Tensor, top_experts: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token of ``x`` through each of its top-k experts, weighted and summed (every
+        token, no capacity), with the load-balancing loss's gradient attached when training.
 
         Assignments are sorted by expert so that each expert runs one matmul over its tokens
-        (on the rank that holds it, under expert parallelism: ``GroupedExperts``).
+        (on the rank that holds it, under expert parallelism: ``GroupedExperts``). The result
+        is a new tensor of ``x``'s shape, not a view: FSDP2 hooks the backward of the block's
+        output, which an in-place op on a view would bypass.
         """
+        tokens = x.reshape(-1, x.shape[-1])
         flat_experts = top_experts.reshape(-1)
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.spec.n_experts)
@@ -135,23 +147,33 @@ class MixtureOfExperts(nn.Module):
         # .tolist() is a device sync point: the split sizes are needed on the host.
         computed = self.experts(tokens[token_index], counts.tolist())
         weighted = computed * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add_(0, token_index, weighted), counts
+        if torch.is_grad_enabled() and self.spec.router_aux_loss_coef > 0:
+            scale = self.spec.router_aux_loss_coef / self.spec.n_layers * self.auxiliary_loss_scale
+            weighted = AttachAuxiliaryLoss.apply(weighted, self.load_balancing_loss(scores, counts), scale)
+        out = x.new_zeros(x.shape)
+        out.view(-1, x.shape[-1]).index_add_(0, token_index, weighted)
+        return out
 
     def load_balancing_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch Transformer's ``n_experts * sum_e(f_e * p_e)`` over this layer's tokens, with ``f_e``
         the fraction of tokens that chose expert ``e`` (as Hugging Face counts it): ``top_k`` when even.
 
-        With cp > 1 (collective over the cp group: an all-reduce of the counts) the tokens are the
-        whole microbatch's: ``f_e`` from every cp rank's counts, and this rank's share of ``p_e``'s
-        sum, times cp, since FSDP averages the cp ranks' gradients (its value is then not the
-        loss; only its gradient is used, and it is the one-process gradient).
+        With cp > 1 or tp > 1 (collective over the cp and tp groups: all-reduces of the counts) the
+        tokens are the whole microbatch's: ``f_e`` from every cp and tp rank's counts, and this
+        rank's share of ``p_e``'s sum, times cp, since FSDP averages the cp ranks' gradients and
+        sums the tp ranks' (its value is then not the loss; only its gradient is used, and it is
+        the one-process gradient).
         """
         n_tokens = scores.shape[0]
         shard = self.sequence_shard
-        if shard.split:
+        groups = [shard.group] if shard.split else []
+        if self.tensor_parallel_group is not None:
+            groups.append(self.tensor_parallel_group)
+        if groups:
             counts = counts.clone()
-            dist.all_reduce(counts, group=shard.group)
-            n_tokens *= shard.cp
+        for group in groups:
+            dist.all_reduce(counts, group=group)
+            n_tokens *= dist.get_world_size(group)
         fraction_routed = counts.to(torch.float32) / n_tokens
         probability_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
         return shard.cp * self.spec.n_experts * (fraction_routed * probability_sums).sum() / n_tokens
@@ -210,8 +232,13 @@ class MoeFamily(ModelFamily):
         return MoeTransformer(spec)
 
     def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
-        # The config check refuses tp > 1 for this family before any rank starts.
-        raise NotImplementedError("the moe family trains with parallelism.tp=1")
+        """llama's attention plan; the MoE block takes its sequence-parallel tokens as they are
+        (a plain tensor of 1/tp of each sequence) and returns them so: its weights stay whole."""
+        layer = {name: style for name, style in LAYER_PLAN.items() if not name.startswith("mlp")}
+        layer["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        return TensorParallelPlan(top=TOP_PLAN, layer=layer)
 
     def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
         # The stacked experts' down_proj is every expert's output projection (llama's rule by name).
