@@ -251,7 +251,7 @@ def estimate(
     layer_s += tp_layer_s + cp_layer_s + ep_layer_s  # the collectives inside a layer are on its critical path
     compute_s, rank_microbatch_s = _compute_seconds(layout, model.n_layers, load, layer_s, output_s, p2p_s)
     bubble = pipeline_bubble(pp, m, v, layout.schedule)
-    fsdp_params = _fsdp_peer_params(layout, params_on_rank, layers_on_rank * routed_expert_params_per_layer(model) / tp)
+    fsdp_params = _fsdp_peer_params(layout, model, params_on_rank, layers_on_rank)
     dp_costs = _data_parallel(
         mesh, cluster, assumptions, layout, params_on_rank, fsdp_params, rank_microbatch_s, layers_on_rank
     )
@@ -311,14 +311,23 @@ def _layer_seconds(
     return layer_flops * recompute * tokens / (tp * flops_rate), output_flops * tokens / (tp * flops_rate)
 
 
-def _fsdp_peer_params(layout: Layout, params_on_rank: float, experts_on_rank: float) -> float:
+def _fsdp_peer_params(layout: Layout, model: ModelSpec, params_on_rank: float, layers_on_rank: int) -> float:
     """Parameters a rank receives in one all-gather of its stage (and sends in one reduce-scatter):
-    ``(n - 1)/n`` of each FSDP group's unsharded size. The routed experts, ``1 / ep`` of them on
-    the rank, are sharded over ``dp_shard / ep x cp``; everything else over ``dp_shard x cp``."""
-    shard = layout.mesh.fsdp_shards
-    expert_shard = shard // layout.ep
-    dense = params_on_rank - experts_on_rank
-    return (shard - 1) / shard * dense + (expert_shard - 1) / expert_shard * experts_on_rank / layout.ep
+    ``(n - 1)/n`` of each FSDP group's unsharded size. Attention and the rest are sharded over
+    ``dp_shard x cp`` (``params_on_rank`` holds their 1/tp); a mixture of experts' block stays
+    whole under tp and is sharded over tp too: its router and shared experts over
+    ``dp_shard x cp x tp``, its routed experts, ``1 / ep`` of them on the rank, over
+    ``dp_shard / ep x cp x tp``."""
+    shard, tp, ep = layout.mesh.fsdp_shards, layout.mesh.tp, layout.ep
+    block = layers_on_rank * model.feed_forward_params_per_layer / tp if model.is_moe else 0.0
+    routed = layers_on_rank * routed_expert_params_per_layer(model) / tp
+    others, rest = block - routed, params_on_rank - block
+    routed_shard = shard // ep * tp
+    return (
+        (shard - 1) / shard * rest
+        + (shard * tp - 1) / (shard * tp) * others * tp
+        + (routed_shard - 1) / routed_shard * routed * tp / ep
+    )
 
 
 def _memory(
@@ -331,9 +340,11 @@ def _memory(
     output = model.embedding_params + model.dim  # untied output projection and final norm
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
-    # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it.
+    # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it;
+    # under tp 1/tp of attention, but a mixture of experts' block whole.
     not_gathered_experts = (1 - 1 / layout.ep) * routed_expert_params_per_layer(model)
-    gathered_layer = model.params_per_layer - not_gathered_experts
+    whole = model.feed_forward_params_per_layer - not_gathered_experts if model.is_moe else 0.0
+    gathered_layer = (model.params_per_layer - not_gathered_experts - whole) / tp + whole
     # The V schedules put the first and the last stage on rank 0.
     v_shaped = layout.schedule in V_SCHEDULES
     stages = [(0, embedding + (output if pp == 1 or v_shaped else 0))]
@@ -343,7 +354,7 @@ def _memory(
     worst_params = 0.0
     for stage, extra in stages:
         params = (layers_on_rank * model.params_per_layer + extra) / tp
-        buffers = fsdp_buffer_bytes(layout, params - layers_on_rank * not_gathered_experts / tp, gathered_layer / tp)
+        buffers = fsdp_buffer_bytes(layout, layers_on_rank * gathered_layer + extra / tp, gathered_layer)
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
         # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
         activations = tokens * (held * kept_per_token_layer + per_token_layer)

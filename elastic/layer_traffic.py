@@ -41,10 +41,16 @@ class CommCost:
 def tp_per_layer(
     workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
 ) -> tuple[str, float, float]:
-    """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds)."""
+    """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds).
+
+    Sequence parallelism gathers and scatters the activations around attention and the MLP; a
+    mixture of experts takes its rank's tokens as they are (whole weights), so around attention only.
+    """
     tp = layout.mesh.tp
     tp_link, tp_bw = link(layout.mesh, "tp", cluster, assumptions)
     collectives = 8 + (4 if layout.activation_checkpointing else 0)
+    if workload.model.is_moe:
+        collectives //= 2
     tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * workload.model.dim
     return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
 
@@ -88,7 +94,8 @@ def expert_parallel(
         return 0.0, None
     ep_link, ep_bw = link(layout.mesh, "ep", cluster, assumptions, degree=ep)
     collectives = 4 + (2 if layout.activation_checkpointing else 0)  # dispatch and combine, each way
-    copies = collectives * ACTIVATION_BYTES * tokens * model.dim  # one copy of each token, every exchange
+    # One copy of each of this rank's tokens (1/tp of the cp rank's under sequence parallelism), every exchange.
+    copies = collectives * ACTIVATION_BYTES * tokens / layout.mesh.tp * model.dim
     layer_bytes = (ep - 1) / ep * model.top_k_experts * copies
     layer_s = layer_bytes / ep_bw
     nodes = -(-layout.mesh.stride("dp_shard") * ep // cluster.gpus_per_node)

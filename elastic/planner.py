@@ -277,8 +277,6 @@ def tp_problem(workload: Workload, cluster: Cluster, constraints: Constraints, t
     )
     if problems:
         return "; ".join(problems)
-    if model.is_moe and tp > 1:
-        return f"a mixture of experts (model.n_experts={model.n_experts}) trains with tp=1"
     if tp > cluster.gpus_per_node and not constraints.tp_across_nodes:
         nodes = -(-tp // cluster.gpus_per_node)
         return (

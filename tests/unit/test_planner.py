@@ -304,11 +304,25 @@ def test_elastic_modules_import_without_torch_or_ray():
     assert output.stdout.strip() == "[]"
 
 
-def test_a_mixture_of_experts_is_planned_with_tp1_and_priced_by_its_active_experts():
+def test_a_mixture_of_experts_under_tp_is_priced_with_its_block_whole():
     moe = PRESETS["debug-moe"]
     result = plan_layouts(Workload(moe, 256, 16), Cluster(8, 8, H100))
-    assert result.plans and all(plan.mesh.tp == 1 for plan in result.plans)
-    assert any("a mixture of experts (model.n_experts=8) trains with tp=1" in r.reason for r in result.rejections)
+    assert result.plans and {plan.mesh.tp for plan in result.plans} > {1}
+    workload, cluster = Workload(moe, 256, 16), Cluster(8, 8, H100)
+    one, two = (
+        estimate(workload, cluster, Layout(MeshSpec(dp_shard=8 // tp, tp=tp), "none", 1, 1, False)) for tp in (1, 2)
+    )
+    # The MoE block stays whole on every tp rank, sharded over dp_shard x tp (8 ranks): each rank
+    # gathers 7/8 of it, as without tp; the rest is split by tp and gathered over dp_shard=4.
+    block = moe.n_layers * moe.feed_forward_params_per_layer
+    rest = moe.num_params - block
+    gathered = {tp: est.comm["dp_shard"].bytes_per_step for tp, est in ((1, one), (2, two))}
+    assert gathered[2] / gathered[1] == pytest.approx((3 / 4 * rest / 2 + 7 / 8 * block) / (7 / 8 * moe.num_params))
+    assert two.memory.fsdp_buffers > one.memory.fsdp_buffers / 2
+
+
+def test_a_mixture_of_experts_is_priced_by_its_active_experts():
+    moe = PRESETS["debug-moe"]
     every_expert = dataclasses.replace(moe, top_k_experts=moe.n_experts)
     assert moe.flops_per_token(256) < every_expert.flops_per_token(256)
     assert moe.num_params == every_expert.num_params
@@ -448,9 +462,13 @@ V_AND_CLASSIC = Constraints(schedules=("1f1b", "interleaved_1f1b", "zero_bubble"
 def test_deepseek_v3_pp16_ep64_is_a_top_choice_when_priced_as_its_runtime_runs():
     # The report (section 3.2): PP 16, EP 64 over 8 nodes, ZeRO-1 DP, DualPipe overlapping the
     # all-to-all with computation, each token routed to at most 4 nodes.
+    # No tensor parallelism either (section 3.2.3): its selective recomputation, which the memory
+    # model does not price, lets it keep activations without tp; with tp open the planner prefers
+    # tp=4 there (activations / 4 and no recomputation; the MoE block gathered whole).
     workload, cluster = DEEPSEEK_RUN
     deepseek_runtime = Assumptions(overlap_expert_all_to_all=True, expert_routing_nodes=4)
-    result = plan_layouts(workload, cluster, constraints=V_AND_CLASSIC, assumptions=deepseek_runtime)
+    as_published = dataclasses.replace(V_AND_CLASSIC, fixed={"tp": 1})
+    result = plan_layouts(workload, cluster, constraints=as_published, assumptions=deepseek_runtime)
     top = result.top(5)
     assert (16, 64) in [(plan.mesh.pp, plan.layout.ep) for plan in top], [p.layout.describe() for p in top]
     published = next(plan for plan in top if (plan.mesh.pp, plan.layout.ep) == (16, 64))
@@ -464,7 +482,7 @@ def test_a_plain_all_to_all_keeps_expert_parallelism_inside_a_node():
     # meshpilot's own runtime: every token copy crosses the network when ep spans nodes, nothing
     # overlaps it; the planner then keeps the expert group on NVLink.
     workload, cluster = DEEPSEEK_RUN
-    best = plan_layouts(workload, cluster, constraints=V_AND_CLASSIC).plans[0]
+    best = plan_layouts(workload, cluster, constraints=dataclasses.replace(V_AND_CLASSIC, fixed={"tp": 1})).plans[0]
     assert best.layout.ep * best.mesh.stride("dp_shard") <= cluster.gpus_per_node
     assert best.estimate.comm["ep"].link == "nvlink" and best.estimate.comm["ep"].exposed_s > 0
     across_nodes = estimate(workload, cluster, dataclasses.replace(best.layout, ep=64))

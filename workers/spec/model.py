@@ -173,6 +173,11 @@ class ModelSpec:
         return self._attention_and_norm_params + self._feed_forward_params(self.top_k_experts)
 
     @property
+    def feed_forward_params_per_layer(self) -> int:
+        """One layer's MLP: a mixture of experts' whole block (router, every expert, shared experts)."""
+        return self._feed_forward_params(self.n_experts)
+
+    @property
     def _attention_and_norm_params(self) -> int:
         q_and_o = 2 * self.dim * self.n_heads * self.head_dim
         k_and_v = 2 * self.dim * self.n_kv_heads * self.head_dim
