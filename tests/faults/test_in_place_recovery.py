@@ -102,3 +102,32 @@ def test_a_killed_rank_of_an_expert_parallel_replica_group_recovers_in_place(tmp
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0
     assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"]["dp_shard"]) == (1, 2)
+
+
+# Two replica groups of a mixture of experts under tp=2: each rank's MoE block weights are whole,
+# FSDP-sharded over its replica group's tp pair.
+TENSOR_PARALLEL_MOE_LAYOUT = (
+    *ELASTIC_LAYOUT,
+    "model.preset=debug-moe",
+    "parallelism.dp_shard=1",
+    "parallelism.tp=2",
+    "elastic.hang_timeout_s=30",
+)
+
+
+def test_a_killed_rank_of_a_tensor_parallel_moe_replica_group_recovers_in_place(tmp_path):
+    """Rank 2 (half of replica group 1's tp pair) is killed; replica group 0 goes on in place with
+    the uninterrupted run's losses."""
+    result, events = run_job(tmp_path / "uninterrupted", *TENSOR_PARALLEL_MOE_LAYOUT, f"training.steps={STEPS}")
+    assert result.exit_code == 0, result.reason
+    reference = losses(events)
+    result, events = run_job(
+        tmp_path / "killed", *TENSOR_PARALLEL_MOE_LAYOUT, f"training.steps={STEPS}", faults=("kill@4:2",)
+    )
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS, rel=1e-3)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [2]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0
+    assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"]["tp"]) == (1, 2)
