@@ -81,53 +81,45 @@ def test_a_joining_rank_killed_while_the_refill_configures_restarts_the_recovery
     assert recoveries[0]["lost_steps"] == 0 and not of_kind(events, "restored")
 
 
-# Two replica groups of a mixture of experts, each holding its experts over ep=2 (dp_shard=2). Its
-# first steps take longer than the dense model's 8 s hang threshold on a busy 2-core machine.
-EXPERT_PARALLEL_LAYOUT = (*ELASTIC_LAYOUT, "model.preset=debug-moe", "parallelism.ep=2", "elastic.hang_timeout_s=30")
+# Two replica groups of a mixture of experts, each holding its experts over ep=2 (dp_shard=2), or
+# its MoE blocks whole on each rank of a tp pair (FSDP-sharded over the pair). Its first steps take
+# longer than the dense model's 8 s hang threshold on a busy 2-core machine.
+MOE_LAYOUTS = {
+    # rank 3: half of replica group 1's experts
+    "ep2": (
+        (*ELASTIC_LAYOUT, "model.preset=debug-moe", "parallelism.ep=2", "elastic.hang_timeout_s=30"),
+        3,
+        "dp_shard",
+    ),
+    # rank 2: half of replica group 1's tp pair
+    "tp2": (
+        (
+            *ELASTIC_LAYOUT,
+            "model.preset=debug-moe",
+            "parallelism.dp_shard=1",
+            "parallelism.tp=2",
+            "elastic.hang_timeout_s=30",
+        ),
+        2,
+        "tp",
+    ),
+}
 
 
-def test_a_killed_rank_of_an_expert_parallel_replica_group_recovers_in_place(tmp_path):
-    """An expert shard is state like any other: rank 3 (half of replica group 1's experts) is
-    killed, the job goes on in place on replica group 0, with the uninterrupted run's losses."""
-    result, events = run_job(tmp_path / "uninterrupted", *EXPERT_PARALLEL_LAYOUT, f"training.steps={STEPS}")
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_a_killed_rank_of_a_moe_replica_group_recovers_in_place(layout, tmp_path):
+    """An expert shard is state like any other: a rank of replica group 1 is killed, the job goes
+    on in place on replica group 0 (the same degrees but dp_replicate), with the uninterrupted
+    run's losses."""
+    overrides, killed, kept_dim = MOE_LAYOUTS[layout]
+    result, events = run_job(tmp_path / "uninterrupted", *overrides, f"training.steps={STEPS}")
     assert result.exit_code == 0, result.reason
     reference = losses(events)
-    result, events = run_job(
-        tmp_path / "killed", *EXPERT_PARALLEL_LAYOUT, f"training.steps={STEPS}", faults=("kill@4:3",)
-    )
+    result, events = run_job(tmp_path / "killed", *overrides, f"training.steps={STEPS}", faults=(f"kill@4:{killed}",))
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference, STEPS, rel=1e-3)
     [failure] = of_kind(events, "failure")
-    assert failure["kind"] == "rank_died" and failure["ranks"] == [3]
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [killed]
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0
-    assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"]["dp_shard"]) == (1, 2)
-
-
-# Two replica groups of a mixture of experts under tp=2: each rank's MoE block weights are whole,
-# FSDP-sharded over its replica group's tp pair.
-TENSOR_PARALLEL_MOE_LAYOUT = (
-    *ELASTIC_LAYOUT,
-    "model.preset=debug-moe",
-    "parallelism.dp_shard=1",
-    "parallelism.tp=2",
-    "elastic.hang_timeout_s=30",
-)
-
-
-def test_a_killed_rank_of_a_tensor_parallel_moe_replica_group_recovers_in_place(tmp_path):
-    """Rank 2 (half of replica group 1's tp pair) is killed; replica group 0 goes on in place with
-    the uninterrupted run's losses."""
-    result, events = run_job(tmp_path / "uninterrupted", *TENSOR_PARALLEL_MOE_LAYOUT, f"training.steps={STEPS}")
-    assert result.exit_code == 0, result.reason
-    reference = losses(events)
-    result, events = run_job(
-        tmp_path / "killed", *TENSOR_PARALLEL_MOE_LAYOUT, f"training.steps={STEPS}", faults=("kill@4:2",)
-    )
-    assert result.exit_code == 0, result.reason
-    assert_completed_like(events, reference, STEPS, rel=1e-3)
-    [failure] = of_kind(events, "failure")
-    assert failure["kind"] == "rank_died" and failure["ranks"] == [2]
-    [recovered] = of_kind(events, "recovered")
-    assert recovered["lost_steps"] == 0
-    assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"]["tp"]) == (1, 2)
+    assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"][kept_dim]) == (1, 2)
