@@ -14,7 +14,9 @@ in a generation change. ``pyproject.toml`` pins ``torch<2.14`` for the same reas
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -99,6 +101,26 @@ def unflatten_mesh_dim(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple
     (row-major: the last name varies fastest). Collective: every rank of ``mesh`` calls it (it
     creates the new dimensions' process groups)."""
     return mesh._unflatten(dim, sizes, names)
+
+
+def around_shape_inference(stage: Any, enter: Callable[[], None], leave: Callable[[], None]) -> None:
+    """Call ``enter`` before and ``leave`` after pipeline ``stage``'s shape inference.
+
+    torch 2.13's ``PipelineStage`` infers its inputs' and outputs' shapes by running its module
+    once before the first step, with grad enabled, on the first microbatch (first stage) or on
+    uninitialised placeholders (the others): a forward that is not part of any step.
+    """
+    inference = stage._forward_metadata_inference
+
+    @functools.wraps(inference)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        enter()
+        try:
+            return inference(*args, **kwargs)
+        finally:
+            leave()
+
+    stage._forward_metadata_inference = wrapped
 
 
 # --------------------------------------------------------------------- DTensor

@@ -74,6 +74,7 @@ class ModelConfig:
     moe_ffn_dim: int | None = None
     n_shared_experts: int | None = None
     router_aux_loss_coef: float | None = None
+    router_bias_update_rate: float | None = None
     router_score: str | None = None
     normalize_top_k: bool | None = None
     # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.

@@ -53,6 +53,12 @@ def resolve_model(config: JobConfig) -> list[str]:
     except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
         return [str(error)]
     section.resolved = dataclasses.replace(base, **section.overrides())
+    if section.init_from is not None and section.resolved.router_bias_update_rate > 0:
+        return [
+            f"model.router_bias_update_rate={section.resolved.router_bias_update_rate} with model.init_from: "
+            "released Hugging Face MoE weights hold no routing bias to start it from; set "
+            "model.router_bias_update_rate=0 (and balance with model.router_aux_loss_coef)"
+        ]
     if section.init_from is not None:
         try:
             check_released_weights(config, section.resolved, section.init_from)

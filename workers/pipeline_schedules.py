@@ -8,10 +8,10 @@ over the pp group). The stages come from ``parallelize.stage_plans``, which plac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -24,6 +24,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from checkpointing.torch_compat import around_shape_inference
+from workers.models import StageModel
 from workers.parallelize import StagePlan
 from workers.spec import TrainSpec
 from workers.spec.pipeline import MULTI_STAGE, RULES, PipelineSchedule, StagePlacement
@@ -63,7 +65,7 @@ SCHEDULES: dict[PipelineSchedule, Callable[..., Schedule]] = {
 
 def build_schedule(
     spec: TrainSpec,
-    modules: Sequence[nn.Module],
+    modules: Sequence[StageModel],
     plans: Sequence[StagePlan],
     device: torch.device,
     group: ProcessGroup,
@@ -82,5 +84,12 @@ def build_schedule(
         stage_class(module, plan.stage_index, plan.num_stages, device, group=group)
         for module, plan in zip(modules, plans)
     ]
+    for stage, module in zip(stages, modules):
+        # A model's forward-side state (MoE routing counts) leaves the inference forward out.
+        around_shape_inference(
+            stage,
+            functools.partial(module.set_shape_inference, True),
+            functools.partial(module.set_shape_inference, False),
+        )
     target = stages if schedule in MULTI_STAGE else stages[0]
     return SCHEDULES[schedule](target, n_microbatches=spec.microbatches, loss_fn=loss_fn, scale_grads=False)

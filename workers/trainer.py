@@ -24,6 +24,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -112,10 +113,7 @@ class Trainer(TrainerState):
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
         self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
         self.ep, self.expert_meshes = self._expert_parallel()
-        # A mixture of experts under tp runs each rank's tokens through whole weights, sharded by
-        # FSDP over data x tensor ranks (collective: every rank decides alike, from the spec).
-        moe_tp = mesh.tp > 1 and spec.model.is_moe
-        self.whole_weight_mesh = par.whole_weight_mesh(self.world_mesh, mesh) if moe_tp else None
+        self.whole_weight_mesh = self._whole_weight_mesh()
         self.plans = par.stage_plans(
             spec.model,
             pp=mesh.pp,
@@ -143,6 +141,8 @@ class Trainer(TrainerState):
             weight_decay=spec.weight_decay,
         )
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
+        # Each stage's parameters as the optimizer holds them (sharded), for after_optimizer_step.
+        self._stage_parameters = [dict(module.named_parameters()) for module in self.modules]
 
     # ------------------------------------------------------------------ building
     def _expert_parallel(self) -> tuple[int, par.ExpertMeshes | None]:
@@ -157,6 +157,14 @@ class Trainer(TrainerState):
                 ep,
             )
         return ep, par.expert_meshes(self.world_mesh, self.mesh, ep) if ep > 1 else None
+
+    def _whole_weight_mesh(self) -> DeviceMesh | None:
+        """Collective when it builds one: a mixture of experts under tp runs each rank's tokens
+        through whole weights, sharded by FSDP over data x tensor ranks (every rank decides alike,
+        from the spec)."""
+        if self.mesh.tp > 1 and self.spec.model.is_moe:
+            return par.whole_weight_mesh(self.world_mesh, self.mesh)
+        return None
 
     def _build_module(self, plan: par.StagePlan) -> StageModel:
         module = par.build_stage_module(self.family, self.spec.model, plan)
@@ -255,7 +263,7 @@ class Trainer(TrainerState):
         loaded = time.perf_counter()  # data_s: what reading (or waiting for the prefetch) cost the step
         # Every cp rank of a slice has the same samples and keeps its part of each sequence.
         inputs, labels = self.sequence_shard.take(batch[:, :-1]), self.sequence_shard.take(batch[:, 1:])
-        self.optimizer.zero_grad(set_to_none=True)
+        self._begin_step()
         per_round = self.spec.batch.rank_round_samples
         loss_sum = torch.zeros((), device=self.device)
         for index in range(self.accumulation):
@@ -272,10 +280,7 @@ class Trainer(TrainerState):
         voted = time.perf_counter()
         if decision == ABORT:
             raise StepAborted(step)
-        lr = self.spec.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = self._apply_step(step)
         # .item() is a device sync point: once per step, after the update has been queued.
         with self.peer_waits.waiting(PeerWait.RESULT_READ):
             loss_sum = self._sequence_mean(loss_sum)
@@ -427,6 +432,29 @@ class Trainer(TrainerState):
             norm = squared.sqrt()
         return norm.contiguous()
 
+    def _begin_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for module in self.modules:
+            module.start_step()
+
+    def _apply_step(self, step: int) -> float:
+        """Collective where a model's ``after_optimizer_step`` is: the optimizer step at ``step``'s
+        learning rate (returned), then the models' updates that are not gradient steps."""
+        lr = self.spec.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for module, parameters in zip(self.modules, self._stage_parameters, strict=True):
+            module.after_optimizer_step(parameters, self._sum_over_stage)
+        return lr
+
+    def _sum_over_stage(self, tensor: torch.Tensor) -> None:
+        """Collective over every rank holding this rank's stages: all-reduce ``tensor`` (a sum)
+        over each of the data, cp and tp dimensions in turn."""
+        for name in ("dp_replicate", "dp_shard", "cp", "tp"):
+            if getattr(self.mesh, name) > 1:
+                dist.all_reduce(tensor, group=self.world_mesh[name].get_group())
+
     def close(self) -> None:
         """Drop every object that holds a process group, so that destroying them frees their sockets."""
         self.schedule = None
@@ -437,6 +465,7 @@ class Trainer(TrainerState):
         self.__dict__.pop("world_mesh", None)
         self.__dict__.pop("expert_meshes", None)
         self.__dict__.pop("whole_weight_mesh", None)
+        self.__dict__.pop("_stage_parameters", None)
 
 
 def _norm_by_mesh_dimension(grads: list[DTensor]) -> torch.Tensor:

@@ -49,9 +49,12 @@ class TrainerState:
 
     @torch.no_grad()
     def ensure_optimizer_state(self) -> None:
-        """Allocate AdamW's state as a first step would, so it can be loaded into."""
+        """Allocate AdamW's state as a first step would, so it can be loaded into (none for a
+        parameter no gradient trains, such as a routing bias, as a step leaves it)."""
         for module in self.modules:
             for param in module.parameters():
+                if not param.requires_grad:
+                    continue
                 state = self.optimizer.state[param]
                 if not state:
                     state["step"] = torch.tensor(0.0)

@@ -30,10 +30,10 @@ from workers.trainer import Trainer
 SAVED_AT = 5
 
 
-def _trainer(rank: int, store_path: str, mesh: MeshSpec, ep: int) -> Trainer:
+def _trainer(rank: int, store_path: str, mesh: MeshSpec, ep: int, balancing: dict | None) -> Trainer:
     torch.set_num_threads(1)
     join_gloo(rank, store_path, mesh)
-    spec = moe_train_spec(ep=ep)
+    spec = moe_train_spec(ep=ep, balancing=balancing)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     return Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
 
@@ -57,8 +57,10 @@ def _finish(results, *values) -> None:
     os._exit(0)
 
 
-def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str) -> None:
-    trainer = _trainer(rank, store_path, mesh, ep)
+def save_rank(
+    rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str, balancing: dict | None = None
+) -> None:
+    trainer = _trainer(rank, store_path, mesh, ep, balancing)
     trainer.init_weights()
     for step in range(1, SAVED_AT + 1):
         trainer.train_step(step)
@@ -71,8 +73,10 @@ def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, c
     _finish(results, rank, reports[0], state, losses)
 
 
-def restore_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str) -> None:
-    trainer = _trainer(rank, store_path, mesh, ep)
+def restore_rank(
+    rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str, balancing: dict | None = None
+) -> None:
+    trainer = _trainer(rank, store_path, mesh, ep, balancing)
     trainer.ensure_optimizer_state()
     storage = open_storage(ckpt_dir)
     restore(storage, load_manifest(storage, SAVED_AT), trainer.checkpoint_state())

@@ -9,6 +9,7 @@ digest of its final state.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -26,10 +27,13 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def moe_train_spec(*, activation_checkpointing: bool = False, ep: int = 1, global_batch: int = 8) -> TrainSpec:
+def moe_train_spec(
+    *, activation_checkpointing: bool = False, ep: int = 1, global_batch: int = 8, balancing: dict | None = None
+) -> TrainSpec:
     """A global batch of 8 in microbatches of 2 sequences of 32 tokens, so accumulation, pipelining and
-    data parallelism all split it differently."""
-    model = PRESETS["debug-moe"]
+    data parallelism all split it differently. ``balancing``: model fields that change how the
+    experts are balanced (``router_aux_loss_coef``, ``router_bias_update_rate``)."""
+    model = dataclasses.replace(PRESETS["debug-moe"], **(balancing or {}))
     return TrainSpec(
         model=model,
         steps=STEPS,
@@ -57,6 +61,17 @@ def experts_computed(trainer: Trainer) -> int:
     return int(held.shape[0])
 
 
+def routing_biases(trainer: Trainer) -> dict[str, list[float]]:
+    """Collective (FSDP's gathers): every routing bias of this rank's stages, whole, by name."""
+    biases = {}
+    for module in trainer.modules:
+        for name, param in module.named_parameters():
+            if name.endswith("expert_bias"):
+                whole = param.full_tensor() if isinstance(param, DTensor) else param
+                biases[name] = whole.tolist()
+    return biases
+
+
 def run_rank(
     rank: int,
     store_path: str,
@@ -66,10 +81,13 @@ def run_rank(
     activation_checkpointing: bool = False,
     ep: int = 1,
     global_batch: int = 8,
+    balancing: dict | None = None,
 ) -> None:
     torch.set_num_threads(1)
     join_gloo(rank, store_path, mesh)
-    spec = moe_train_spec(activation_checkpointing=activation_checkpointing, ep=ep, global_batch=global_batch)
+    spec = moe_train_spec(
+        activation_checkpointing=activation_checkpointing, ep=ep, global_batch=global_batch, balancing=balancing
+    )
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
@@ -77,7 +95,8 @@ def run_rank(
     losses = [result.loss for result in results_by_step]
     grad_norms = [result.grad_norm for result in results_by_step]
     held = experts_computed(trainer)
-    results.put((rank, losses, results_by_step[-1].expert_load, held, grad_norms, trainer.state_digest()))
+    biases = routing_biases(trainer)
+    results.put((rank, losses, results_by_step[-1].expert_load, held, grad_norms, biases, trainer.state_digest()))
     results.close()
     results.join_thread()
     dist.barrier()

@@ -116,6 +116,10 @@ CASES = [
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.top_k_experts=9"],
         "model.top_k_experts=9 must lie in 1..model.n_experts=8",
     ),
+    (
+        ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.router_bias_update_rate=-0.1"],
+        "model.router_bias_update_rate=-0.1 must be >= 0 (0: no bias)",
+    ),
     (["--set", "parallelism.cp=0"], "parallelism.cp=0 must be >= 1"),
     (
         ["--set", "parallelism.cp=3"],

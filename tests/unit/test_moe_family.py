@@ -93,7 +93,7 @@ def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
         world_size=mesh.world_size,
         store_path=str(tmp_path / "s"),
     )
-    expected, _, _, expected_norms, _ = single_rank_run
+    expected, _, _, expected_norms, *_ = single_rank_run
     # Each data-parallel slice reports its own mean loss: the step's loss is their mean.
     reported = [losses for losses, *_ in ranks.values() if losses[0] is not None]
     assert len(reported) == mesh.dp
@@ -103,7 +103,7 @@ def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
     assert {held for _, _, held, *_ in ranks.values()} == {8 // ep}
     # Every rank clips by the norm of the whole model's gradient, the one process's norm (its
     # experts' gradients live on other ranks under ep: the norm reduces over their mesh).
-    for _, _, _, norms, _ in ranks.values():
+    for _, _, _, norms, *_ in ranks.values():
         assert norms == pytest.approx(expected_norms, rel=1e-3)
 
 
@@ -133,6 +133,64 @@ def test_expert_load_is_reported_per_layer(single_rank_run):
     assert sorted(load) == [f"layer{i}" for i in range(4)]
     # max over mean lies between 1 (even) and n_experts (every token on one expert).
     assert all(1.0 <= value <= 8.0 for value in load.values())
+
+
+# Auxiliary-loss-free balancing alone (no auxiliary loss), with a rate that shows within 10 steps.
+BIAS_BALANCING = {"router_aux_loss_coef": 0.0, "router_bias_update_rate": 0.001}  # DeepSeek-V3's rate
+BIAS_LAYOUTS = {
+    "dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=1), 1),
+    "pp2-dp_shard2": (MeshSpec(dp_shard=2, tp=1, pp=2), 1),
+    # counts summed over the tp pair and the dp_shard pair; the bias sharded over dp_shard x tp
+    "tp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=2, pp=1), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def bias_balanced_single_rank(tmp_path_factory):
+    store = tmp_path_factory.mktemp("bias") / "store"
+    run = functools.partial(moe_ranks.run_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), balancing=BIAS_BALANCING)
+    return spawn_ranks(run, world_size=1, store_path=str(store))[0]
+
+
+def test_routing_bias_balances_the_experts_load(bias_balanced_single_rank, tmp_path):
+    unbalanced = spawn_ranks(
+        functools.partial(
+            moe_ranks.run_rank, mesh=MeshSpec(dp_shard=1, tp=1, pp=1), balancing={"router_aux_loss_coef": 0.0}
+        ),
+        world_size=1,
+        store_path=str(tmp_path / "s"),
+    )[0]
+    # The busiest expert's load over the mean, last step, per layer: lower once the biases moved.
+    _, balanced_load, *_ = bias_balanced_single_rank
+    _, unbalanced_load, *_ = unbalanced
+    assert sum(balanced_load.values()) < sum(unbalanced_load.values())
+    # The first step routes alike (every bias starts at zero); the losses then differ.
+    balanced_losses, unbalanced_losses = bias_balanced_single_rank[0], unbalanced[0]
+    assert balanced_losses[0] == unbalanced_losses[0] and balanced_losses != unbalanced_losses
+
+
+@pytest.mark.parametrize("layout", list(BIAS_LAYOUTS))
+def test_routing_bias_updates_alike_on_any_mesh(layout, bias_balanced_single_rank, tmp_path):
+    mesh, ep = BIAS_LAYOUTS[layout]
+    ranks = spawn_ranks(
+        functools.partial(moe_ranks.run_rank, mesh=mesh, ep=ep, balancing=BIAS_BALANCING),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "s"),
+    )
+    expected, _, _, _, expected_biases, _ = bias_balanced_single_rank
+    reported = [losses for losses, *_ in ranks.values() if losses[0] is not None]
+    assert [sum(step) / mesh.dp for step in zip(*reported)] == pytest.approx(expected, rel=1e-3)
+    # Every rank's biases (of the layers its stage holds) are the one process's, bit for bit: the
+    # counts are summed over every rank of the stage (a pipeline's shape inference not counted).
+    assert all(any(value != 0 for value in bias) for bias in expected_biases.values())
+    for *_, biases, _ in ranks.values():
+        assert biases and biases == {name: expected_biases[name] for name in biases}
+
+
+def test_a_routing_bias_has_no_hugging_face_equivalent():
+    spec = dataclasses.replace(PRESETS["debug-moe"], router_bias_update_rate=0.001)
+    with pytest.raises(HfConfigError, match="Qwen2MoeForCausalLM has no routing bias"):
+        moe_hf_config(spec, dtype="float32")
 
 
 def _moe_block(coef: float) -> MixtureOfExperts:
@@ -244,12 +302,19 @@ CHECKPOINT_MOVES = {
 }
 
 
-@pytest.mark.parametrize("move", list(CHECKPOINT_MOVES))
-def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trains_on_alike(move, tmp_path):
+# Every move, and one whose model balances by routing bias (a parameter without optimizer state).
+MOVES = [(move, False) for move in CHECKPOINT_MOVES] + [("ep2-tp2-dp_shard2 -> ep1-1_rank", True)]
+
+
+@pytest.mark.parametrize(("move", "biased"), MOVES, ids=[f"{m}{' routing_bias' if b else ''}" for m, b in MOVES])
+def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trains_on_alike(move, biased, tmp_path):
     (saved_mesh, saved_ep), (mesh, ep) = CHECKPOINT_MOVES[move]
+    balancing = BIAS_BALANCING if biased else None
     ckpt = tmp_path / "ckpt"
     saved = spawn_ranks(
-        functools.partial(moe_checkpoint_ranks.save_rank, mesh=saved_mesh, ep=saved_ep, ckpt_dir=str(ckpt)),
+        functools.partial(
+            moe_checkpoint_ranks.save_rank, mesh=saved_mesh, ep=saved_ep, ckpt_dir=str(ckpt), balancing=balancing
+        ),
         world_size=saved_mesh.world_size,
         store_path=str(tmp_path / "saving"),
     )
@@ -264,7 +329,7 @@ def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trai
     )
     assert open_storage(str(ckpt)).put_if_absent(manifest_key(at), manifest.to_json())
     restored = spawn_ranks(
-        functools.partial(moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt)),
+        functools.partial(moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt), balancing=balancing),
         world_size=mesh.world_size,
         store_path=str(tmp_path / "restoring"),
     )
@@ -272,6 +337,10 @@ def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trai
     for state, _ in restored.values():
         assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
         assert sorted(state) == sorted(saved_state)
+        # A routing bias is saved like a parameter (moved off zero), with no optimizer state.
+        assert ("layers.0.mlp.expert_bias" in state) == biased
+        assert not any(name.startswith("optim.") and "expert_bias" in name for name in state)
+        assert not biased or np.any(state["layers.0.mlp.expert_bias"] != 0)
         assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
     # The steps after the restore train as the saving mesh's did (each loss-reporting rank's mean).
     saved_losses = _reported_mean(rank_losses for _, _, rank_losses in saved.values())
@@ -281,6 +350,16 @@ def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trai
 def _reported_mean(per_rank) -> list[float]:
     reported = [losses for losses in per_rank if losses[0] is not None]
     return [sum(step) / len(reported) for step in zip(*reported)]
+
+
+def test_training_released_weights_with_a_routing_bias_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    save_random_model("qwen2_moe", tmp_path / "hf")
+    monkeypatch.chdir(REPO)
+    argv = ["--set", f"model.init_from={tmp_path / 'hf'}", "--set", "model.router_bias_update_rate=0.001"]
+    assert main(["train", str(DEMO_CONFIG), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "model.router_bias_update_rate=0.001 with model.init_from: released Hugging Face MoE weights" in err
+    assert "Traceback" not in err
 
 
 def test_importing_a_model_that_lacks_one_experts_tensor_names_it(tmp_path, capsys):

@@ -26,7 +26,7 @@ What the rest of meshpilot relies on (``StageModel``):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,6 +80,22 @@ class StageModel(nn.Module):
         """A mixture of experts' load balance per layer since the last call (the trainer reads it
         once per step, on every rank); empty for a model without experts."""
         return {}
+
+    def set_shape_inference(self, active: bool) -> None:
+        """Every rank of a pipeline, around the stage's shape inference (a forward on placeholder
+        inputs before the first step, part of no step): state a forward keeps (routing counts)
+        must not count it. A model without such state ignores it."""
+
+    def start_step(self) -> None:
+        """Every rank, before a step's first forward: forget what an aborted attempt counted."""
+
+    def after_optimizer_step(
+        self, parameters: Mapping[str, torch.Tensor], all_reduce: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Every rank, after the optimizer applied a step: update state that is not trained by
+        gradients (a mixture of experts' routing biases). ``parameters``: the stage's parameters
+        by name as the optimizer holds them (sharded); ``all_reduce``: sums a tensor over every
+        rank holding this stage (collective). A model without such state ignores it."""
 
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens_or_hidden) if self.is_first_stage else tokens_or_hidden

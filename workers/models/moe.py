@@ -27,6 +27,15 @@ block's weights are sharded by FSDP over the data and tensor ranks together and 
 gradients summed over tp (``workers.parallelize.apply_whole_weight_fsdp``); ``f_e`` counts the
 tp ranks' tokens too.
 
+With ``router_bias_update_rate > 0`` the balance is DeepSeek-V3's auxiliary-loss-free one instead
+(or as well): each layer holds a bias per expert (``mlp.expert_bias``, a parameter no gradient
+trains) added to the scores for the top-k choice only; the gating weights stay the scores. After
+every step each expert's bias moves by the rate towards the mean load: down when it took more
+than the mean of the step's tokens (counted over every rank of the stage: data, cp and tp
+ranks), up when fewer. Every rank applies the same update, so replicas stay bitwise equal and a
+checkpoint holds the biases like any parameter. Qwen2-MoE has no such bias: such a model is
+neither imported from nor exported to Hugging Face.
+
 Parameter names are Hugging Face's without ``model.``, except the routed experts: a layer's
 experts are three stacked parameters (``mlp.experts.gate_proj`` [n_experts, hidden, dim], ...,
 see ``GroupedExperts``), which expert parallelism shards over the ``ep`` mesh. Each maps to
@@ -36,16 +45,18 @@ stacked parameter's slice ``[e]``), so import and export stack and unstack them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from checkpointing.hf_format import HfName
+from checkpointing.torch_compat import local_shape_and_offset
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
 from workers.models.family import InitRule, ModelFamily, TensorParallelPlan, register_family
 from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
@@ -96,6 +107,13 @@ class MixtureOfExperts(nn.Module):
         self.experts = GroupedExperts(spec.dim, spec.expert_ffn_dim, spec.n_experts)
         self.shared_expert = SwiGLU(spec.dim, spec.shared_ffn_dim) if spec.n_shared_experts else None
         self.shared_expert_gate = nn.Linear(spec.dim, 1, bias=False) if spec.n_shared_experts else None
+        # Auxiliary-loss-free balancing's bias (moved by ``nudge_bias``, never by a gradient).
+        balancing = spec.router_bias_update_rate > 0
+        self.expert_bias = nn.Parameter(torch.zeros(spec.n_experts), requires_grad=False) if balancing else None
+        # Tokens routed to each expert since the step began (on the device; with a bias only).
+        self.routed_this_step: torch.Tensor | None = None
+        # False during a pipeline stage's shape inference, a forward of no step (see ``StageModel``).
+        self.counts_tokens = True
         # The trainer's 1 / (microbatches per step), as its loss is scaled (``scale_auxiliary_losses``).
         self.auxiliary_loss_scale = 1.0
         # Tokens routed to each expert in the last forward pass (top-k assignments, on the host).
@@ -116,7 +134,11 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.gate(tokens)
         scores = logits.float().softmax(-1) if self.spec.router_score == "softmax" else logits.float().sigmoid()
-        top_scores, top_experts = scores.topk(self.spec.top_k_experts, dim=-1)
+        if self.expert_bias is None:
+            top_scores, top_experts = scores.topk(self.spec.top_k_experts, dim=-1)
+        else:
+            top_experts = (scores + self.expert_bias.float()).topk(self.spec.top_k_experts, dim=-1).indices
+            top_scores = scores.gather(-1, top_experts)
         if self.spec.normalize_top_k:
             top_scores = top_scores / top_scores.sum(-1, keepdim=True)
         out = self.routed(x, top_experts, top_scores.to(tokens.dtype), scores)
@@ -140,9 +162,8 @@ class MixtureOfExperts(nn.Module):
         flat_experts = top_experts.reshape(-1)
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.spec.n_experts)
-        self.tokens_per_expert = counts.detach().cpu()
-        read = self.routed_since_read
-        self.routed_since_read = self.tokens_per_expert if read is None else read + self.tokens_per_expert
+        if self.counts_tokens:
+            self._count(counts.detach())
         token_index = order // self.spec.top_k_experts
         # .tolist() is a device sync point: the split sizes are needed on the host.
         computed = self.experts(tokens[token_index], counts.tolist())
@@ -178,6 +199,25 @@ class MixtureOfExperts(nn.Module):
         probability_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
         return shard.cp * self.spec.n_experts * (fraction_routed * probability_sums).sum() / n_tokens
 
+    def _count(self, counts: torch.Tensor) -> None:
+        """Add one forward's tokens per expert to the load metrics and, training with a bias, the step's counts."""
+        self.tokens_per_expert = counts.cpu()
+        read = self.routed_since_read
+        self.routed_since_read = self.tokens_per_expert if read is None else read + self.tokens_per_expert
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            step = self.routed_this_step
+            self.routed_this_step = counts if step is None else step + counts
+
+    def nudge_bias(self, bias: torch.Tensor, routed: torch.Tensor) -> None:
+        """Move this rank's slice of ``bias`` (the sharded ``expert_bias``) by the rate towards
+        the mean load, given every rank's ``routed`` tokens per expert this step (float)."""
+        step = self.spec.router_bias_update_rate * torch.sign(routed.mean() - routed)
+        if isinstance(bias, DTensor):
+            shape, offset = local_shape_and_offset(bias)
+            step = step[offset[0] : offset[0] + shape[0]]
+        local = bias.to_local() if isinstance(bias, DTensor) else bias.data
+        local.add_(step.to(local.device, local.dtype))
+
 
 class MoeTransformer(Transformer):
     """The llama decoder with a mixture of experts as every layer's MLP (the whole model, or one
@@ -190,6 +230,39 @@ class MoeTransformer(Transformer):
         for module in self.modules():
             if isinstance(module, MixtureOfExperts):
                 module.auxiliary_loss_scale = scale
+
+    def _balanced_layers(self) -> list[tuple[str, MixtureOfExperts]]:
+        """(layer id, MoE block) of the layers this stage holds that balance by bias."""
+        return [
+            (layer_id, mlp)
+            for layer_id, layer in self.layers.items()
+            if isinstance(mlp := getattr(layer, "mlp", None), MixtureOfExperts) and mlp.expert_bias is not None
+        ]
+
+    def set_shape_inference(self, active: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, MixtureOfExperts):
+                module.counts_tokens = not active
+
+    def start_step(self) -> None:
+        for _, mlp in self._balanced_layers():
+            mlp.routed_this_step = None
+
+    def after_optimizer_step(
+        self, parameters: Mapping[str, torch.Tensor], all_reduce: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Collective (one all-reduce of every balanced layer's counts): nudge each layer's bias."""
+        layers = self._balanced_layers()
+        counted = [mlp.routed_this_step for _, mlp in layers]
+        if not counted or any(count is None for count in counted):
+            # Every layer of the stage routes every microbatch: all counted, or (no training
+            # forward since the step began) none, alike on every rank of the stage.
+            return
+        routed = torch.stack([count.float() for count in counted if count is not None])
+        all_reduce(routed)
+        for (layer_id, mlp), layer_routed in zip(layers, routed):
+            mlp.nudge_bias(parameters[f"layers.{layer_id}.mlp.expert_bias"], layer_routed)
+            mlp.routed_this_step = None
 
     def expert_load(self) -> dict[str, float]:
         """Per layer this stage holds (``"layer<i>"``): the busiest expert's tokens over the mean
@@ -241,6 +314,8 @@ class MoeFamily(ModelFamily):
         return TensorParallelPlan(top=TOP_PLAN, layer=layer)
 
     def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+        if fqn.endswith("mlp.expert_bias"):
+            return InitRule.fill(0.0)  # balancing starts from the router's own choice
         # The stacked experts' down_proj is every expert's output projection (llama's rule by name).
         return _LLAMA.init_rule(fqn + ".weight" if _stacked_expert(fqn) else fqn, spec)
 

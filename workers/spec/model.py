@@ -38,6 +38,7 @@ RECORDED_WHEN_SET = (
     "router_score",
     "normalize_top_k",
     "router_aux_loss_coef",
+    "router_bias_update_rate",
 )
 
 # How a router turns its logits into expert scores.
@@ -88,6 +89,9 @@ class ModelSpec:
     normalize_top_k: bool = False
     # Weight of the load-balancing auxiliary loss (Switch Transformer's, per layer) in the gradient.
     router_aux_loss_coef: float = 0.001
+    # Auxiliary-loss-free balancing (DeepSeek-V3): after every step each expert's routing bias moves
+    # by this much towards the mean load (down when overloaded, up when underloaded); 0: off.
+    router_bias_update_rate: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -159,6 +163,8 @@ class ModelSpec:
             found.append(f"model.router_score={self.router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
         if self.n_shared_experts < 0 or self.router_aux_loss_coef < 0:
             found.append("model.n_shared_experts and model.router_aux_loss_coef must be >= 0")
+        if self.router_bias_update_rate < 0:
+            found.append(f"model.router_bias_update_rate={self.router_bias_update_rate} must be >= 0 (0: no bias)")
         return found
 
     # ------------------------------------------------------------ counting

@@ -63,6 +63,11 @@ def moe_hf_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
             f"{MOE_ARCHITECTURE} routes by softmax scores without rope scaling; this model (router_score="
             f"{spec.router_score}, rope_scaling={spec.rope_scaling}) has no Hugging Face equivalent"
         )
+    if spec.router_bias_update_rate > 0:
+        raise HfConfigError(
+            f"{MOE_ARCHITECTURE} has no routing bias; this model (router_bias_update_rate="
+            f"{spec.router_bias_update_rate}) routes by one and has no Hugging Face equivalent"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     return {
         "architectures": [MOE_ARCHITECTURE],
