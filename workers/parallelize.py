@@ -99,16 +99,10 @@ def expert_meshes(world_mesh: DeviceMesh, mesh: MeshSpec, ep: int) -> ExpertMesh
         # The config check refuses this; a mesh chosen later (a resize) must keep dp_shard a multiple.
         raise ValueError(f"parallelism.ep={ep} does not divide this mesh's dp_shard={mesh.dp_shard}")
     split = unflatten_mesh_dim(world_mesh, "dp_shard", (mesh.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
-    dims = ("dp_shard_mod_ep", *_token_dims(mesh))
-    if len(dims) == 1:
-        fsdp = split["dp_replicate", "dp_shard_mod_ep"] if mesh.dp_replicate > 1 else split["dp_shard_mod_ep"]
-        return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
     # The cp and tp ranks hold other tokens of the same samples: the experts' FSDP spans them
-    # (``apply_whole_weight_fsdp`` says how their gradients combine). The flattened dimension is
-    # registered on the root mesh: HSDP slices it from there, as ``data_parallel_mesh`` does.
-    shard = flatten_mesh(split[dims], "_".join(dims))
-    fsdp = world_mesh["dp_replicate", "_".join(dims)] if mesh.dp_replicate > 1 else shard
-    return ExpertMeshes(ep=split["ep"], fsdp=fsdp)
+    # (``apply_whole_weight_fsdp`` says how their gradients combine).
+    dims = ("dp_shard_mod_ep", *_token_dims(mesh))
+    return ExpertMeshes(ep=split["ep"], fsdp=_shard_mesh(world_mesh, split, dims, mesh))
 
 
 def _token_dims(mesh: MeshSpec) -> tuple[str, ...]:
@@ -120,9 +114,22 @@ def whole_weight_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
     """The mesh FSDP2 shards the weights of modules that tensor parallelism leaves whole (a
     mixture of experts' router and experts) over: dp_shard, cp and tp flattened (with
     dp_replicate, HSDP). Collective the first time (flattening creates groups)."""
-    dims = ("dp_shard", *_token_dims(mesh))
-    shard = flatten_mesh(world_mesh[dims], "_".join(dims))
-    return world_mesh["dp_replicate", "_".join(dims)] if mesh.dp_replicate > 1 else shard
+    return _shard_mesh(world_mesh, world_mesh, ("dp_shard", *_token_dims(mesh)), mesh)
+
+
+def _shard_mesh(world_mesh: DeviceMesh, source: DeviceMesh, dims: tuple[str, ...], mesh: MeshSpec) -> DeviceMesh:
+    """FSDP2's mesh over ``dims`` of ``source`` (the world mesh or a reshaping of it), several
+    flattened into one dimension named by joining theirs, with dp_replicate in front for HSDP.
+
+    A flattened dimension is registered on the root mesh: HSDP needs the two dimensions in one
+    mesh, sliced from the root, the only way torch 2.13 has. Collective the first time it
+    flattens (that creates groups).
+    """
+    if len(dims) == 1:
+        return source["dp_replicate", dims[0]] if mesh.dp_replicate > 1 else source[dims[0]]
+    name = "_".join(dims)
+    shard = flatten_mesh(source[dims], name)
+    return world_mesh["dp_replicate", name] if mesh.dp_replicate > 1 else shard
 
 
 def apply_expert_parallel(module: StageModel, ep_mesh: DeviceMesh) -> None:
@@ -144,11 +151,7 @@ def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
     cp ranks hold different tokens of the same samples, so their gradients are averaged like
     those of data-parallel ranks. Collective the first time with cp > 1 (flattening creates groups).
     """
-    if mesh.cp == 1:
-        return world_mesh["dp_replicate", "dp_shard"] if mesh.dp_replicate > 1 else world_mesh["dp_shard"]
-    shard_mesh = flatten_mesh(world_mesh["dp_shard", "cp"], "dp_shard_cp")
-    # HSDP needs the two dimensions in one mesh: sliced from the root, the only way torch 2.13 has.
-    return world_mesh["dp_replicate", "dp_shard_cp"] if mesh.dp_replicate > 1 else shard_mesh
+    return _shard_mesh(world_mesh, world_mesh, ("dp_shard", "cp") if mesh.cp > 1 else ("dp_shard",), mesh)
 
 
 def sequence_shard(world_mesh: DeviceMesh, mesh: MeshSpec, cp_rank: int) -> SequenceShard:
