@@ -87,7 +87,9 @@ def measure_torchrun(
 
 def measure_meshpilot(
     config: Path, steps: int, workdir: Path, overrides: tuple[str, ...] = ()
-) -> tuple[float, list[dict]]:
+) -> tuple[float, list[dict], int | None]:
+    """Command to first step, the step events, and the snapshot interval the run ended with
+    (None: the configured one, never widened by ``elastic.snapshot_overhead_limit``)."""
     run_dir = workdir / "meshpilot-run"
     launched, _ = run_command(
         [
@@ -103,8 +105,10 @@ def measure_meshpilot(
         ],
         timeout=1800,
     )
-    records = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
-    return records[0]["completed_at"] - launched, records
+    events = read_events(run_dir / "events.jsonl")
+    records = [e for e in events if e["event"] == "step"]
+    intervals = [e["interval_steps"] for e in events if e["event"] == "snapshot_interval"]
+    return records[0]["completed_at"] - launched, records, (intervals[-1] if intervals else None)
 
 
 def ratio_interval(ours: list[float], reference: list[float]) -> tuple[float, float, float]:
@@ -126,6 +130,7 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
     runs: dict[str, dict[str, list]] = {
         which: {"step_s": [], "first_step_s": [], "phases": []} for which in ("meshpilot", "torchrun")
     }
+    snapshot_intervals: list[int | None] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             workdir = Path(tmp) / f"round-{round_index}"
@@ -135,7 +140,8 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
                 if which == "torchrun":
                     start, records = measure_torchrun(config, steps, world, workdir, overrides)
                 else:
-                    start, records = measure_meshpilot(config, steps, workdir, overrides)
+                    start, records, interval = measure_meshpilot(config, steps, workdir, overrides)
+                    snapshot_intervals.append(interval)
                 runs[which]["first_step_s"].append(round(start, 3))
                 runs[which]["step_s"].append(round(steady_step_time([r["completed_at"] for r in records], warmup), 4))
                 runs[which]["phases"].append(median_phases(records, warmup))
@@ -159,6 +165,9 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
         "meshpilot_first_step_s": round(ours_start, 2),
         "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
+        # Per round, the peer-memory snapshot interval meshpilot ended with (None: the configured
+        # one; wider when snapshots cost more than elastic.snapshot_overhead_limit of a step).
+        "snapshot_interval_steps": snapshot_intervals,
         # Where the step's time goes (slowest rank, medians): sync_s is the gradient clip plus,
         # for meshpilot, the commit vote.
         "phases_s": {

@@ -200,6 +200,10 @@ class ElasticConfig:
     # and a rank on another node keeps a copy, so a lost rank's state is rebuilt without
     # storage (0: off). Each rank holds two of its own and two of its buddy's.
     snapshot_interval_steps: int = 1
+    # The fraction of step time snapshots may cost: when one costs more than this times the
+    # interval, they are taken less often (measured as the run goes, at most every 100 steps;
+    # 0: no limit, exactly every snapshot_interval_steps).
+    snapshot_overhead_limit: float = 0.02
     # The host memory the snapshots may take per rank; a job needing more is refused at start
     # (None: no limit; the memory they take is reported either way).
     snapshot_memory_limit_mb: int | None = None

@@ -151,6 +151,11 @@ def _elastic_problems(config: JobConfig) -> list[str]:
     for key in _ELASTIC_DURATION_KEYS:
         if getattr(el, key) <= 0:
             problems.append(f"elastic.{key}={getattr(el, key)} must be > 0")
+    if not 0.0 <= el.snapshot_overhead_limit < 1.0:
+        problems.append(
+            f"elastic.snapshot_overhead_limit={el.snapshot_overhead_limit} must lie in [0, 1): the fraction of step "
+            "time snapshots may cost (0: no limit)"
+        )
     problems.extend(_snapshot_memory_problems(config))
     return problems
 

@@ -13,10 +13,14 @@ from orchestrator.observe.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "tiny-3d.yaml"
+# Snapshots exactly every elastic.snapshot_interval_steps: faults land at fixed steps, so which
+# snapshot a restore takes must not depend on how fast this machine copies (the adaptive
+# cadence has its own tests).
+FIXED_SNAPSHOTS = "elastic.snapshot_overhead_limit=0"
 
 
 def train(run_dir: Path, *overrides: str, config: Path = DEMO_CONFIG) -> tuple[RunResult, list[dict[str, Any]]]:
-    job = load_config(config, [f"data.path={REPO / 'data' / 'sample.txt'}", *overrides])
+    job = load_config(config, [f"data.path={REPO / 'data' / 'sample.txt'}", FIXED_SNAPSHOTS, *overrides])
     result = run_training(job, run_dir)
     return result, read_events(run_dir / "events.jsonl")
 

@@ -208,9 +208,8 @@ class RankActor:
         if self.store is None:
             self.store = connect_store(*store_address)
         try:
-            trainer, checkpoints = self._join_generation(
-                store=self.store, generation=generation, rank=rank, mesh=mesh, faults=faults
-            )
+            interval = 0 if snapshots is None else snapshots.interval_steps
+            trainer, checkpoints = self._join_generation(faults=faults, snapshot_interval=interval)
             self._fill_state(start, trainer, checkpoints)
             if snapshots is not None and snapshots.interval_steps > 0:
                 store, channel, hook = self.snapshot_store, self.channel, self.faults.while_snapshotting
@@ -228,24 +227,26 @@ class RankActor:
         return self.last_step
 
     def _join_generation(
-        self, *, store: dist.Store, generation: int, rank: int, mesh: MeshSpec, faults: tuple[FaultSpec, ...]
+        self, *, faults: tuple[FaultSpec, ...], snapshot_interval: int
     ) -> tuple[Trainer, RankCheckpoints | NoCheckpoints]:
-        """Inside ``configure``, collective: join the generation's process group, then build and
-        keep its committer, trainer, fault injector and checkpoints (an empty trainer: nothing
-        is initialised, restored or rebound yet)."""
+        """Inside ``configure`` (which set the generation, rank, mesh and store), collective: join
+        the generation's process group, then build and keep its committer, trainer, fault
+        injector and checkpoints (an empty trainer: nothing is filled yet)."""
         from workers.checkpoints import NoCheckpoints, RankCheckpoints
         from workers.rendezvous import StepCommitter, join_barrier
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
 
-        device = pick_device(self.spec.backend)
-        self.device = device
+        store, generation, rank, mesh = self.store, self.generation, self.rank, self.mesh
+        assert store is not None and mesh is not None, "configure sets them first"
+        timeout_s, world_size = self.spec.collective_timeout_s, mesh.world_size
+        self.device = device = pick_device(self.spec.backend)
         join_barrier(
             store,
             generation=generation,
             rank=rank,
-            world_size=mesh.world_size,
-            timeout_s=self.spec.collective_timeout_s,
+            world_size=world_size,
+            timeout_s=timeout_s,
             aborted=self._aborted.is_set,
         )
         group_sockets = GroupSockets(self.spec.backend)
@@ -253,15 +254,18 @@ class RankActor:
             store=store,
             generation=generation,
             rank=rank,
-            world_size=mesh.world_size,
+            world_size=world_size,
             backend=self.spec.backend,
-            timeout_s=self.spec.collective_timeout_s,
+            timeout_s=timeout_s,
             device=device,
         )
-        committer = StepCommitter(
-            store, generation=generation, world_size=mesh.world_size, timeout_s=self.spec.collective_timeout_s
+        self.committer = committer = StepCommitter(
+            store,
+            generation=generation,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            snapshot_interval=snapshot_interval,
         )
-        self.committer = committer
         self.source = make_source(self.spec, self.data)
         trainer = Trainer(
             self.spec, mesh, rank, device=device, source=self.source, committer=committer, peer_waits=self._peer_waits
@@ -365,7 +369,7 @@ class RankActor:
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
             if snapshots is not None:
-                snapshots.after_step(step)
+                snapshots.after_step(step, due=result.snapshot, step_time_s=result.step_time_s)
             stall = self._live_checkpoints().after_step(
                 step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
             )
@@ -478,19 +482,8 @@ class RankActor:
             except Exception as error:  # noqa: BLE001 - an aborted group may refuse a clean destroy
                 log.debug("destroy_process_group after abort: %s", error)
         gc.collect()
-        self._settle_device()
-
-    def _settle_device(self) -> None:
-        """After the groups are aborted: wait for the device, then empty its cache. An aborted
-        NCCL communicator may leave a CUDA error behind for the sync to raise; by now the rank
-        has left the generation, so the error changes nothing and is only logged."""
-        if self.device is None:
-            return
-        for settle in (self.device.sync, self.device.empty_cache):
-            try:
-                settle()
-            except Exception as error:  # noqa: BLE001 - an aborted NCCL context may raise here
-                log.debug("device %s after leaving generation %s: %s", settle.__name__, self.generation, error)
+        if self.device is not None:
+            self.device.settle(f"after leaving generation {self.generation}")
 
     def _set_phase(self, phase: Phase) -> None:
         self._phase = (phase, time.monotonic())

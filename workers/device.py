@@ -4,7 +4,8 @@ Runs on every rank (actor or torchrun script). Two small objects:
 
 - ``RankDevice`` wraps the torch device with the few things the step and the generation
   change ask of it: ``sync()`` (wait until the device has run everything queued so far) and
-  ``empty_cache()`` (hand cached blocks back between generations). On CUDA they call
+  ``empty_cache()`` (hand cached blocks back between generations; ``settle()`` does both as a
+  rank leaves a generation). On CUDA they call
   ``torch.cuda``; on the CPU (gloo) every collective already blocks the calling thread, so
   they do nothing, but they are still called in the same places, so a test that watches them
   (a subclass passed to the Trainer) sees the order a GPU run would follow.
@@ -19,6 +20,7 @@ this module) for the class handle only, and never loads torch.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for annotations only: torch is imported where it is used, on the rank
     import torch
+
+log = logging.getLogger("meshpilot.rank")
 
 
 class RankDevice:
@@ -64,6 +68,16 @@ class RankDevice:
             import torch
 
             torch.cuda.empty_cache()
+
+    def settle(self, context: str) -> None:
+        """After a rank's process groups are aborted: wait for the device, then empty its cache.
+        An aborted NCCL communicator may leave a CUDA error behind for the sync to raise; by then
+        the rank has left its generation, so the error changes nothing and is only logged."""
+        for step in (self.sync, self.empty_cache):
+            try:
+                step()
+            except Exception as error:  # noqa: BLE001 - an aborted NCCL context may raise here
+                log.debug("device %s %s: %s", step.__name__, context, error)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.torch_device})"

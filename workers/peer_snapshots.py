@@ -5,8 +5,10 @@ this rank's own snapshots and the copies it keeps for its peers, and answers the
 restoring from memory. ``RankSnapshots`` is one generation's writer, called by the loop thread:
 
     snapshots.before_step()        # waits for the previous snapshot's copy to reach the buddy
-    snapshots.after_step(step)     # at the interval: copy the slices to a host buffer (the only
-                                   # stall), send the copy to the buddy in the background
+    snapshots.after_step(step, due=..., step_time_s=...)
+                                   # when the commit vote said so: copy the slices to a host
+                                   # buffer (the only stall), send the copy to the buddy in the
+                                   # background, report what it cost
 
 Why a step waits for the previous copy: once any rank completes a step, every rank has entered
 it (the commit vote), so every rank's copy of the snapshot before it is with its buddy. A store
@@ -139,16 +141,18 @@ class RankSnapshots:
         self._while_copying = while_copying
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"meshpilot-snapshot-r{rank}")
         self._in_flight: Future | None = None
+        self._waited_s = 0.0  # the loop thread's waits for copies in flight since the last snapshot
 
     def before_step(self) -> None:
         """Loop thread, before a step: the previous snapshot's copy must have reached the buddy."""
         self.flush()
 
-    def after_step(self, step: int) -> None:
-        """Loop thread, after ``step`` was applied: snapshot it when due (the loop waits only
-        for the copy to host memory)."""
-        if self.plan.interval_steps <= 0 or step % self.plan.interval_steps:
+    def after_step(self, step: int, *, due: bool, step_time_s: float) -> None:
+        """Loop thread, after ``step`` was applied: snapshot it when the commit vote said so
+        (``due``; the loop waits only for the copy to host memory)."""
+        if not due:
             return
+        started = time.perf_counter()
         self.flush()
         layout = self._layout
         slot = self._turn
@@ -165,13 +169,16 @@ class RankSnapshots:
         self._keys[slot] = key
         data = buffer.memoryview()
         self.store.put(key, (self.generation, step), data)
-        self._in_flight = self._sender.submit(self._copy_to_buddy, key, step, data)
+        stalled_s, self._waited_s = self._waited_s + time.perf_counter() - started, 0.0
+        self._in_flight = self._sender.submit(self._copy_to_buddy, key, step, data, stalled_s, step_time_s)
 
     def flush(self) -> None:
         """Wait for the copy in flight (its failure was reported and logged by the sender)."""
         if self._in_flight is not None:
+            started = time.perf_counter()
             self._in_flight.result()
             self._in_flight = None
+            self._waited_s += time.perf_counter() - started
 
     def close(self, *, wait: bool) -> None:
         if wait:
@@ -206,11 +213,13 @@ class RankSnapshots:
             )
         )
 
-    def _copy_to_buddy(self, key: str, step: int, data: memoryview) -> None:
-        """Sender thread: hand the snapshot to the buddy and wait for it to be held there."""
+    def _copy_to_buddy(self, key: str, step: int, data: memoryview, stalled_s: float, step_time_s: float) -> None:
+        """Sender thread: hand the snapshot to the buddy, wait for it to be held there, and report
+        it with its cost (``stalled_s`` of the loop thread and this thread's CPU, in steps)."""
         import numpy as np
         import ray
 
+        cpu_started = time.thread_time()
         copied = False
         self._while_copying(step)
         if self.plan.buddy is not None:
@@ -224,8 +233,16 @@ class RankSnapshots:
             except Exception as error:  # noqa: BLE001 - the buddy is gone: the own copy still counts
                 buddy = self.plan.buddy_rank
                 log.warning("rank %d: snapshot of step %d not copied to rank %s: %s", self.rank, step, buddy, error)
+        cost_s = stalled_s + time.thread_time() - cpu_started
         self.channel.send(
-            SnapshotReport(rank=self.rank, time=time.time(), generation=self.generation, step=step, copied=copied)
+            SnapshotReport(
+                rank=self.rank,
+                time=time.time(),
+                generation=self.generation,
+                step=step,
+                copied=copied,
+                cost_steps=cost_s / max(step_time_s, 1e-6),
+            )
         )
 
 

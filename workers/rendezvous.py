@@ -11,7 +11,10 @@ the driver, when it learns of a failure, writes ``abort`` the same way. Whicheve
 first is what every rank reads, so after any failure all survivors hold the same step.
 The driver can also ask for a pause: the deciding rank then writes ``commit_pause`` (or
 ``commit_pause_checkpoint``: save first) and every rank stops after applying that step — the
-step boundary at which drains and grows happen.
+step boundary at which drains and grows happen. The deciding rank also says whether every rank
+snapshots the step (peer-memory snapshots): every ``gen{n}/snapshot_interval`` steps, and at a
+pause; the driver changes that interval as it measures what snapshots cost
+(``elastic/snapshot_cadence.py``), and the vote makes every rank follow the same one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind
+from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, StepDecision
 
 # torch.distributed is imported inside the methods: the driver imports this module for the
 # StoreHost class handle and must not load torch.distributed itself.
@@ -49,6 +52,10 @@ class StoreHost:
     def request_pause(self, generation: int, checkpoint: bool = False) -> None:
         self.store.set(f"gen{generation}/pause", "checkpoint" if checkpoint else "1")
 
+    def set_snapshot_interval(self, generation: int, interval_steps: int) -> None:
+        """Snapshot every ``interval_steps`` steps from the next decided step of ``generation`` on."""
+        self.store.set(f"gen{generation}/snapshot_interval", str(interval_steps))
+
     def abort_from(self, generation: int, step: int) -> int:
         """Veto the first undecided step at or after ``step``; returns that step.
 
@@ -60,6 +67,9 @@ class StoreHost:
             if decided == ABORT:
                 return step
             step += 1
+
+
+NO_PAUSE = "0"  # the pause key's value until the driver asks for one
 
 
 class CommitVoteTimeout(RuntimeError):
@@ -113,13 +123,21 @@ def join_barrier(
 class StepCommitter:
     """Rank side of the vote; one per rank per generation."""
 
-    def __init__(self, store: Any, *, generation: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: Any, *, generation: int, world_size: int, timeout_s: float, snapshot_interval: int = 0
+    ) -> None:
+        """``snapshot_interval``: the generation's starting interval (0: no snapshots), the same on every rank."""
         self.store = store
         self.prefix = f"gen{generation}/"
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
+        # Both keys exist from here on, so the deciding rank reads them in one round trip; a
+        # value the driver wrote first (a pause, a new interval) stands.
+        self._control_keys = [f"{self.prefix}pause", f"{self.prefix}snapshot_interval"]
+        store.compare_set(self._control_keys[0], "", NO_PAUSE)
+        store.compare_set(self._control_keys[1], "", str(snapshot_interval))
 
-    def vote(self, step: int) -> str:
+    def vote(self, step: int) -> StepDecision:
         """Loop thread, every rank, once per step: this rank is ready; returns the decision.
 
         Raises ``CommitVoteTimeout`` when no decision came within the timeout (this rank's own
@@ -130,10 +148,10 @@ class StepCommitter:
         arrived = self.store.add(f"{self.prefix}step/{step}/ready", 1)
         key = f"{self.prefix}step/{step}"
         if arrived == self.world_size:
-            wanted = self._commit_decision()
-            decided = self.store.compare_set(key, "", wanted).decode()
+            wanted = self._commit_decision(step)
+            decided = self.store.compare_set(key, "", wanted.encode()).decode()
             self._forget(step - 2)
-            return decided
+            return StepDecision.decode(decided)
         try:
             self.store.wait([key], self.timeout)
         except dist.DistStoreError as error:
@@ -142,13 +160,16 @@ class StepCommitter:
                 f"step {step}: no commit decision within {waited:g} s ({arrived} of "
                 f"{self.world_size} ranks had voted when this one arrived)"
             ) from error
-        return self.store.get(key).decode()
+        return StepDecision.decode(self.store.get(key).decode())
 
-    def _commit_decision(self) -> str:
-        key = f"{self.prefix}pause"
-        if not self.store.check([key]):
-            return COMMIT
-        return COMMIT_PAUSE_CHECKPOINT if self.store.get(key).decode() == "checkpoint" else COMMIT_AND_PAUSE
+    def _commit_decision(self, step: int) -> StepDecision:
+        pause, interval = (value.decode() for value in self.store.multi_get(self._control_keys))
+        verdict = {NO_PAUSE: COMMIT, "checkpoint": COMMIT_PAUSE_CHECKPOINT}.get(pause, COMMIT_AND_PAUSE)
+        every = int(interval)
+        # A pause is a mesh change's boundary: its snapshot is what a failure while the next mesh
+        # configures goes back to.
+        snapshot = every > 0 and (step % every == 0 or verdict != COMMIT)
+        return StepDecision(verdict, snapshot=snapshot)
 
     def _forget(self, step: int) -> None:
         # Two steps back every rank has read its decision; keep the store small on long runs.

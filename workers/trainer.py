@@ -36,7 +36,7 @@ from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, TrainSpec
+from workers.spec import ABORT, COMMIT, COMMIT_PAUSE_CHECKPOINT, FailureKind, StepDecision, TrainSpec
 from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
 
@@ -54,15 +54,15 @@ class StepAborted(RuntimeError):
 
 
 class Committer(Protocol):
-    def vote(self, step: int) -> str:
-        """Blocks until every rank is ready to apply ``step``; returns COMMIT, COMMIT_AND_PAUSE or ABORT."""
+    def vote(self, step: int) -> StepDecision:
+        """Blocks until every rank is ready to apply ``step``; returns what every rank does with it."""
 
 
 class AlwaysCommit:
     """The null committer: a run with no controller (torchrun reference, unit tests)."""
 
-    def vote(self, step: int) -> str:
-        return COMMIT
+    def vote(self, step: int) -> StepDecision:
+        return StepDecision(COMMIT)
 
 
 @dataclass
@@ -76,6 +76,7 @@ class StepResult:
     pause: bool = False
     # Save a checkpoint before pausing (a drain that takes the last replica group).
     checkpoint_before_pause: bool = False
+    snapshot: bool = False  # every rank takes a peer-memory snapshot of this step
     phases: dict[str, float] = field(default_factory=dict)
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
@@ -278,7 +279,7 @@ class Trainer(TrainerState):
         with self.peer_waits.waiting(PeerWait.COMMIT_VOTE):
             decision = self.committer.vote(step)
         voted = time.perf_counter()
-        if decision == ABORT:
+        if decision.verdict == ABORT:
             raise StepAborted(step)
         lr = self._apply_step(step)
         # .item() is a device sync point: once per step, after the update has been queued.
@@ -293,8 +294,9 @@ class Trainer(TrainerState):
             grad_norm=grad_norm_value,
             lr=lr,
             step_time_s=finished - started,
-            pause=decision in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT),
-            checkpoint_before_pause=decision == COMMIT_PAUSE_CHECKPOINT,
+            pause=decision.pause,
+            checkpoint_before_pause=decision.verdict == COMMIT_PAUSE_CHECKPOINT,
+            snapshot=decision.snapshot,
             phases={
                 "data_s": loaded - started,
                 "compute_s": computed - loaded,

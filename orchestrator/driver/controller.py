@@ -112,6 +112,7 @@ class Controller(Restores):
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
             spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=config.runtime.start_timeout_s
         )
+        self.snapshots.publish_interval = self.group.set_snapshot_interval
         self.replicas = Replicas(self.group, self.spec)
         self.failure_policy, self.scaling_policy = _policies(config)
         self.detector = Detector(

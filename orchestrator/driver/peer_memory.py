@@ -8,6 +8,10 @@ once per generation (``SnapshotLayoutReport``) and each snapshot once it is copi
 held by a live actor, and ``source`` describes it to the restoring ranks (``MemorySource``: the
 index the checkpoint reader reads, and the actors holding each object).
 
+How often snapshots are taken is the cadence's (``elastic/snapshot_cadence.py``): the book feeds
+it each report's cost and, when the interval changes, publishes it to the current generation's
+ranks (``publish_interval``, the worker group's store) and plans the next generations with it.
+
 A snapshot is complete when every rank reported it, or when some rank of its generation applied
 a later step: a rank starts a step only once its previous snapshot reached its buddy, and no
 step completes before every rank started it (``workers/peer_snapshots.py``).
@@ -22,6 +26,7 @@ from typing import Any
 
 from checkpointing.manifest import build_manifest
 from checkpointing.spec import ShardReport
+from elastic.snapshot_cadence import SnapshotCadence
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver.rank_reports import ReportRouter
@@ -67,16 +72,23 @@ class SnapshotBook:
     """Peer-memory snapshots of the run (driver side); see the module docstring."""
 
     def __init__(
-        self, events: EventLog, *, interval_steps: int, memory_limit_bytes: int | None, model: dict[str, Any]
+        self, events: EventLog, *, cadence: SnapshotCadence, memory_limit_bytes: int | None, model: dict[str, Any]
     ) -> None:
         self.events = events
-        self.interval_steps = interval_steps
+        self.cadence = cadence
+        # (generation, interval): tell that generation's ranks the new interval (the controller
+        # sets it to the worker group's once the group exists).
+        self.publish_interval: Callable[[int, int], None] = lambda generation, interval: None
         self.memory_limit_bytes = memory_limit_bytes
         self.model = model
         self._generations: dict[int, _Generation] = {}
         self._restore_bytes = 0  # read from other ranks' memory by the restore in progress
         # Snapshots known unusable (a restore from them failed): never chosen again.
         self._unusable: set[RecoveryPoint] = set()
+
+    @property
+    def interval_steps(self) -> int:
+        return self.cadence.interval
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +130,11 @@ class SnapshotBook:
             # The ranks keep the newest LABELS_KEPT snapshots: older steps can no longer be restored.
             for old in sorted(generation.reported)[: -(LABELS_KEPT + 1)]:
                 del generation.reported[old]
+        if (interval := self.cadence.observe(report.step, report.cost_steps)) is not None and self._generations:
+            newest = max(self._generations)
+            log.info("peer-memory snapshots every %d steps from now on (the overhead limit)", interval)
+            self.events.emit("snapshot_interval", generation=newest, step=report.step, interval_steps=interval)
+            self.publish_interval(newest, interval)
 
     def on_restore(self, report: MemoryRestoreReport) -> None:
         self._restore_bytes += report.bytes_remote
@@ -220,7 +237,7 @@ def snapshot_book(config: JobConfig, events: EventLog, router: ReportRouter) -> 
     """The job's book, fed by the ranks' snapshot reports through ``router``."""
     book = SnapshotBook(
         events,
-        interval_steps=config.elastic.snapshot_interval_steps,
+        cadence=SnapshotCadence(config.elastic.snapshot_interval_steps, config.elastic.snapshot_overhead_limit),
         memory_limit_bytes=None if (limit := config.elastic.snapshot_memory_limit_mb) is None else limit << 20,
         model=config.model_spec.to_dict(),
     )

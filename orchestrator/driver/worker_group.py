@@ -293,6 +293,10 @@ class WorkerGroup:
         """Every rank stops after the next step it commits (the step boundary)."""
         self.store_host.request_pause.remote(generation, checkpoint)
 
+    def set_snapshot_interval(self, generation: int, interval_steps: int) -> None:
+        """Every rank of ``generation`` snapshots every ``interval_steps`` steps from the next decided step."""
+        self.store_host.set_snapshot_interval.remote(generation, interval_steps)
+
     def abort_step(self, generation: int, step: int, survivors: list[int]) -> None:
         """Veto the in-flight step of ``generation`` so that no survivor applies it, and abort
         the survivors' process groups so that none stays blocked on a lost rank."""

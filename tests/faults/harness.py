@@ -17,7 +17,7 @@ from orchestrator.config import load_config
 from orchestrator.driver.run import RunResult, run_training
 from orchestrator.observe.events import read_events
 from tests.fixtures.worker_nodes import NODE_RESOURCE
-from tests.jobs import DEMO_CONFIG, REPO, losses
+from tests.jobs import DEMO_CONFIG, FIXED_SNAPSHOTS, REPO, losses
 from workers.faults import FaultSpec
 
 # Two replica groups of two ranks: one can be lost and the job goes on in place.
@@ -45,7 +45,7 @@ def run_job(
     chaos_seed: int | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """Train the demo model with ``overrides``; ``on_event(event)`` sees every event as it happens."""
-    config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", *overrides])
+    config = load_config(DEMO_CONFIG, [f"data.path={REPO / 'data' / 'sample.txt'}", FIXED_SNAPSHOTS, *overrides])
     subscribers = [_Callback(on_event)] if on_event else []
     result = run_training(
         config,

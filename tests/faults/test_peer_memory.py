@@ -124,6 +124,25 @@ def test_experts_split_over_every_rank_shrink_onto_the_survivors_and_grow_back(r
     assert_completed_like(events, uninterrupted, steps, rel=2e-2)
 
 
+def test_snapshots_every_third_step_restore_the_newest_one_every_rank_took(reference, tmp_path):
+    """``elastic.snapshot_interval_steps=3``: the commit vote tells every rank which steps to
+    snapshot (3 and 6 here), so a rank lost in step 8 is rebuilt from step 6, on every rank."""
+    result, events = run_job(
+        tmp_path,
+        *ONE_REPLICA,
+        f"training.steps={STEPS}",
+        "elastic.spare_actors=4",
+        "elastic.snapshot_interval_steps=3",
+        faults=("kill@8:3",),
+    )
+    assert result.exit_code == 0, result.reason
+    [restored] = of_kind(events, "restored")
+    assert restored["source"] == "peer_memory" and restored["step"] == 6
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 1  # step 7, redone
+    assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored["step"])
+
+
 def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(reference, tmp_path):
     """Rank 3 dies while its snapshot of step 4 is on its way to its buddy: that snapshot is not
     whole, so the one of step 3 is loaded (one step redone), never a mix of the two."""

@@ -103,6 +103,11 @@ CASES = [
     (["--set", "elastic.snapshot_interval_steps=-1"], "elastic.snapshot_interval_steps=-1 must be >= 0"),
     (["--set", "elastic.snapshot_memory_limit_mb=0"], "elastic.snapshot_memory_limit_mb=0 must be >= 1"),
     (
+        ["--set", "elastic.snapshot_overhead_limit=1.5"],
+        "elastic.snapshot_overhead_limit=1.5 must lie in [0, 1): the fraction of step time snapshots may cost "
+        "(0: no limit)",
+    ),
+    (
         ["--set", "elastic.snapshot_memory_limit_mb=1"],
         "elastic.snapshot_memory_limit_mb=1 is too small for peer-memory snapshots: each rank holds about 1.3 MiB "
         "(2 snapshots of its 0.3 MiB share of parameters and optimizer state, and as many of its buddy's); raise "

@@ -113,6 +113,9 @@ class FakeGroup:
     def request_pause(self, generation: int, *, checkpoint: bool = False) -> None:
         pass
 
+    def set_snapshot_interval(self, generation: int, interval_steps: int) -> None:
+        pass
+
     def configure(
         self,
         *,

@@ -20,7 +20,7 @@ from elastic.spec import MeshSpec
 from workers.actor import RankActor
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.runtime import init_generation, make_source
-from workers.spec import ABORT, COMMIT, PRESETS, TrainSpec
+from workers.spec import ABORT, COMMIT, PRESETS, StepDecision, TrainSpec
 from workers.trainer import StepAborted, Trainer
 
 
@@ -47,9 +47,9 @@ class RecordingCommitter:
         self.marker = marker
         self.decision = decision
 
-    def vote(self, step: int) -> str:
+    def vote(self, step: int) -> StepDecision:
         self.events.append(("vote", self.marker.of(threading.get_ident())))
-        return self.decision
+        return StepDecision(self.decision)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from elastic.policy import (
     ScalingPolicy,
     StateSource,
 )
+from elastic.snapshot_cadence import SnapshotCadence
 from elastic.spec import MeshSpec
 from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook, buddy_ranks
 from orchestrator.observe.events import EventLog, read_events
@@ -85,7 +86,7 @@ def snapshot(generation: int, step: int, rank: int, copied: bool = True) -> Snap
 @pytest.fixture
 def book(tmp_path):
     events = EventLog(tmp_path / "events.jsonl")
-    book = SnapshotBook(events, interval_steps=1, memory_limit_bytes=1 << 30, model={"preset": "debug"})
+    book = SnapshotBook(events, cadence=SnapshotCadence(1, 0.0), memory_limit_bytes=1 << 30, model={"preset": "debug"})
     slots = [Slot(rank) for rank in range(4)]
     plans = book.plans(1, ONE_REPLICA, slots)
     assert [plan.buddy_rank for plan in plans if plan is not None] == [1, 2, 3, 0]
@@ -124,6 +125,23 @@ def test_a_later_applied_step_proves_a_snapshot_whole_and_an_unconfirmed_copy_is
     assert book.recoverable(lambda slot: slot is slots[3]) is None
     book.on_snapshot(snapshot(1, 4, 3))  # the buddy reports it holds the copy
     assert book.recoverable(lambda slot: slot is slots[3]) == RecoveryPoint(1, 4)
+
+
+def test_snapshots_costing_more_than_the_limit_are_taken_less_often_from_the_current_generation_on(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    book = SnapshotBook(events, cadence=SnapshotCadence(1, 0.05), memory_limit_bytes=None, model={"preset": "debug"})
+    published: list[tuple[int, int]] = []
+    book.publish_interval = lambda generation, interval: published.append((generation, interval))
+    book.plans(1, ONE_REPLICA, [Slot(rank) for rank in range(4)])
+    book.plans(2, ONE_REPLICA, [Slot(rank) for rank in range(4)])
+    for rank in range(4):  # a snapshot costing a fifth of a step on its slowest rank
+        book.on_snapshot(SnapshotReport(rank, 0.0, 2, 1, copied=True, cost_steps=0.05 * (rank + 1)))
+    assert published == []  # judged once a later snapshot shows every report of it is in
+    book.on_snapshot(SnapshotReport(0, 0.0, 2, 2, copied=True, cost_steps=0.05))
+    assert published == [(2, 4)]  # to the newest generation's ranks
+    assert [plan.interval_steps for plan in book.plans(3, ONE_REPLICA, [Slot(r) for r in range(4)]) if plan] == [4] * 4
+    changes = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "snapshot_interval"]
+    assert [(e["generation"], e["step"], e["interval_steps"]) for e in changes] == [(2, 2, 4)]
 
 
 def test_a_rank_and_its_buddy_both_gone_leave_no_recoverable_snapshot(book):

@@ -35,6 +35,7 @@ from workers.spec.train import (
     CheckpointTarget,
     EvalSpec,
     PretrainedSource,
+    StepDecision,
     TrainSpec,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "COMMIT_PAUSE_CHECKPOINT",
     "PRESETS",
     "PretrainedSource",
+    "StepDecision",
     "CheckpointTarget",
     "CheckpointUploadReport",
     "EvalSpec",

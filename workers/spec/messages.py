@@ -211,13 +211,18 @@ class SnapshotLayoutReport:
 
 @dataclass(frozen=True)
 class SnapshotReport:
-    """A rank's snapshot of ``step`` is in its own memory and, when ``copied``, its buddy's."""
+    """A rank's snapshot of ``step`` is in its own memory and, when ``copied``, its buddy's.
+
+    ``cost_steps``: what the snapshot cost this rank, in units of its step time (the copy to
+    host memory, the wait for the previous copy, the CPU of the copy to the buddy).
+    """
 
     rank: int
     time: float
     generation: int
     step: int
     copied: bool
+    cost_steps: float = 0.0
     kind: ReportKind = ReportKind.SNAPSHOT
 
 

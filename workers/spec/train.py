@@ -27,6 +27,7 @@ __all__ = [
     "EvalSpec",
     "OptimizerSpec",
     "ReshardAfterForward",
+    "StepDecision",
     "TokenCorpusSource",
     "TrainSpec",
 ]
@@ -36,6 +37,32 @@ COMMIT = "commit"
 COMMIT_AND_PAUSE = "commit_pause"
 COMMIT_PAUSE_CHECKPOINT = "commit_pause_checkpoint"
 ABORT = "abort"
+# Appended to a commit when every rank snapshots the step once applied (peer-memory snapshots).
+_SNAPSHOT_MARK = "+snapshot"
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What the commit vote decided for a step: the verdict (COMMIT, COMMIT_AND_PAUSE,
+    COMMIT_PAUSE_CHECKPOINT or ABORT) and whether every rank snapshots the step once applied.
+    Stored in the job's store as one value, so every rank reads the same decision."""
+
+    verdict: str
+    snapshot: bool = False
+
+    def encode(self) -> str:
+        return self.verdict + (_SNAPSHOT_MARK if self.snapshot else "")
+
+    @classmethod
+    def decode(cls, value: str) -> StepDecision:
+        verdict = value.removesuffix(_SNAPSHOT_MARK)
+        if verdict not in (COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, ABORT):
+            raise ValueError(f"not a step decision: {value!r}")
+        return cls(verdict, snapshot=verdict != value)
+
+    @property
+    def pause(self) -> bool:
+        return self.verdict in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT)
 
 
 class ReshardAfterForward(StrEnum):
