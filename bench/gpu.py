@@ -84,7 +84,7 @@ def measure_preset(
     run_dir = workdir / preset
     run_dir.mkdir()
     _, reference = measure_torchrun(config_path, steps, gpus, run_dir)
-    _, ours = measure_meshpilot(config_path, steps, run_dir)
+    _, ours, _ = measure_meshpilot(config_path, steps, run_dir)
     figures = {
         "meshpilot": throughput(config, [r["completed_at"] for r in ours], warmup, gpus, peak),
         "torchrun": throughput(config, [r["completed_at"] for r in reference], warmup, gpus, peak),
