@@ -215,17 +215,18 @@ class RankSnapshots:
 
     def _copy_to_buddy(self, key: str, step: int, data: memoryview, stalled_s: float, step_time_s: float) -> None:
         """Sender thread: hand the snapshot to the buddy, wait for it to be held there, and report
-        it with its cost (``stalled_s`` of the loop thread and this thread's CPU, in steps)."""
+        it with its cost in steps: ``stalled_s`` of the loop thread, and the CPU this thread and
+        the buddy spent on the copy (the ranks share their hosts' cores with it)."""
         import numpy as np
         import ray
 
         cpu_started = time.thread_time()
-        copied = False
+        copied, buddy_cpu_s = False, 0.0
         self._while_copying(step)
         if self.plan.buddy is not None:
             try:
                 payload = np.frombuffer(data, np.uint8)
-                ray.get(
+                buddy_cpu_s = ray.get(
                     self.plan.buddy.keep_snapshot.remote(key, self.generation, step, self.rank, payload),
                     timeout=PEER_CALL_TIMEOUT_S,
                 )
@@ -233,7 +234,7 @@ class RankSnapshots:
             except Exception as error:  # noqa: BLE001 - the buddy is gone: the own copy still counts
                 buddy = self.plan.buddy_rank
                 log.warning("rank %d: snapshot of step %d not copied to rank %s: %s", self.rank, step, buddy, error)
-        cost_s = stalled_s + time.thread_time() - cpu_started
+        cost_s = stalled_s + time.thread_time() - cpu_started + buddy_cpu_s
         self.channel.send(
             SnapshotReport(
                 rank=self.rank,
