@@ -371,9 +371,9 @@ class RankActor:
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
             if snapshots is not None:
-                snapshots.after_step(step, due=result.snapshot, step_time_s=result.step_time_s)
+                snapshots.after_step(step, due=result.decision.snapshot, step_time_s=result.step_time_s)
             stall = self._live_checkpoints().after_step(
-                step, last=step == self.spec.steps, emergency=result.checkpoint_before_pause
+                step, last=step == self.spec.steps, emergency=result.decision.checkpoint_before_pause
             )
             self.channel.step(
                 step=step,
@@ -387,7 +387,7 @@ class RankActor:
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
                 expert_load=result.expert_load,
             )
-            if result.pause:
+            if result.decision.pause:
                 if snapshots is not None:
                     snapshots.flush()  # the boundary's snapshot is complete before the mesh changes
                 # Uploads in flight go on and report while the next mesh configures: the driver

@@ -36,7 +36,7 @@ from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
-from workers.spec import ABORT, COMMIT, COMMIT_PAUSE_CHECKPOINT, FailureKind, StepDecision, TrainSpec
+from workers.spec import ABORT, COMMIT, FailureKind, StepDecision, TrainSpec
 from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
 
@@ -73,10 +73,8 @@ class StepResult:
     grad_norm: float
     lr: float
     step_time_s: float
-    pause: bool = False
-    # Save a checkpoint before pausing (a drain that takes the last replica group).
-    checkpoint_before_pause: bool = False
-    snapshot: bool = False  # every rank takes a peer-memory snapshot of this step
+    # What the commit vote decided beyond applying the step: pause after it (saving first), snapshot it.
+    decision: StepDecision = StepDecision(COMMIT)
     phases: dict[str, float] = field(default_factory=dict)
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
@@ -294,9 +292,7 @@ class Trainer(TrainerState):
             grad_norm=grad_norm_value,
             lr=lr,
             step_time_s=finished - started,
-            pause=decision.pause,
-            checkpoint_before_pause=decision.verdict == COMMIT_PAUSE_CHECKPOINT,
-            snapshot=decision.snapshot,
+            decision=decision,
             phases={
                 "data_s": loaded - started,
                 "compute_s": computed - loaded,

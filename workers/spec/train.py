@@ -64,6 +64,11 @@ class StepDecision:
     def pause(self) -> bool:
         return self.verdict in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT)
 
+    @property
+    def checkpoint_before_pause(self) -> bool:
+        """Save a checkpoint before pausing (a drain that takes the last replica group)."""
+        return self.verdict == COMMIT_PAUSE_CHECKPOINT
+
 
 class ReshardAfterForward(StrEnum):
     """When FSDP2 frees a block's gathered parameters: ``parallelism.reshard_after_forward``."""
