@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, FailureKind, StepDecision
+from workers.spec import FailureKind, StepDecision, Verdict
 
 # torch.distributed is imported inside the methods: the driver imports this module for the
 # StoreHost class handle and must not load torch.distributed itself.
@@ -63,8 +63,8 @@ class StoreHost:
         """
         while True:
             key = f"gen{generation}/step/{step}"
-            decided = self.store.compare_set(key, "", ABORT).decode()
-            if decided == ABORT:
+            decided = self.store.compare_set(key, "", Verdict.ABORT).decode()
+            if decided == Verdict.ABORT:
                 return step
             step += 1
 
@@ -164,11 +164,13 @@ class StepCommitter:
 
     def _commit_decision(self, step: int) -> StepDecision:
         pause, interval = (value.decode() for value in self.store.multi_get(self._control_keys))
-        verdict = {NO_PAUSE: COMMIT, "checkpoint": COMMIT_PAUSE_CHECKPOINT}.get(pause, COMMIT_AND_PAUSE)
+        verdict = {NO_PAUSE: Verdict.COMMIT, "checkpoint": Verdict.COMMIT_PAUSE_CHECKPOINT}.get(
+            pause, Verdict.COMMIT_AND_PAUSE
+        )
         every = int(interval)
         # A pause is a mesh change's boundary: its snapshot is what a failure while the next mesh
         # configures goes back to.
-        snapshot = every > 0 and (step % every == 0 or verdict != COMMIT)
+        snapshot = every > 0 and (step % every == 0 or verdict != Verdict.COMMIT)
         return StepDecision(verdict, snapshot=snapshot)
 
     def _forget(self, step: int) -> None:

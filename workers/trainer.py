@@ -36,7 +36,7 @@ from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
-from workers.spec import ABORT, COMMIT, FailureKind, StepDecision, TrainSpec
+from workers.spec import FailureKind, StepDecision, TrainSpec, Verdict
 from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
 
@@ -62,7 +62,7 @@ class AlwaysCommit:
     """The null committer: a run with no controller (torchrun reference, unit tests)."""
 
     def vote(self, step: int) -> StepDecision:
-        return StepDecision(COMMIT)
+        return StepDecision(Verdict.COMMIT)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class StepResult:
     lr: float
     step_time_s: float
     # What the commit vote decided beyond applying the step: pause after it (saving first), snapshot it.
-    decision: StepDecision = StepDecision(COMMIT)
+    decision: StepDecision = StepDecision(Verdict.COMMIT)
     phases: dict[str, float] = field(default_factory=dict)
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
@@ -277,7 +277,7 @@ class Trainer(TrainerState):
         with self.peer_waits.waiting(PeerWait.COMMIT_VOTE):
             decision = self.committer.vote(step)
         voted = time.perf_counter()
-        if decision.verdict == ABORT:
+        if decision.verdict == Verdict.ABORT:
             raise StepAborted(step)
         lr = self._apply_step(step)
         # .item() is a device sync point: once per step, after the update has been queued.

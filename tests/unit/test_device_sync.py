@@ -20,7 +20,7 @@ from elastic.spec import MeshSpec
 from workers.actor import RankActor
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.runtime import init_generation, make_source
-from workers.spec import ABORT, COMMIT, PRESETS, StepDecision, TrainSpec
+from workers.spec import PRESETS, StepDecision, TrainSpec, Verdict
 from workers.trainer import StepAborted, Trainer
 
 
@@ -79,7 +79,7 @@ def build_trainer(decision: str) -> tuple[Trainer, list[tuple[str, PeerWait | No
 
 
 def test_the_vote_follows_a_device_sync_and_both_are_marked_as_waiting(one_rank_world):
-    trainer, events = build_trainer(COMMIT)
+    trainer, events = build_trainer(Verdict.COMMIT)
     result = trainer.train_step(1)
     assert events == [("sync", PeerWait.DEVICE_SYNC), ("vote", PeerWait.COMMIT_VOTE)]
     assert result.loss is not None and result.loss > 0
@@ -88,7 +88,7 @@ def test_the_vote_follows_a_device_sync_and_both_are_marked_as_waiting(one_rank_
 
 
 def test_an_aborted_step_syncs_before_it_raises_and_applies_nothing(one_rank_world):
-    trainer, events = build_trainer(ABORT)
+    trainer, events = build_trainer(Verdict.ABORT)
     before = {name: value.detach().clone() for name, value in trainer.local_shards().items()}
     with pytest.raises(StepAborted):
         trainer.train_step(1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from elastic.snapshot_cadence import MAX_INTERVAL, WINDOW, SnapshotCadence
 from workers.rendezvous import StepCommitter, StoreHost
-from workers.spec import ABORT, COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, StepDecision
+from workers.spec import StepDecision, Verdict
 
 
 # ------------------------------------------------------------------ the cadence
@@ -68,14 +68,18 @@ def test_a_snapshot_costs_as_much_as_its_slowest_rank_says():
 # ----------------------------------------------------------- the decision in the store
 @pytest.mark.parametrize(
     "decision",
-    [StepDecision(COMMIT), StepDecision(COMMIT, snapshot=True), StepDecision(COMMIT_PAUSE_CHECKPOINT, snapshot=True)],
+    [
+        StepDecision(Verdict.COMMIT),
+        StepDecision(Verdict.COMMIT, snapshot=True),
+        StepDecision(Verdict.COMMIT_PAUSE_CHECKPOINT, snapshot=True),
+    ],
 )
 def test_a_decision_reads_back_as_written(decision):
     assert StepDecision.decode(decision.encode()) == decision
 
 
 def test_a_value_that_is_no_decision_is_refused():
-    assert StepDecision.decode(ABORT) == StepDecision(ABORT)
+    assert StepDecision.decode(Verdict.ABORT) == StepDecision(Verdict.ABORT)
     with pytest.raises(ValueError, match=re.escape("not a step decision: 'commit+later'")):
         StepDecision.decode("commit+later")
 
@@ -101,14 +105,14 @@ def test_every_rank_snapshots_the_steps_the_vote_decides_and_follows_a_new_inter
     assert decisions[0] == decisions[1]  # both ranks read one decision per step
     snapshotted = [step for step, decision in enumerate(decisions[0], start=1) if decision.snapshot]
     assert snapshotted == [2, 4, 6, 9]
-    assert all(decision.verdict == COMMIT for decision in decisions[0])
+    assert all(decision.verdict == Verdict.COMMIT for decision in decisions[0])
 
 
 def test_a_pause_is_snapshotted_off_the_interval_and_a_pause_asked_before_the_ranks_joined_stands():
     store = dist.HashStore()
     StoreHost.request_pause(SimpleNamespace(store=store), 4)  # the driver was first
     committer = StepCommitter(store, generation=4, world_size=1, timeout_s=10, snapshot_interval=5)
-    assert committer.vote(1) == StepDecision(COMMIT_AND_PAUSE, snapshot=True)
+    assert committer.vote(1) == StepDecision(Verdict.COMMIT_AND_PAUSE, snapshot=True)
     unsnapshotted = StepCommitter(store, generation=5, world_size=1, timeout_s=10, snapshot_interval=0)
     StoreHost.request_pause(SimpleNamespace(store=store), 5, checkpoint=True)
-    assert unsnapshotted.vote(1) == StepDecision(COMMIT_PAUSE_CHECKPOINT)  # snapshots off: none
+    assert unsnapshotted.vote(1) == StepDecision(Verdict.COMMIT_PAUSE_CHECKPOINT)  # snapshots off: none

@@ -27,26 +27,13 @@ from workers.spec.messages import (
     failure_kind_of,
 )
 from workers.spec.model import PRESETS, ModelSpec, model_spec
-from workers.spec.train import (
-    ABORT,
-    COMMIT,
-    COMMIT_AND_PAUSE,
-    COMMIT_PAUSE_CHECKPOINT,
-    CheckpointTarget,
-    EvalSpec,
-    PretrainedSource,
-    StepDecision,
-    TrainSpec,
-)
+from workers.spec.train import CheckpointTarget, EvalSpec, PretrainedSource, StepDecision, TrainSpec, Verdict
 
 __all__ = [
-    "ABORT",
-    "COMMIT",
-    "COMMIT_AND_PAUSE",
-    "COMMIT_PAUSE_CHECKPOINT",
     "PRESETS",
     "PretrainedSource",
     "StepDecision",
+    "Verdict",
     "CheckpointTarget",
     "CheckpointUploadReport",
     "EvalSpec",

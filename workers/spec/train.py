@@ -18,10 +18,6 @@ from elastic.spec import BatchPlan
 from workers.spec.model import ModelSpec
 
 __all__ = [
-    "ABORT",
-    "COMMIT",
-    "COMMIT_AND_PAUSE",
-    "COMMIT_PAUSE_CHECKPOINT",
     "BatchPlan",
     "CheckpointTarget",
     "EvalSpec",
@@ -30,24 +26,31 @@ __all__ = [
     "StepDecision",
     "TokenCorpusSource",
     "TrainSpec",
+    "Verdict",
 ]
 
-# The per-step commit vote's outcomes (see workers/rendezvous.py).
-COMMIT = "commit"
-COMMIT_AND_PAUSE = "commit_pause"
-COMMIT_PAUSE_CHECKPOINT = "commit_pause_checkpoint"
-ABORT = "abort"
+
+class Verdict(StrEnum):
+    """The per-step commit vote's outcomes (see workers/rendezvous.py); the values are what the
+    job's store holds."""
+
+    COMMIT = "commit"
+    COMMIT_AND_PAUSE = "commit_pause"  # commit, then leave the generation (a mesh change)
+    COMMIT_PAUSE_CHECKPOINT = "commit_pause_checkpoint"  # the same, saving a checkpoint first
+    ABORT = "abort"  # a rank failed: nobody applies the step
+
+
 # Appended to a commit when every rank snapshots the step once applied (peer-memory snapshots).
 _SNAPSHOT_MARK = "+snapshot"
 
 
 @dataclass(frozen=True)
 class StepDecision:
-    """What the commit vote decided for a step: the verdict (COMMIT, COMMIT_AND_PAUSE,
-    COMMIT_PAUSE_CHECKPOINT or ABORT) and whether every rank snapshots the step once applied.
-    Stored in the job's store as one value, so every rank reads the same decision."""
+    """What the commit vote decided for a step: the verdict and whether every rank snapshots
+    the step once applied. Stored in the job's store as one value, so every rank reads the same
+    decision."""
 
-    verdict: str
+    verdict: Verdict
     snapshot: bool = False
 
     def encode(self) -> str:
@@ -56,18 +59,19 @@ class StepDecision:
     @classmethod
     def decode(cls, value: str) -> StepDecision:
         verdict = value.removesuffix(_SNAPSHOT_MARK)
-        if verdict not in (COMMIT, COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT, ABORT):
-            raise ValueError(f"not a step decision: {value!r}")
-        return cls(verdict, snapshot=verdict != value)
+        try:
+            return cls(Verdict(verdict), snapshot=verdict != value)
+        except ValueError:
+            raise ValueError(f"not a step decision: {value!r}") from None
 
     @property
     def pause(self) -> bool:
-        return self.verdict in (COMMIT_AND_PAUSE, COMMIT_PAUSE_CHECKPOINT)
+        return self.verdict in (Verdict.COMMIT_AND_PAUSE, Verdict.COMMIT_PAUSE_CHECKPOINT)
 
     @property
     def checkpoint_before_pause(self) -> bool:
         """Save a checkpoint before pausing (a drain that takes the last replica group)."""
-        return self.verdict == COMMIT_PAUSE_CHECKPOINT
+        return self.verdict == Verdict.COMMIT_PAUSE_CHECKPOINT
 
 
 class ReshardAfterForward(StrEnum):
