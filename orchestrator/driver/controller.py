@@ -197,6 +197,8 @@ class Controller(Restores):
             self.state = self._start(state)
         elif isinstance(state, Configuring):
             self.state = self._await_configuration(state)
+            if self.state is not state:  # configured or failed: no restore reads a stuck rank's snapshots now
+                self.group.remove(self.group.lingering())
         elif isinstance(state, Running):
             self.state = self._supervise(state)
         elif isinstance(state, Settling):

@@ -273,7 +273,9 @@ class MeshChanges:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
-        memory = self.snapshots.recoverable(self.replicas.gone_besides(set(lost) | state.draining))
+        # A stuck rank's actor is alive: it serves its snapshots to a restore before it is killed.
+        holders_leaving = {rank for rank, loss in lost.items() if loss.kind != LossKind.STUCK} | state.draining
+        memory = self.snapshots.recoverable(self.replicas.gone_besides(holders_leaving))
         status = GroupStatus(
             mesh=state.mesh,
             lost_ranks=frozenset(lost),

@@ -45,7 +45,8 @@ class Replicas:
         """A predicate: has an actor left the pool (removed: lost, drained, shut down), or does it
         hold one of ``ranks`` of the current mesh (about to leave)? Judged on the pool as it is now."""
         leaving = {id(self.group.active[rank]) for rank in ranks if rank < len(self.group.active)}
-        live = {id(slot) for slot in [*self.group.active, *self.group.warm(), *self.group.starting()]} - leaving
+        pool = [*self.group.active, *self.group.warm(), *self.group.starting(), *self.group.lingering()]
+        live = {id(slot) for slot in pool} - leaving
         return lambda slot: id(slot) not in live
 
     def shrink(
@@ -60,9 +61,13 @@ class Replicas:
         """Every active rank stays; warm actors for ``add`` more replica groups, or none."""
         return list(self.group.active), self.pick_warm(self.group.warm(), add * mesh.replica_size)
 
-    def release(self, lost: Collection[int], draining: Collection[int]) -> None:
-        """No replica group survived: lost and draining actors are removed, the others go warm."""
-        self.group.remove([self.group.active[rank] for rank in sorted(set(lost) | set(draining))])
+    def release(self, lost: Collection[int], draining: Collection[int], *, linger: Collection[int] = ()) -> None:
+        """No replica group survived: lost and draining actors are removed (the ``linger`` ones
+        once a restore has read their peer-memory snapshots), the others go warm."""
+        active = self.group.active
+        removed = [active[rank] for rank in sorted((set(lost) | set(draining)) - set(linger))]
+        self.group.linger([active[rank] for rank in sorted(linger)])
+        self.group.remove(removed)
         self.group.set_active([])
 
     def split(

@@ -119,13 +119,16 @@ class Restores(MeshChanges):
         self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
     ) -> State:
         """No complete replica survived: every healthy actor drops its state and waits for a
-        restore, from peer memory (survivors keep serving their snapshots) or from storage."""
+        restore, from peer memory (survivors keep serving their snapshots, and so do stuck
+        ranks' actors until the restore has read them) or from storage."""
         step = decision.step if decision.step is not None else self.checkpoints.latest_step()
         if step is None:
             return self._fail("restore", "no committed checkpoint to restore")
-        self.replicas.release(lost, state.draining)
+        from_memory = decision.source == StateSource.PEER_MEMORY
+        stuck = [rank for rank, loss in lost.items() if loss.kind == LossKind.STUCK] if from_memory else []
+        self.replicas.release(lost, state.draining, linger=stuck)
         memory = None
-        if decision.source == StateSource.PEER_MEMORY:
+        if from_memory:
             memory = self.snapshots.recoverable(self.replicas.gone_besides())
             if memory is None or memory.step != step:  # the policy saw it whole a moment ago
                 return self._fail("restore", f"peer-memory snapshot of step {step} is no longer whole")

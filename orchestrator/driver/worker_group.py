@@ -8,7 +8,9 @@ node), one actor per rank, plus one ``StoreHost`` actor on the driver's node.
 Every actor is a slot in the pool: ``active`` slots hold the ranks of the current mesh, in
 rank order; ``warm`` slots are started, healthy and idle (spares, or survivors of a replica
 group that broke) and can take a rank at the next reconfiguration; ``starting`` slots are
-still coming up in the background. The controller decides who is active; this module only
+still coming up in the background; ``lingering`` slots lost their rank (stuck in a failed
+generation) but stay alive until a restore has read the peer-memory snapshots they hold. The
+controller decides who is active; this module only
 starts, calls and stops actors. Calls to many ranks return ``PendingCalls``
 (``orchestrator.driver.calls``). ``WorkerGroup`` implements ``WorkerGroupProtocol``
 (``orchestrator.driver.group``), the part of it the controller uses.
@@ -55,6 +57,7 @@ class SlotState(StrEnum):
     STARTING = "starting"
     WARM = "warm"
     ACTIVE = "active"
+    LINGERING = "lingering"  # lost its rank; serves its peer-memory snapshots to a restore, then killed
 
 
 @dataclass(eq=False)
@@ -230,6 +233,15 @@ class WorkerGroup:
 
     def starting(self) -> list[RankSlot]:
         return [slot for slot in self.slots if slot.state == SlotState.STARTING]
+
+    def linger(self, slots: list[RankSlot]) -> None:
+        """These active slots lose their rank but their actors stay alive (see ``SlotState.LINGERING``)."""
+        for slot in slots:
+            slot.state = SlotState.LINGERING
+        self.active = [slot for slot in self.active if slot.state == SlotState.ACTIVE]
+
+    def lingering(self) -> list[RankSlot]:
+        return [slot for slot in self.slots if slot.state == SlotState.LINGERING]
 
     def kill(self, slots: list[RankSlot]) -> None:
         """Kill these actors now; their slots stay (ranks keep their numbers) until removed."""

@@ -173,6 +173,23 @@ def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(reference, s3_bucke
     assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored[-1]["step"])
 
 
+def test_a_stuck_buddy_serves_the_snapshots_it_holds_before_it_is_killed(reference, tmp_path):
+    """Rank 1 dies in step 7 and rank 2, which holds the copy of rank 1's snapshot, never leaves
+    the aborted generation (stuck, as a rank blocked where the abort cannot reach). Its actor still
+    answers, so the restore reads the copies it holds before the driver kills it: the survivors
+    restore step 6 from peer memory, no step lost and no storage needed (none is configured)."""
+    result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@7:1", "hang@7:2"))
+    assert result.exit_code == 0, result.reason
+    [failure] = of_kind(events, "failure")
+    assert failure["ranks"] == [1, 2] and "stuck" in failure["kind"]
+    [restored] = before_grow(events, "restored")
+    assert restored["source"] == "peer_memory" and restored["step"] == 6
+    assert restored["to_mesh"]["dp_shard"] == 2 and restored["bytes_from_peers"] > 0
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    assert_completed_like(events, reference(ONE_REPLICA), STEPS, rel=1e-3)
+
+
 @pytest.mark.slow
 def test_lost_node_shrinks_dp_shard_in_place_then_grows_back_from_peer_memory(reference, ray_cluster, tmp_path):
     nodes = WorkerNodes(ray_cluster, 2, ranks_per_node=2)

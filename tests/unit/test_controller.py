@@ -79,6 +79,7 @@ class FakeGroup:
         self.configured: list[dict[str, Any]] = []
         self.aborted: list[tuple[int, int]] = []
         self.killed: list[int] = []
+        self.lingered: list[int] = []
         self.shut_down = False
         self.generation_runs = 0
         self.avoid_nodes: set[str] = set()
@@ -96,6 +97,13 @@ class FakeGroup:
         return []
 
     def starting(self) -> list[FakeSlot]:
+        return []
+
+    def linger(self, slots: list[FakeSlot]) -> None:
+        self.lingered += [slot.index for slot in slots]
+        self.active = [slot for slot in self.active if slot not in slots]
+
+    def lingering(self) -> list[FakeSlot]:
         return []
 
     def kill(self, slots: list[FakeSlot]) -> None:
