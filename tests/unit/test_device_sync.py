@@ -42,7 +42,7 @@ class RecordingDevice(RankDevice):
 
 
 class RecordingCommitter:
-    def __init__(self, events: list[tuple[str, PeerWait | None]], marker: PeerWaitMarker, decision: str) -> None:
+    def __init__(self, events: list[tuple[str, PeerWait | None]], marker: PeerWaitMarker, decision: Verdict) -> None:
         self.events = events
         self.marker = marker
         self.decision = decision
@@ -61,7 +61,7 @@ def one_rank_world():
     dist.destroy_process_group()
 
 
-def build_trainer(decision: str) -> tuple[Trainer, list[tuple[str, PeerWait | None]]]:
+def build_trainer(decision: Verdict) -> tuple[Trainer, list[tuple[str, PeerWait | None]]]:
     spec = TrainSpec(model=PRESETS["debug"], steps=2, global_batch=2, seq_len=8, microbatch_size=1)
     events: list[tuple[str, PeerWait | None]] = []
     marker = PeerWaitMarker()
