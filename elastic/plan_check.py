@@ -43,7 +43,7 @@ def check_layout(
             n_heads=model.n_heads,
             n_kv_heads=model.n_kv_heads,
             n_layers=model.n_layers,
-            ffn_dim=model.ffn_dim,
+            ffn_dim=model.tp_split_ffn_dim,
             global_batch=workload.global_batch,
             microbatches=layout.microbatches,
             seq_len=workload.seq_len,

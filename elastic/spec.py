@@ -215,7 +215,7 @@ class MeshSpec:
         n_heads: int,
         n_kv_heads: int,
         n_layers: int,
-        ffn_dim: int,
+        ffn_dim: int | None,
         global_batch: int,
         microbatches: int,
         seq_len: int,
@@ -227,11 +227,12 @@ class MeshSpec:
         Returns an empty list when the mesh fits; callers decide how to raise.
         ``even_stages=False`` accepts pipeline stages holding unequal numbers of layers (as
         Llama 3 ran 126 layers on 16 stages); there must still be a layer for every stage.
+        ``ffn_dim`` is the MLP width tp splits (``ModelSpec.tp_split_ffn_dim``; None: none).
         """
         problems = []
         tp = self.tp
         for what, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim)):
-            if value % tp:
+            if value is not None and value % tp:
                 problems.append(f"tp={tp} must divide model.{what}={value}")
         if self.cp > 1 and seq_len % (2 * self.cp):
             problems.append(

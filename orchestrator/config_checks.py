@@ -203,7 +203,7 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
                 n_heads=model.n_heads,
                 n_kv_heads=model.n_kv_heads,
                 n_layers=model.n_layers,
-                ffn_dim=model.ffn_dim,
+                ffn_dim=model.tp_split_ffn_dim,
                 global_batch=train.global_batch,
                 microbatches=par.microbatches,
                 seq_len=train.seq_len,

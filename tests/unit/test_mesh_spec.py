@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic.spec import DIM_ORDER, MeshError, MeshSpec, RankCoords
+from workers.spec import PRESETS
 
 
 def test_rank_coords_round_trip_in_dim_order():
@@ -57,3 +60,14 @@ def test_check_divides_lists_numbers():
     assert "tp=3 must divide model.n_heads=4" in problems
     assert any("3 pipeline stages must divide model.n_layers=4" in p for p in problems)
     assert any("= 20 must divide training.global_batch=16" in p for p in problems)
+
+
+def test_tensor_parallel_splits_a_dense_mlp_but_not_a_mixture_of_experts():
+    """A moe block stays whole on every tp rank, so tp need not divide its widths."""
+    moe = dataclasses.replace(PRESETS["debug-moe"], ffn_dim=191)
+    dense = dataclasses.replace(PRESETS["debug"], ffn_dim=191)
+    assert moe.tp_split_ffn_dim is None and dense.tp_split_ffn_dim == 191
+    shape = {"n_heads": 4, "n_kv_heads": 2, "n_layers": 4, "global_batch": 16, "microbatches": 1, "seq_len": 128}
+    mesh = MeshSpec(dp_shard=2, tp=2)
+    assert mesh.check_divides(ffn_dim=moe.tp_split_ffn_dim, **shape) == []
+    assert mesh.check_divides(ffn_dim=dense.tp_split_ffn_dim, **shape) == ["tp=2 must divide model.ffn_dim=191"]

@@ -102,6 +102,12 @@ class ModelSpec:
         return self.n_experts > 0
 
     @property
+    def tp_split_ffn_dim(self) -> int | None:
+        """The MLP width tensor parallelism splits: None for a mixture of experts, whose block
+        stays whole on every tp rank (each takes its own tokens through it)."""
+        return None if self.is_moe else self.ffn_dim
+
+    @property
     def expert_ffn_dim(self) -> int:
         """Hidden width of one routed expert."""
         return self.moe_ffn_dim or self.ffn_dim
