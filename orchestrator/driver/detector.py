@@ -13,9 +13,11 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   ``HANG_STEP_FACTOR`` typical step times (``hang``): the ranks busy in the step while the others wait on them in
   collectives are the culprits. The second bound keeps a slow machine (or a large step) from
   looking hung;
-* while a generation fails, a rank that answers no poll for ``SILENT_GRACE_S`` (``node_lost``
-  when its node is gone, else ``unresponsive``), or that does not leave the generation before
-  the settling deadline (``stuck``).
+* while a generation fails, a rank that answers no poll for ``SILENT_GRACE_S`` on a node Ray
+  reports gone (``node_lost``: Ray may take seconds more to report its actors), or that does
+  not leave the generation before the settling deadline (``stuck``); a silent rank on a live
+  node is ``unresponsive`` after ``heartbeat_timeout_s``, as while running (on a busy machine a
+  healthy rank's answer can be late, and a short fixed grace killed such ranks).
 
 Drain notices are not losses: Ray marks a node draining (autoscaler, spot reclaim,
 ``ray drain-node``, a pod's preStop hook), or a rank reports a cloud notice or SIGTERM;
@@ -67,7 +69,7 @@ class Lost:
 
 # A step is hung only once it has taken this many times the recent median step time.
 HANG_STEP_FACTOR = 5.0
-# While a generation fails, a rank that answers no poll for this long is counted lost.
+# While a generation fails, a rank on a node Ray reports gone that answers no poll for this long is lost.
 SILENT_GRACE_S = 3.0
 
 
@@ -217,10 +219,10 @@ class Detector:
         }
 
     def silent_while_failing(self, waiting_for: list[int], *, since: float) -> dict[int, Lost]:
-        """Ranks still out while their generation fails (since ``since``), and answering no poll.
-
-        A live rank answers polls even while its loop is blocked; one that does not is dead or
-        cut off, which Ray itself may take seconds more to conclude (a lost node).
+        """Ranks still out while their generation fails (since ``since``), answering no poll, on a
+        node Ray reports gone: lost with it, although Ray may take seconds more to report its
+        actors dead. Silent ranks on live nodes are left to ``heartbeat_timeout_s``
+        (``unresponsive_losses``) or the settling deadline (``stuck``).
         """
         now = self.clock()
         silent = [
@@ -231,18 +233,11 @@ class Detector:
         if not silent:
             return {}
         dead = self.dead_nodes()
-        found = {}
-        for rank in silent:
-            node = self.node_of(rank)
-            if node in dead:
-                found[rank] = Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
-            else:
-                found[rank] = Lost(
-                    LossKind.UNRESPONSIVE,
-                    f"answered no poll for {SILENT_GRACE_S:g} s while its generation failed",
-                    node,
-                )
-        return found
+        return {
+            rank: Lost(LossKind.NODE_LOST, f"node {node} left the cluster", node)
+            for rank in silent
+            if (node := self.node_of(rank)) in dead
+        }
 
     def stuck(self, ranks: list[int], *, generation: int, within_s: float) -> dict[int, Lost]:
         """Ranks that did not leave ``generation`` within ``within_s`` of its end being asked."""
