@@ -10,10 +10,9 @@ rank order; ``warm`` slots are started, healthy and idle (spares, or survivors o
 group that broke) and can take a rank at the next reconfiguration; ``starting`` slots are
 still coming up in the background; ``lingering`` slots lost their rank (stuck in a failed
 generation) but stay alive until a restore has read the peer-memory snapshots they hold. The
-controller decides who is active; this module only
-starts, calls and stops actors. Calls to many ranks return ``PendingCalls``
-(``orchestrator.driver.calls``). ``WorkerGroup`` implements ``WorkerGroupProtocol``
-(``orchestrator.driver.group``), the part of it the controller uses.
+controller decides who is active; this module only starts, calls and stops actors. Calls to
+many ranks return ``PendingCalls`` (``orchestrator.driver.calls``). ``WorkerGroup`` implements
+``WorkerGroupProtocol`` (``orchestrator.driver.group``), the part of it the controller uses.
 """
 
 from __future__ import annotations

@@ -79,7 +79,6 @@ class FakeGroup:
         self.configured: list[dict[str, Any]] = []
         self.aborted: list[tuple[int, int]] = []
         self.killed: list[int] = []
-        self.lingered: list[int] = []
         self.shut_down = False
         self.generation_runs = 0
         self.avoid_nodes: set[str] = set()
@@ -100,7 +99,6 @@ class FakeGroup:
         return []
 
     def linger(self, slots: list[FakeSlot]) -> None:
-        self.lingered += [slot.index for slot in slots]
         self.active = [slot for slot in self.active if slot not in slots]
 
     def lingering(self) -> list[FakeSlot]:
