@@ -306,6 +306,12 @@ def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:
     return merged
 
 
+def stuck_ranks(lost: Mapping[int, Lost]) -> set[int]:
+    """The lost ranks whose actors are alive but did not leave the failed generation: they can
+    still serve the peer-memory snapshots they hold."""
+    return {rank for rank, loss in lost.items() if loss.kind == LossKind.STUCK}
+
+
 def failure_fields(lost: dict[int, Lost]) -> dict[str, Any]:
     """The ``failure`` event's fields for these losses: kind(s), ranks, node(s), message."""
     kinds = sorted({loss.kind for loss in lost.values()})

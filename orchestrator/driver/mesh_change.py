@@ -29,7 +29,7 @@ from elastic.policy import (
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver.checkpoint_commits import DriverCheckpoints, NoCheckpoints
-from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields
+from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, stuck_ranks
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook
 from orchestrator.driver.rank_reports import ReportRouter
@@ -274,7 +274,7 @@ class MeshChanges:
             state.mesh, lost, state.draining, state.stateless
         )
         # A stuck rank's actor is alive: it serves its snapshots to a restore before it is killed.
-        holders_leaving = {rank for rank, loss in lost.items() if loss.kind != LossKind.STUCK} | state.draining
+        holders_leaving = (set(lost) - stuck_ranks(lost)) | state.draining
         memory = self.snapshots.recoverable(self.replicas.gone_besides(holders_leaving))
         status = GroupStatus(
             mesh=state.mesh,

@@ -17,7 +17,7 @@ import time
 from elastic.policy import Continue, Fail, GroupStatus, RestoreFromCheckpoint, StateSource
 from elastic.spec import MeshSpec
 from orchestrator.driver.calls import CallFailed
-from orchestrator.driver.detector import LossKind, Lost, failure_fields, group_errors
+from orchestrator.driver.detector import LossKind, Lost, failure_fields, group_errors, stuck_ranks
 from orchestrator.driver.mesh_change import MeshChanges
 from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook
 from orchestrator.driver.states import AwaitingActors, Configuring, Finished, RunEnd, SettlePurpose, Settling, State
@@ -125,8 +125,7 @@ class Restores(MeshChanges):
         if step is None:
             return self._fail("restore", "no committed checkpoint to restore")
         from_memory = decision.source == StateSource.PEER_MEMORY
-        stuck = [rank for rank, loss in lost.items() if loss.kind == LossKind.STUCK] if from_memory else []
-        self.replicas.release(lost, state.draining, linger=stuck)
+        self.replicas.release(lost, state.draining, linger=stuck_ranks(lost) if from_memory else ())
         memory = None
         if from_memory:
             memory = self.snapshots.recoverable(self.replicas.gone_besides())
