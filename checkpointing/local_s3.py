@@ -31,6 +31,7 @@ from typing import IO
 from checkpointing.errors import CheckpointError
 
 _SERVICES = ("s3", "master", "volume", "filer", "admin")
+MAX_VOLUMES = 1000
 _GRPC_OFFSET = 10000
 
 
@@ -172,6 +173,11 @@ class LocalS3Server:
             f"-filer.port={p['filer']}",
             f"-admin.port={p['admin']}",
             f"-s3.config={identities}",
+            # Each bucket is a collection holding at least one volume of its own. Left at 0, weed sizes the
+            # volume count by free disk / 1 GiB: 38 buckets on a 39 GB disk, none below 1 GB free, after
+            # which every PUT to a new bucket fails with HTTP 500. Volumes are sparse files, so a high cap
+            # costs nothing until written.
+            f"-volume.max={MAX_VOLUMES}",
         ]
         environment = dict(os.environ, GOMEMLIMIT=self.memory_limit)
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
