@@ -12,7 +12,7 @@ import pytest
 
 from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, before_grow, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
-from tests.jobs import losses
+from tests.jobs import losses, single_rank
 
 STEPS = 10
 ONE_REPLICA = (
@@ -212,7 +212,9 @@ def test_lost_node_shrinks_dp_shard_in_place_then_grows_back_from_peer_memory(re
     finally:
         nodes.close()
     assert result.exit_code == 0, result.reason
-    assert_completed_like(events, reference(TWO_NODES, GROW_STEPS), GROW_STEPS, rel=1e-3)
+    # Against one process: the mesh changes twice, and each must train like one process (the
+    # uninterrupted tp=2 x dp_shard=2 run is 1e-5 from it; it took 100 s here, one process 10 s).
+    assert_completed_like(events, reference(single_rank("training.seq_len=32"), GROW_STEPS), GROW_STEPS, rel=1e-3)
     [failure] = of_kind(events, "failure")
     assert failure["kind"] == "node_lost" and failure["ranks"] == [2, 3]
     [shrunk, grown] = of_kind(events, "restored")
