@@ -211,7 +211,11 @@ class RankActor:
             self.store = connect_store(*store_address)
         try:
             interval = 0 if snapshots is None else snapshots.interval_steps
-            trainer, checkpoints = self._join_generation(faults=faults, snapshot_interval=interval)
+            # The step this mesh resumes at: a joiner's own last step is not known before its fill.
+            resumes_at = max(start.step, self.last_step) + 1
+            trainer, checkpoints = self._join_generation(
+                faults=faults, snapshot_interval=interval, resumes_at=resumes_at
+            )
             self._fill_state(start, trainer, checkpoints)
             if snapshots is not None and snapshots.interval_steps > 0:
                 store, channel, hook = self.snapshot_store, self.channel, self.faults.while_snapshotting
@@ -229,7 +233,7 @@ class RankActor:
         return self.last_step
 
     def _join_generation(
-        self, *, faults: tuple[FaultSpec, ...], snapshot_interval: int
+        self, *, faults: tuple[FaultSpec, ...], snapshot_interval: int, resumes_at: int
     ) -> tuple[Trainer, RankCheckpoints | NoCheckpoints]:
         """Inside ``configure`` (which set the generation, rank, mesh and store), collective: join
         the generation's process group, then build and keep its committer, trainer, fault
@@ -251,6 +255,8 @@ class RankActor:
             timeout_s=timeout_s,
             aborted=self._aborted.is_set,
         )
+        self.faults = self._fault_injector(faults, rank)
+        self.faults.while_joining(resumes_at)
         group_sockets = GroupSockets(self.spec.backend)
         init_generation(
             store=store,
@@ -275,12 +281,6 @@ class RankActor:
         self.trainer = trainer
         self._filled = False
         self._group_sockets, self._sockets_before_join = group_sockets.opened(), group_sockets.before
-        self.faults = FaultInjector(
-            faults,
-            rank=rank,
-            on_fire=lambda f: log.warning("firing injected fault %s", f.describe()),
-            before_kill=lambda: self.channel.wait_delivered(REPORTS_BEFORE_KILL_S),
-        )
         checkpoints = (
             RankCheckpoints(self.spec, trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down)
             if self.spec.checkpoint
@@ -288,6 +288,15 @@ class RankActor:
         )
         self.checkpoints = checkpoints
         return trainer, checkpoints
+
+    def _fault_injector(self, faults: tuple[FaultSpec, ...], rank: int) -> FaultInjector:
+        """This rank's faults of the generation; a kill first waits for the driver to poll its reports."""
+        return FaultInjector(
+            faults,
+            rank=rank,
+            on_fire=lambda f: log.warning("firing injected fault %s", f.describe()),
+            before_kill=lambda: self.channel.wait_delivered(REPORTS_BEFORE_KILL_S),
+        )
 
     def _fill_state(self, start: StartFrom, trainer: Trainer, checkpoints: RankCheckpoints | NoCheckpoints) -> None:
         """Inside ``configure``: fill the new generation's trainer as ``start`` says (the kept

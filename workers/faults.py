@@ -1,12 +1,14 @@
 """Deterministic fault injection, keyed by (rank, step): a feature, not a test hack.
 
-``--inject KIND@STEP[:RANK][/configure]`` (repeatable) on ``meshpilot train``, or ``FaultSpec``
+``--inject KIND@STEP[:RANK][/PHASE]`` (repeatable) on ``meshpilot train``, or ``FaultSpec``
 values in tests. The driver keeps the faults not consumed yet (``DriverFaults``) and hands each
 generation those still ahead of it; a rank fires a fault at the start of step STEP when its
 rank in the current mesh is RANK (default 0), so the same fault hits the same place in every
 run. With ``/configure`` (kill and raise only) it fires instead while a mesh that resumes at
 step STEP is being configured, after the rank filled its state: a fault during a recovery, a
-grow or a restore when one happens there, and nothing otherwise. Kinds fired on the rank side
+grow or a restore when one happens there, and nothing otherwise; ``/join`` (kill only) fires
+earlier in that configuration, once every rank passed the join barrier and before the process
+groups exist, where peers wait in torch's rendezvous, out of reach of an abort. Kinds fired on the rank side
 (``FaultInjector``, in the rank actor):
 
     kill        SIGKILL this rank's process (a crashed process, an OOM kill)
@@ -59,17 +61,26 @@ KINDS = RANK_KINDS + DRIVER_KINDS
 
 class FaultPhase(StrEnum):
     """When a rank fault fires: at the start of its step, while a mesh resuming there is
-    configured, or while the rank's peer-memory snapshot of the step is copied to its buddy."""
+    configured (once the rank filled its state, or as it joins: past the join barrier, before
+    the process groups are built, so peers wait in torch's rendezvous), or while the rank's
+    peer-memory snapshot of the step is copied to its buddy."""
 
     STEP = "step"
     CONFIGURE = "configure"
+    JOIN = "join"
     SNAPSHOT = "snapshot"
 
 
 # The kinds that can fire while configuring (a hang there would be a start-up timeout, not a hang).
 CONFIGURE_KINDS = (FaultKind.KILL, FaultKind.RAISE)
 # The kinds each phase other than STEP takes.
-PHASE_KINDS = {FaultPhase.CONFIGURE: CONFIGURE_KINDS, FaultPhase.SNAPSHOT: (FaultKind.KILL,)}
+PHASE_KINDS = {
+    FaultPhase.CONFIGURE: CONFIGURE_KINDS,
+    FaultPhase.JOIN: (FaultKind.KILL,),
+    FaultPhase.SNAPSHOT: (FaultKind.KILL,),
+}
+# The phases that fire while a mesh is configured: a failure there leaves the step's faults armed.
+CONFIGURING_PHASES = (FaultPhase.CONFIGURE, FaultPhase.JOIN)
 
 
 class InjectedFault(RuntimeError):
@@ -98,7 +109,8 @@ class FaultSpec:
         if slash and (phase == FaultPhase.STEP or kind not in PHASE_KINDS[phase]):
             raise ValueError(
                 f"--inject {text!r}: the phases are /configure (for {' and '.join(CONFIGURE_KINDS)}, e.g. "
-                "kill@5:1/configure) and /snapshot (for kill: while the step's peer-memory snapshot is copied, "
+                "kill@5:1/configure), /join (for kill: as a configured mesh's process groups are built, e.g. "
+                "kill@5:1/join) and /snapshot (for kill: while the step's peer-memory snapshot is copied, "
                 "e.g. kill@5:1/snapshot)"
             )
         step_text, _, rank_text = where.partition(":")
@@ -173,7 +185,7 @@ class DriverFaults:
         self.pending = [
             fault
             for fault in self.pending
-            if fault.step > redo or (fault.step == redo and fault.phase == FaultPhase.CONFIGURE and not configuring)
+            if fault.step > redo or (fault.step == redo and fault.phase in CONFIGURING_PHASES and not configuring)
         ]
 
 
@@ -204,6 +216,12 @@ class FaultInjector:
         """Inside ``configure``, once the state is filled: the faults of a mesh resuming at ``step``."""
         for fault in self.faults:
             if fault.step == step and fault.phase == FaultPhase.CONFIGURE:
+                self._fire(fault)
+
+    def while_joining(self, step: int) -> None:
+        """Inside ``configure``, past the join barrier: the join faults of a mesh resuming at ``step``."""
+        for fault in self.faults:
+            if fault.step == step and fault.phase == FaultPhase.JOIN:
                 self._fire(fault)
 
     def while_snapshotting(self, step: int) -> None:

@@ -33,10 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--inject",
         action="append",
         default=[],
-        metavar="KIND@STEP[:RANK][/configure]",
+        metavar="KIND@STEP[:RANK][/PHASE]",
         help="inject a fault (repeatable): kill, raise, hang, drain, sigterm, s3_outage or driver, "
         "at the start of STEP on RANK (default 0), e.g. --inject kill@5:1; with /configure (kill, raise) "
-        "while a mesh resuming at STEP configures, e.g. after another fault",
+        "while a mesh resuming at STEP configures, e.g. after another fault; /join (kill) as that mesh's "
+        "process groups are built; /snapshot (kill) while STEP's peer-memory snapshot is copied",
     )
     parser.add_argument(
         "--chaos",

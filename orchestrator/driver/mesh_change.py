@@ -229,12 +229,11 @@ class MeshChanges:
             lost.update(silent)
             waiting_for = [rank for rank in waiting_for if rank not in lost]
         if waiting_for:
-            if time.monotonic() < state.deadline:
+            now = time.monotonic()
+            if now < state.deadline and not self._held_elsewhere(state, lost, now):
                 return replace(state, lost=lost)
             lost.update(
-                self.detector.stuck(
-                    waiting_for, generation=state.generation, within_s=self._unwind_s(state.configuring)
-                )
+                self.detector.stuck(waiting_for, generation=state.generation, within_s=round(now - state.started_at, 1))
             )
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left and no cause is known yet: give Ray a moment to name it.
@@ -242,6 +241,24 @@ class MeshChanges:
             if time.monotonic() < max(state.started_at, state.all_returned_at or time.monotonic()) + CAUSE_GRACE_S:
                 return state
         return self._decide(state, lost)
+
+    def _held_elsewhere(self, state: Settling, lost: dict[int, Lost], now: float) -> bool:
+        """Whether the ranks still inside a failed configuration need not be waited for any more.
+
+        They may sit in torch's rendezvous, out of reach of the abort, until the collective
+        timeout (``_unwind_s``: minutes). Past the hang threshold that wait saves nothing when the
+        peer-memory snapshot of the step the job resumes from is whole with them counted as
+        holders: as stuck ranks their actors linger and serve it, and no step is lost."""
+        if not state.configuring or now < state.started_at + self.detector.hang_threshold_s():
+            return False
+        memory = self._memory_without(lost, state.draining)
+        return memory is not None and memory.step >= self.last_step
+
+    def _memory_without(self, lost: dict[int, Lost], draining: frozenset[int]) -> RecoveryPoint | None:
+        """The newest whole peer-memory snapshot once ``lost`` and ``draining`` ranks are gone; a
+        stuck rank's actor is alive and serves its snapshots to a restore before it is killed."""
+        holders_leaving = (set(lost) - stuck_ranks(lost)) | draining
+        return self.snapshots.recoverable(self.replicas.gone_besides(holders_leaving))
 
     def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
         self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
@@ -273,9 +290,7 @@ class MeshChanges:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
-        # A stuck rank's actor is alive: it serves its snapshots to a restore before it is killed.
-        holders_leaving = (set(lost) - stuck_ranks(lost)) | state.draining
-        memory = self.snapshots.recoverable(self.replicas.gone_besides(holders_leaving))
+        memory = self._memory_without(lost, state.draining)
         status = GroupStatus(
             mesh=state.mesh,
             lost_ranks=frozenset(lost),

@@ -234,3 +234,30 @@ def assert_completed_like_after_restore(events, reference, restored_step: int) -
     assert applied == pytest.approx(reference, rel=1e-3)
     rewound = [e["step"] for e in of_kind(events, "step") if e["step"] > restored_step]
     assert rewound[-(STEPS - restored_step) :] == list(range(restored_step + 1, STEPS + 1))
+
+
+def test_a_rank_lost_while_the_recovery_builds_its_groups_is_not_waited_for_the_collective_timeout(reference, tmp_path):
+    """A fault during a recovery, where the abort cannot reach: ``kill@6:1`` is restored onto the
+    three survivors and a warm spare (rank 3, holding no snapshot), and as that mesh builds its
+    process groups the spare dies (``kill@6:3/join``). The others then wait in torch's
+    rendezvous, which no abort interrupts, until the collective timeout (120 s). The snapshot of
+    step 5 is whole without waiting for them (their actors linger and serve their copies): past
+    the hang threshold they count as stuck and the recovery restores step 5 onto the remaining
+    spares. Every step once, 0 lost, and no two-minute stall."""
+    result, events = run_job(
+        tmp_path,
+        *ONE_REPLICA,
+        f"training.steps={STEPS}",
+        "elastic.spare_actors=4",
+        faults=("kill@6:1", "kill@6:3/join"),
+    )
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference(ONE_REPLICA), STEPS, rel=1e-3)
+    first, second = of_kind(events, "failure")
+    assert first["kind"] == "rank_died"
+    assert "stuck" in second["kind"].split(","), second
+    restored = of_kind(events, "restored")
+    assert [r["source"] for r in restored] == ["peer_memory"] * len(restored) and restored[-1]["step"] == 5
+    assert of_kind(events, "recovered")[-1]["lost_steps"] == 0
+    # The second failure is known within the hang threshold (8 s) and a few polls, not 120 s.
+    assert second["time"] - first["time"] < 60, second["time"] - first["time"]

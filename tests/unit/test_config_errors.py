@@ -115,7 +115,7 @@ CASES = [
     ),
     (
         ["--inject", "hang@5:1/configure"],
-        "the phases are /configure (for kill and raise, e.g. kill@5:1/configure) and /snapshot (for kill",
+        "the phases are /configure (for kill and raise, e.g. kill@5:1/configure), /join (for kill: as a configured",
     ),
     (
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.top_k_experts=9"],

@@ -585,11 +585,13 @@ def test_configure_faults_parse_and_stay_armed_for_the_recovery_that_follows_a_s
     fault = FaultSpec.parse("kill@10:1/configure")
     assert fault == FaultSpec(FaultKind.KILL, 10, 1, FaultPhase.CONFIGURE) and fault.describe() == "kill@10:1/configure"
     assert FaultSpec.parse("kill@4:2/snapshot") == FaultSpec(FaultKind.KILL, 4, 2, FaultPhase.SNAPSHOT)
-    for bad in ("hang@10:1/configure", "kill@10:1/upload", "raise@10:1/snapshot"):
+    joining = FaultSpec.parse("kill@10:3/join")
+    assert joining == FaultSpec(FaultKind.KILL, 10, 3, FaultPhase.JOIN) and joining.describe() == "kill@10:3/join"
+    for bad in ("hang@10:1/configure", "kill@10:1/upload", "raise@10:1/snapshot", "raise@10:1/join"):
         with pytest.raises(ValueError, match=r"the phases are /configure \(for kill and raise"):
             FaultSpec.parse(bad)
-    faults = DriverFaults([FaultSpec.parse("kill@10:3"), fault, FaultSpec.parse("raise@12:0")])
+    faults = DriverFaults([FaultSpec.parse("kill@10:3"), fault, joining, FaultSpec.parse("raise@12:0")])
     faults.consume_after_failure(9)  # the step fault at 10 fired: the recovery configures for step 10
-    assert [f.describe() for f in faults.for_generation(9)] == ["kill@10:1/configure", "raise@12:0"]
+    assert [f.describe() for f in faults.for_generation(9)] == ["kill@10:1/configure", "kill@10:3/join", "raise@12:0"]
     faults.consume_after_failure(9, configuring=True)  # and that configuration failed: spent
     assert [f.describe() for f in faults.pending] == ["raise@12:0"]
