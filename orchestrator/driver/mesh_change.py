@@ -154,7 +154,9 @@ class MeshChanges:
         the recovery starts again from what is left. Ranks that kept their state still hold it;
         joiners and restoring ranks hold none (``stateless``), so their replica groups are not
         kept. Survivors may wait in the new groups' rendezvous for a rank that will never come:
-        they are given the collective timeout to come back before counting as stuck (``_unwind_s``)."""
+        they are given the collective timeout to come back before counting as stuck (``_unwind_s``),
+        or only the hang threshold when the peer-memory snapshot is whole without them
+        (``_held_elsewhere``)."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
         # The detector still knows the last running generation's ranks: this one's are judged now.
