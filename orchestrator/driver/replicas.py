@@ -108,9 +108,11 @@ class Replicas:
 
     @staticmethod
     def pick_warm(pool: Sequence[Slot], count: int) -> list[Slot]:
-        """``count`` actors of ``pool``, or none if it has fewer."""
-        # Actors started together (one placement group, one node) stay together.
-        ordered = sorted(pool, key=lambda slot: (slot.batch_id, id(slot)))
+        """``count`` actors of ``pool``, or none if it has fewer: actors started together (one
+        placement group, one node) stay together, and within a group the pool's order (the order
+        they started in) is kept, so the same history hands the same ranks to the same actors
+        and a chaos seed replays exactly."""
+        ordered = sorted(pool, key=lambda slot: slot.batch_id)  # stable: the pool's order within a group
         return ordered[:count] if len(ordered) >= count else []
 
     @staticmethod

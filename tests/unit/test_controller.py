@@ -467,6 +467,18 @@ def test_a_lost_replica_leaves_whole_and_its_healthy_ranks_go_to_the_pool(contro
     assert Replicas.pick_warm(pool, 2) == [] and Replicas.pick_warm(pool, 1) == pool
 
 
+def test_warm_actors_are_picked_by_group_then_in_the_order_they_started_not_by_address() -> None:
+    # Which survivor gets which rank must not depend on where Python allocated its slot, or a
+    # chaos seed's second fault hits a different actor from one replay to the next.
+    started = [FakeSlot(index) for index in range(6)]
+    for slot in started:
+        slot.batch_id = 7 if slot.index < 3 else 2
+    by_address = sorted(started, key=id, reverse=True)
+    pool = [slot for slot in started if slot.batch_id == 7] + [slot for slot in by_address if slot.batch_id == 2]
+    picked = Replicas.pick_warm(pool, 5)
+    assert [slot.index for slot in picked] == [slot.index for slot in pool[3:]] + [0, 1]
+
+
 def test_driver_faults_fire_once_when_their_step_completed_and_a_failure_consumes_its_step() -> None:
     killed: list[bool] = []
     removed: list[str] = []
