@@ -370,6 +370,22 @@ def ray_train_summary(schedule, outcome: dict[str, Any] | None, uninterrupted_lo
     }
 
 
+def breakdown(parts: dict[str, Any] | None) -> str:
+    """``time_breakdown``'s parts in one line: '154 s steps, 16 s start, ...'."""
+    if not parts:
+        return "-"
+    names = {
+        "useful_s": "steps",
+        "redone_s": "redone",
+        "start_s": "start",
+        "hang_wait_s": "hang waits",
+        "recovery_s": "recoveries",
+        "between_steps_s": "between steps",
+        "end_s": "end",
+    }
+    return ", ".join(f"{parts[key]:.0f} s {name}" for key, name in names.items())
+
+
 def print_table(summary: dict[str, Any], *, steps: int) -> None:
     def pct(value) -> str:
         return "-" if value is None else f"{value:.1%}"
@@ -409,6 +425,8 @@ def print_table(summary: dict[str, Any], *, steps: int) -> None:
         ),
         ("slowest recovery (mttr_s)", slowest or "-", "", ""),
         ("nodes brought back (driver waited)", f"{back.get('nodes')} ({back.get('seconds')} s)", "", ""),
+        ("where the wall time went", breakdown(summary["time_breakdown"]), "", ""),
+        ("  the same, uninterrupted", breakdown(summary["uninterrupted_time_breakdown"]), "", ""),
     ]
     rows += ray_train_rows(summary["ray_train"], lost["total"], good["goodput"], pct)
     print(table(rows))

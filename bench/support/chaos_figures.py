@@ -79,6 +79,56 @@ def goodput(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Events that mark a gap between two steps as a pause for a fault (or its recovery).
+PAUSE_EVENTS = ("failure", "drain", "recovered", "restored", "grow")
+
+
+def time_breakdown(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the wall time went, on the ranks' clock (each step event's ``completed_at`` and
+    ``step_time_s``), in parts that add up to ``wall_s``:
+
+    - ``useful_s``: the steps that count (goodput's numerator); ``redone_s``: the steps a restore
+      rewound, which ran twice;
+    - ``start_s``: ``start`` to the first step's beginning (Ray, actors, configuration); ``end_s``:
+      the last step to ``done`` (the final checkpoint, shutdown);
+    - the gaps between one step's end and the next one's beginning: ``hang_wait_s`` up to the
+      ``failure`` event of a hang inside the gap (the wait for ``elastic.hang_timeout_s`` no
+      detector can shorten), ``recovery_s`` for the rest of each gap holding a failure, drain,
+      recovery, restore or grow event, ``between_steps_s`` for gaps holding none (the commit
+      vote, reports, checkpoint stalls).
+
+    None when the events hold no step with ``completed_at``.
+    """
+    starts, dones = of_kind(events, "start"), of_kind(events, "done")
+    steps = sorted((e for e in of_kind(events, "step") if e.get("completed_at") is not None), key=_completed_at)
+    if not starts or not dones or not steps:
+        return None
+    counted = {id(event) for event in counted_steps(events)}
+    pauses = [e for e in events if e.get("event") in PAUSE_EVENTS and e.get("time") is not None]
+    parts = dict.fromkeys(("useful_s", "redone_s", "hang_wait_s", "recovery_s", "between_steps_s"), 0.0)
+    for event in steps:
+        parts["useful_s" if id(event) in counted else "redone_s"] += event["step_time_s"]
+    for before, after in zip(steps, steps[1:], strict=False):
+        ended, began = _completed_at(before), _completed_at(after) - after["step_time_s"]
+        inside = [e for e in pauses if ended <= e["time"] <= began]
+        hangs = [e["time"] for e in inside if e["event"] == "failure" and "hang" in str(e.get("kind"))]
+        waited = min(hangs) - ended if hangs else 0.0
+        parts["hang_wait_s"] += waited
+        parts["recovery_s" if inside else "between_steps_s"] += began - ended - waited
+    first_began = _completed_at(steps[0]) - steps[0]["step_time_s"]
+    wall_s = dones[-1]["time"] - starts[0]["time"]
+    return {
+        "wall_s": round(wall_s, 3),
+        "start_s": round(first_began - starts[0]["time"], 3),
+        "end_s": round(dones[-1]["time"] - _completed_at(steps[-1]), 3),
+        **{name: round(value, 3) for name, value in parts.items()},
+    }
+
+
+def _completed_at(event: dict[str, Any]) -> float:
+    return float(event["completed_at"])
+
+
 def _restored_from_memory(event: dict[str, Any]) -> bool:
     return event.get("source") == "peer_memory"
 
@@ -153,6 +203,8 @@ def chaos_figures(
         "uninterrupted_goodput": reference,
         "goodput_ratio_vs_uninterrupted": ratio,
         "slowest_recovery": slowest_recovery(events),
+        "time_breakdown": time_breakdown(events),
+        "uninterrupted_time_breakdown": time_breakdown(uninterrupted) if uninterrupted else None,
     }
 
 

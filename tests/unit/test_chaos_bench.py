@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.support.chaos_figures import chaos_figures, goals, reference_goodput, reference_restarts, split_for_reference
+from bench.support.chaos_figures import (
+    chaos_figures,
+    goals,
+    reference_goodput,
+    reference_restarts,
+    split_for_reference,
+    time_breakdown,
+)
 from workers.faults import FaultSpec
 
 
@@ -107,6 +114,40 @@ def test_goals():
     assert not goals(chaos_figures(lost_in_place, scheduled=5, survived=True, uninterrupted=None), survived=True)[
         "0_steps_lost_where_a_replica_survived"
     ]
+
+
+def done_step(number: int, completed_at: float, step_time_s: float = 1.0) -> dict:
+    return {**step(number, completed_at + 0.1, step_time_s), "completed_at": completed_at}
+
+
+def test_the_wall_time_splits_into_steps_start_end_hang_waits_recoveries_and_the_gaps_between_steps():
+    events = [
+        {"event": "start", "time": 0.0},
+        done_step(1, 3.0),  # began at 2: 2 s of start
+        done_step(2, 4.25),  # 0.25 s between steps
+        {"event": "failure", "kind": "hang", "time": 12.25},  # 8 s waiting for the hang timeout
+        {"event": "recovered", "cause": "failure", "lost_steps": 0, "mttr_s": 1.5, "time": 13.75},
+        done_step(3, 14.75),  # began at 13.75: 1.5 s of recovery after the hang was found
+        {"event": "failure", "kind": "node_lost", "time": 15.0},
+        {"event": "restored", "step": 2, "time": 16.5},
+        done_step(3, 17.5, step_time_s=0.5),  # the redo of step 3 (began at 17): 2.25 s of recovery
+        done_step(4, 18.5),
+        {"event": "done", "time": 19.0, "status": "finished", "steps": 4},
+    ]
+    parts = time_breakdown(events)
+    assert parts == {
+        "wall_s": 19.0,
+        "start_s": 2.0,
+        "end_s": 0.5,
+        "useful_s": 3.5,
+        "redone_s": 1.0,
+        "hang_wait_s": 8.0,
+        "recovery_s": 3.75,
+        "between_steps_s": 0.25,
+    }
+    assert sum(value for name, value in parts.items() if name != "wall_s") == pytest.approx(parts["wall_s"])
+    assert chaos_figures(events, scheduled=2, survived=True, uninterrupted=None)["time_breakdown"] == parts
+    assert time_breakdown(CHAOS) is None  # step events without completed_at (older runs)
 
 
 def test_ray_train_meets_kill_raise_and_node_at_a_step_and_the_rest_is_said_not_applied():
