@@ -95,7 +95,9 @@ def time_breakdown(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
       ``failure`` event of a hang inside the gap (the wait for ``elastic.hang_timeout_s`` no
       detector can shorten), ``recovery_s`` for the rest of each gap holding a failure, drain,
       recovery, restore or grow event, ``between_steps_s`` for gaps holding none (the commit
-      vote, reports, checkpoint stalls).
+      vote, reports, checkpoint stalls; slightly negative when the rank that finished last
+      was not the one with the longest step, since a step's end is the last rank's and its
+      time the slowest rank's).
 
     None when the events hold no step with ``completed_at``.
     """

@@ -110,8 +110,9 @@ class Replicas:
     def pick_warm(pool: Sequence[Slot], count: int) -> list[Slot]:
         """``count`` actors of ``pool``, or none if it has fewer: actors started together (one
         placement group, one node) stay together, and within a group the pool's order (the order
-        they started in) is kept, so the same history hands the same ranks to the same actors
-        and a chaos seed replays exactly."""
+        they started in) is kept: the same history hands the same ranks to the same actors, so
+        a chaos seed's later faults hit the same actors when it is replayed (not their memory
+        addresses' order)."""
         ordered = sorted(pool, key=lambda slot: slot.batch_id)  # stable: the pool's order within a group
         return ordered[:count] if len(ordered) >= count else []
 
