@@ -57,7 +57,8 @@ class TrainerState:
                     continue
                 state = self.optimizer.state[param]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    # On the parameter's device, where fused AdamW keeps its step counters.
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -148,7 +149,7 @@ class TrainerState:
                 size = sum(stop - start for _, start, stop in pieces)
                 if receiving:
                     flat = torch.empty(size, dtype=dtype, device=self.device)
-                else:  # step counters live on the CPU even in GPU runs; NCCL sends device memory
+                else:  # a step counter may live on the CPU (a cpu_offload run); NCCL sends device memory
                     flat = torch.cat([t.reshape(-1)[start:stop] for t, start, stop in pieces]).to(self.device)
                 dist.broadcast(flat, src=source, group=group)
                 if receiving:
