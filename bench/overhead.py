@@ -1,6 +1,6 @@
 """Orchestration overhead: meshpilot train vs plain torchrun, same model, mesh, data, machine.
 
-    python bench/overhead.py [--quick] [--config configs/tiny-3d.yaml] [--set KEY=VALUE ...]
+    python bench/overhead.py [--quick] [--rounds N] [--steps N] [--config configs/tiny-3d.yaml] [--set KEY=VALUE ...]
 
 Measures, in one run, (1) steady-state step time — the median wall-clock gap between
 consecutive step completions after warm-up — and (2) the time from the command to the first
@@ -187,6 +187,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few short rounds (a wide interval)")
     parser.add_argument("--rounds", type=int, default=None, help="2-rank rounds, alternating the order (default 8)")
     parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per 2-rank run (default 40, --quick 16; more make each round's median steadier)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -203,10 +209,12 @@ def main() -> None:
         print(f"bench/overhead.py: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     steps, warmup = (16, 4) if args.quick else (40, 5)
+    if args.steps is not None and args.steps <= warmup + 1:
+        parser.error(f"--steps {args.steps}: needs more than {warmup + 1} (the warm-up steps are not measured)")
     two_ranks = compare(
         config,
         (*TWO_RANKS, *overrides),
-        steps=steps,
+        steps=args.steps or steps,
         warmup=warmup,
         rounds=args.rounds or (3 if args.quick else 8),
         label="2 ranks",
