@@ -5,7 +5,11 @@
 Measures, in one run, (1) steady-state step time — the median wall-clock gap between
 consecutive step completions after warm-up — and (2) the time from the command to the first
 completed step, for `meshpilot train` (embedded Ray cluster, rank actors, reporting, commit
-vote) and for `torchrun bench/torchrun_reference.py` (the same Trainer, nothing else).
+vote) and for `torchrun bench/torchrun_reference.py` (the same Trainer, nothing else); and
+(3) the command to the first step of `meshpilot train` joining a Ray cluster that is already
+running (`RAY_ADDRESS=auto`, as in a Ray job or a KubeRay pod, whose Python environment has
+meshpilot), which leaves Ray's own cluster start out: the bench starts that cluster with
+`ray start --head` before the timer and stops it after the run.
 Rounds alternate the order (torchrun first, then meshpilot first, ...). The step-time goal is
 judged on 2 ranks (dp_shard=2, one per core, a ~0.4 s step): the geometric mean of the
 per-round ratios with its 95% interval. The demo's 8-rank mesh is measured too, labelled as
@@ -19,15 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
 from orchestrator.config import load_config  # noqa: E402
+from orchestrator.driver.cluster import embedded_cpus, worker_pythonpath  # noqa: E402
 from orchestrator.errors import UserError  # noqa: E402
 from orchestrator.observe.events import read_events  # noqa: E402
 
@@ -86,11 +96,12 @@ def measure_torchrun(
 
 
 def measure_meshpilot(
-    config: Path, steps: int, workdir: Path, overrides: tuple[str, ...] = ()
+    config: Path, steps: int, workdir: Path, overrides: tuple[str, ...] = (), *, env: dict[str, str] | None = None
 ) -> tuple[float, list[dict], int | None]:
     """Command to first step, the step events, and the snapshot interval the run ended with
-    (None: the configured one, never widened by ``elastic.snapshot_overhead_limit``)."""
-    run_dir = workdir / "meshpilot-run"
+    (None: the configured one, never widened by ``elastic.snapshot_overhead_limit``). ``env``:
+    the run's environment (None: this process's, so an embedded cluster)."""
+    run_dir = workdir / ("meshpilot-run" if env is None else "meshpilot-on-cluster-run")
     launched, _ = run_command(
         [
             sys.executable,
@@ -104,6 +115,7 @@ def measure_meshpilot(
             "--plain",
         ],
         timeout=1800,
+        env=env,
     )
     events = read_events(run_dir / "events.jsonl")
     records = [e for e in events if e["event"] == "step"]
@@ -124,40 +136,100 @@ def ratio_interval(ours: list[float], reference: list[float]) -> tuple[float, fl
     return math.exp(centre), math.exp(centre - half), math.exp(centre + half)
 
 
+# Steps of the run on a running cluster: only its first step is measured.
+ON_CLUSTER_STEPS = 3
+
+
+@contextmanager
+def running_ray_cluster(num_cpus: int) -> Iterator[dict[str, str]]:
+    """A Ray head started by ``ray start --head --block`` (as a long-lived cluster or a KubeRay
+    head is), up before it yields; yields the environment a run joins it with
+    (``RAY_ADDRESS=auto``: no code shipped, the workers import this checkout). Stopped after."""
+    env = dict(os.environ, PYTHONPATH=worker_pythonpath())
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", "0"]
+        + [f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert head.stdout is not None
+        output = []
+        for line in head.stdout:
+            output.append(line)
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise SystemExit("ray start --head failed:\n" + "".join(output[-40:]))
+        yield dict(env, RAY_ADDRESS="auto")
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process it started
+        head.wait(timeout=60)
+
+
+RUNS = ("torchrun", "meshpilot", "on_cluster")
+
+
+def run_round(
+    config: Path, overrides: tuple[str, ...], workdir: Path, *, steps: int, order: tuple[str, ...]
+) -> dict[str, tuple[float, list[dict], int | None]]:
+    """One round: each of ``RUNS`` once, in ``order``; per run, its command-to-first-step time,
+    step records and final snapshot interval."""
+    job = load_config(config, overrides=list(overrides))
+    results: dict[str, tuple[float, list[dict], int | None]] = {}
+    for which in order:
+        if which == "torchrun":
+            start, records = measure_torchrun(config, steps, job.mesh.world_size, workdir, overrides)
+            results[which] = (start, records, None)
+        elif which == "meshpilot":
+            results[which] = measure_meshpilot(config, steps, workdir, overrides)
+        else:
+            with running_ray_cluster(embedded_cpus(job)) as env:
+                results[which] = measure_meshpilot(config, ON_CLUSTER_STEPS, workdir, overrides, env=env)
+    return results
+
+
 def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int, rounds: int, label: str) -> dict:
-    """``rounds`` rounds of meshpilot and torchrun on the same job, alternating which goes first."""
+    """``rounds`` rounds of meshpilot and torchrun on the same job, alternating which goes first,
+    each with a short meshpilot run on a running cluster for its command to first step."""
     world = load_config(config, overrides=list(overrides)).mesh.world_size
-    runs: dict[str, dict[str, list]] = {
-        which: {"step_s": [], "first_step_s": [], "phases": []} for which in ("meshpilot", "torchrun")
-    }
+    runs: dict[str, dict[str, list]] = {which: {"step_s": [], "first_step_s": [], "phases": []} for which in RUNS}
     snapshot_intervals: list[int | None] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             workdir = Path(tmp) / f"round-{round_index}"
             workdir.mkdir()
-            order = ("torchrun", "meshpilot") if round_index % 2 == 0 else ("meshpilot", "torchrun")
-            for which in order:
-                if which == "torchrun":
-                    start, records = measure_torchrun(config, steps, world, workdir, overrides)
-                else:
-                    start, records, interval = measure_meshpilot(config, steps, workdir, overrides)
-                    snapshot_intervals.append(interval)
+            order = RUNS if round_index % 2 == 0 else RUNS[::-1]
+            for which, (start, records, interval) in run_round(
+                config, overrides, workdir, steps=steps, order=order
+            ).items():
                 runs[which]["first_step_s"].append(round(start, 3))
+                if which == "on_cluster":
+                    continue  # too short for a steady step time
+                snapshot_intervals += [interval] if which == "meshpilot" else []
                 runs[which]["step_s"].append(round(steady_step_time([r["completed_at"] for r in records], warmup), 4))
                 runs[which]["phases"].append(median_phases(records, warmup))
             print(
                 f"{label}, round {round_index + 1}: step {runs['meshpilot']['step_s'][-1]:.3f} s vs "
                 f"{runs['torchrun']['step_s'][-1]:.3f} s; first step {runs['meshpilot']['first_step_s'][-1]:.1f} s "
+                f"(on a running cluster {runs['on_cluster']['first_step_s'][-1]:.1f} s) "
                 f"vs {runs['torchrun']['first_step_s'][-1]:.1f} s",
                 flush=True,
             )
+    return summarize(runs, snapshot_intervals, world_size=world, steps=steps, rounds=rounds)
+
+
+def summarize(runs: dict[str, dict[str, list]], snapshot_intervals: list[int | None], **shape: int) -> dict:
+    """The figures of ``compare``'s rounds (medians, the ratio and its interval, every round)."""
     ours, reference = runs["meshpilot"], runs["torchrun"]
     ratio, low, high = ratio_interval(ours["step_s"], reference["step_s"])
     ours_start, torchrun_start = statistics.median(ours["first_step_s"]), statistics.median(reference["first_step_s"])
+    on_cluster_start = statistics.median(runs["on_cluster"]["first_step_s"])
     return {
-        "world_size": world,
-        "steps": steps,
-        "rounds": rounds,
+        **shape,
         "meshpilot_step_s": round(statistics.median(ours["step_s"]), 4),
         "torchrun_step_s": round(statistics.median(reference["step_s"]), 4),
         "step_time_ratio": round(ratio, 4),
@@ -165,6 +237,9 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
         "meshpilot_first_step_s": round(ours_start, 2),
         "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
+        # meshpilot joining a running cluster: Ray's cluster start left out.
+        "on_cluster_first_step_s": round(on_cluster_start, 2),
+        "on_cluster_first_step_extra_s": round(on_cluster_start - torchrun_start, 2),
         # Per round, the peer-memory snapshot interval meshpilot ended with (None: the configured
         # one; wider when snapshots cost more than elastic.snapshot_overhead_limit of a step).
         "snapshot_interval_steps": snapshot_intervals,
@@ -176,7 +251,10 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
             if run["phases"] and run["phases"][0]
         },
         "per_round": {
-            f"{which}_{figure}": run[figure] for which, run in runs.items() for figure in ("step_s", "first_step_s")
+            f"{which}_{figure}": run[figure]
+            for which, run in runs.items()
+            for figure in ("step_s", "first_step_s")
+            if run[figure]
         },
     }
 
@@ -235,6 +313,8 @@ def main() -> None:
         "first_step_extra_s": {
             "two_ranks": two_ranks["first_step_extra_s"],
             "demo_mesh": demo_mesh["first_step_extra_s"],
+            "two_ranks_on_cluster": two_ranks["on_cluster_first_step_extra_s"],
+            "demo_mesh_on_cluster": demo_mesh["on_cluster_first_step_extra_s"],
         },
     }
     low, high = two_ranks["step_time_ratio_95"]
@@ -242,7 +322,9 @@ def main() -> None:
         f"steady step, 2 ranks: meshpilot {two_ranks['meshpilot_step_s']:.3f} s vs torchrun "
         f"{two_ranks['torchrun_step_s']:.3f} s: x{two_ranks['step_time_ratio']:.3f} (95%: {low:.3f}-{high:.3f}); "
         f"command to first step: +{two_ranks['first_step_extra_s']:.1f} s (2 ranks), "
-        f"+{demo_mesh['first_step_extra_s']:.1f} s (8 ranks)"
+        f"+{demo_mesh['first_step_extra_s']:.1f} s (8 ranks); on a running cluster "
+        f"+{two_ranks['on_cluster_first_step_extra_s']:.1f} s (2 ranks), "
+        f"+{demo_mesh['on_cluster_first_step_extra_s']:.1f} s (8 ranks)"
     )
     emit(result)
 

@@ -27,7 +27,7 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 def connect(config: JobConfig) -> bool:
     """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
-    return connect_to(config.runtime.address, num_cpus=_embedded_cpus(config))
+    return connect_to(config.runtime.address, num_cpus=embedded_cpus(config))
 
 
 def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] = WORKER_PACKAGES) -> bool:
@@ -68,7 +68,9 @@ def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] 
     return True
 
 
-def _embedded_cpus(config: JobConfig) -> int:
+def embedded_cpus(config: JobConfig) -> int:
+    """The logical CPUs of the embedded cluster ``config`` gets (bench/overhead.py starts its
+    running cluster with as many)."""
     if config.runtime.num_cpus is not None:
         return config.runtime.num_cpus
     needed = config.mesh.world_size * config.runtime.cpus_per_rank

@@ -36,3 +36,23 @@ def test_a_bad_override_exits_2_with_one_line(arguments: list[str], line: str):
     )
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [line]
+
+
+def test_the_summary_sets_each_start_against_torchrun_measured_in_the_same_rounds():
+    from bench.overhead import summarize
+
+    phases = {"compute_s": 0.2}
+    runs = {
+        "torchrun": {"step_s": [0.20, 0.22, 0.21], "first_step_s": [4.0, 4.4, 4.2], "phases": [phases] * 3},
+        "meshpilot": {"step_s": [0.21, 0.22, 0.22], "first_step_s": [8.0, 9.0, 8.5], "phases": [phases] * 3},
+        # The runs on a running cluster are too short for a steady step time.
+        "on_cluster": {"step_s": [], "first_step_s": [5.0, 6.0, 5.5], "phases": []},
+    }
+    summary = summarize(runs, [7, 8, 9], world_size=2, steps=120, rounds=3)
+    assert summary["first_step_extra_s"] == 4.3  # medians: 8.5 - 4.2
+    assert summary["on_cluster_first_step_s"] == 5.5
+    assert summary["on_cluster_first_step_extra_s"] == 1.3
+    assert summary["per_round"]["on_cluster_first_step_s"] == [5.0, 6.0, 5.5]
+    assert "on_cluster_step_s" not in summary["per_round"]
+    assert set(summary["phases_s"]) == {"torchrun", "meshpilot"}
+    assert (summary["world_size"], summary["steps"], summary["rounds"]) == (2, 120, 3)
