@@ -98,4 +98,7 @@ def _first_line(error: BaseException) -> str:
     if isinstance(error, ray.exceptions.RayTaskError) and cause is not None:
         return f"{type(cause).__name__}: {cause}".strip().splitlines()[-1]
     text = str(error).strip()
+    if isinstance(error, ray.exceptions.RayActorError) and error.actor_init_failed and text:
+        # Ray's header, then the constructor's traceback: its last line is the exception.
+        return text.splitlines()[-1].strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -33,7 +33,7 @@ from elastic.placement import RankResources, shortfall, spread_replicas, tp_bund
 from elastic.spec import MeshSpec
 from orchestrator.driver import cluster, ray_compat
 from orchestrator.driver.calls import CallFailed, PendingCalls, result_of
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UserError
 from workers.actor import RankActor  # the class handle only: ray.remote needs it
 from workers.faults import FaultSpec
 from workers.rendezvous import StoreHost
@@ -89,6 +89,8 @@ class WorkerGroup:
         self.avoid_nodes: set[str] = set()
         # Ranks per bundle of each placement group (by id): the tensor-parallel degree it was made for.
         self._bundle_ranks: dict[int, int] = {}
+        # Why background starts failed, each logged once.
+        self._start_failures: set[str] = set()
 
     # ------------------------------------------------------------------ start
     def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
@@ -110,16 +112,18 @@ class WorkerGroup:
         targets = spread_replicas(mesh.dp_replicate + spare_replicas, self.per_rank, mesh.replica_size, nodes)
         started = [slot for target in targets for slot in self._start_replica(mesh, target)]
         # The store and the ranks start side by side: each is a process importing its modules.
-        self.store_address = ray.get(address_ref, timeout=self.start_timeout_s)
         refs = [slot.ready_ref for slot in started]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
+        ready, pending = ray.wait([address_ref, *refs], num_returns=len(refs) + 1, timeout=self.start_timeout_s)
         if pending:
             raise ConfigError(
-                f"runtime.start_timeout_s={self.start_timeout_s:g}: only {len(ready)} of {len(refs)} rank actors "
-                "started; the cluster may lack the resources it reports, or actors fail to import torch"
+                f"runtime.start_timeout_s={self.start_timeout_s:g}: only {len(ready)} of {len(refs) + 1} actors "
+                "(the ranks' and the store's) started; the cluster may lack the resources it reports, or "
+                "actors fail to import torch"
             )
-        for slot in started:
-            self._mark_ready(slot, ray.get(slot.ready_ref))
+        address, *infos = [_started(ref) for ref in (address_ref, *refs)]
+        self.store_address = address
+        for slot, info in zip(started, infos):
+            self._mark_ready(slot, info)
         self.set_active(started[: mesh.world_size])
 
     def start_replica_in_background(self, mesh: MeshSpec) -> bool:
@@ -164,6 +168,11 @@ class WorkerGroup:
             if slot.ready_ref in ready:
                 result = result_of(slot.ready_ref)
                 if isinstance(result, CallFailed):
+                    # Not silent: a node that can never start a rank would otherwise keep the
+                    # job from growing back without a word. Once per cause: starts are retried.
+                    if result.message not in self._start_failures:
+                        self._start_failures.add(result.message)
+                        log.warning("an actor started in the background could not start: %s", result.message)
                     self.remove([slot])
                     continue
                 self._mark_ready(slot, result)
@@ -325,6 +334,20 @@ class WorkerGroup:
         if self.store_host is not None:
             ray.kill(self.store_host, no_restart=True)
             self.store_host = None
+
+
+def _started(ready_ref: Any) -> Any:
+    """What a started actor's first call returned; UserError when the actor could not start
+    (its process died or its constructor raised: most often a node whose Python environment
+    lacks what the ranks import)."""
+    result = result_of(ready_ref)
+    if isinstance(result, CallFailed):
+        raise UserError(
+            f"runtime: an actor of the job could not start on the Ray cluster ({result.message}); every "
+            "node's Python environment needs meshpilot's dependencies (torch, boto3, safetensors); the "
+            "actor's own log is a worker-*.err file in the Ray session's logs/ directory"
+        )
+    return result
 
 
 def _placed_bundles(group: PlacementGroup) -> dict[int, str]:

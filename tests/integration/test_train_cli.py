@@ -1,17 +1,20 @@
-"""``meshpilot train`` as a user runs it: its own embedded cluster, Ctrl-C, placement errors."""
+"""``meshpilot train`` as a user runs it: its own embedded cluster, Ctrl-C, placement errors, a
+cluster whose nodes cannot start the ranks."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
 
 from orchestrator.config import load_config
 from orchestrator.driver.run import run_training
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UserError
 from orchestrator.observe.events import read_events
 from tests.jobs import DEMO_CONFIG, REPO, signal_after_step
+from workers.actor import RankActor
 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
@@ -64,3 +67,69 @@ def test_more_ranks_than_the_cluster_can_place(ray_cluster, tmp_path, monkeypatc
         "elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes"
     )
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
+
+
+class RankActorWithoutTorch(RankActor):
+    """A rank actor on a node whose Python environment lacks torch: its constructor fails."""
+
+    def __init__(self, **_: object) -> None:
+        raise ModuleNotFoundError("No module named 'torch'")
+
+
+def test_actors_that_cannot_start_give_one_error_naming_the_cause(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("orchestrator.driver.worker_group.RankActor", RankActorWithoutTorch)
+    config = load_config(DEMO_CONFIG, ["parallelism.pp=1", "parallelism.tp=1", "parallelism.dp_shard=2"])
+    try:
+        run_training(config, tmp_path)
+    except UserError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a job whose rank actors cannot start was reported as started")
+    assert message == (
+        "runtime: an actor of the job could not start on the Ray cluster (ModuleNotFoundError: No module "
+        "named 'torch'); every node's Python environment needs meshpilot's dependencies (torch, boto3, "
+        "safetensors); the actor's own log is a worker-*.err file in the Ray session's logs/ directory"
+    )
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
+
+
+class Messages(logging.Handler):
+    """Every message of a logger, whatever its propagation (the driver's logger does not propagate)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_actor_that_cannot_start_in_the_background_is_logged_once(ray_cluster, monkeypatch):
+    import time
+
+    from elastic.placement import RankResources
+    from orchestrator.driver.train_spec import data_bytes, train_spec
+    from orchestrator.driver.worker_group import WorkerGroup
+
+    monkeypatch.setattr("orchestrator.driver.worker_group.RankActor", RankActorWithoutTorch)
+    config = load_config(DEMO_CONFIG, ["parallelism.pp=1", "parallelism.tp=1", "parallelism.dp_shard=2"])
+    group = WorkerGroup(
+        spec=train_spec(config), data=data_bytes(config), per_rank=RankResources(0.5, 0.0, {}), start_timeout_s=60
+    )
+    logged = Messages()
+    logging.getLogger("meshpilot").addHandler(logged)
+    try:
+        for _attempt in range(2):  # a grow retries: the same cause is not logged again
+            assert group.start_replica_in_background(config.mesh)
+            deadline = time.monotonic() + 60
+            while group.starting() and time.monotonic() < deadline:
+                assert group.refresh() == []
+                time.sleep(0.1)
+            assert group.starting() == [] and group.warm() == []
+    finally:
+        group.shutdown()
+        logging.getLogger("meshpilot").removeHandler(logged)
+    assert [message for message in logged.messages if "could not start" in message] == [
+        "an actor started in the background could not start: ModuleNotFoundError: No module named 'torch'"
+    ]
