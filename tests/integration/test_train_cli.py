@@ -8,8 +8,11 @@ import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from orchestrator.config import load_config
+import pytest
+
+from orchestrator.config import JobConfig, load_config
 from orchestrator.driver.run import run_training
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.observe.events import read_events
@@ -52,21 +55,22 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     assert f"run directory: {run_dir}" in output
 
 
+def failed_run_error(config: JobConfig, run_dir: Path, error_type: type[Exception]) -> str:
+    """The message of the ``error_type`` a run raises, once its record says it failed."""
+    with pytest.raises(error_type) as raised:
+        run_training(config, run_dir)
+    assert json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
+    return str(raised.value)
+
+
 def test_more_ranks_than_the_cluster_can_place(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    config = load_config(DEMO_CONFIG, ["runtime.cpus_per_rank=4"])
-    try:
-        run_training(config, tmp_path)
-    except ConfigError as error:
-        message = str(error)
-    else:
-        raise AssertionError("an 8-rank job needing 32 CPUs was placed on a 16-CPU cluster")
+    message = failed_run_error(load_config(DEMO_CONFIG, ["runtime.cpus_per_rank=4"]), tmp_path, ConfigError)
     assert message == (
         "invalid config: parallelism: dp_replicate=1 x pp=2 x dp_shard=2 x tp=2 cannot be placed: "
         "8 ranks need 32 CPUs and 0 GPUs; the cluster has 16 CPUs and 0 GPUs; lower the degrees, "
         "elastic.spare_actors, runtime.cpus_per_rank / runtime.gpus_per_rank, or add nodes"
     )
-    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
 
 
 class RankActorWithoutTorch(RankActor):
@@ -80,18 +84,11 @@ def test_actors_that_cannot_start_give_one_error_naming_the_cause(ray_cluster, t
     monkeypatch.chdir(REPO)
     monkeypatch.setattr("orchestrator.driver.worker_group.RankActor", RankActorWithoutTorch)
     config = load_config(DEMO_CONFIG, ["parallelism.pp=1", "parallelism.tp=1", "parallelism.dp_shard=2"])
-    try:
-        run_training(config, tmp_path)
-    except UserError as error:
-        message = str(error)
-    else:
-        raise AssertionError("a job whose rank actors cannot start was reported as started")
-    assert message == (
+    assert failed_run_error(config, tmp_path, UserError) == (
         "runtime: an actor of the job could not start on the Ray cluster (ModuleNotFoundError: No module "
         "named 'torch'); every node's Python environment needs meshpilot's dependencies (torch, boto3, "
         "safetensors); the actor's own log is a worker-*.err file in the Ray session's logs/ directory"
     )
-    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])["status"] == "failed"
 
 
 class Messages(logging.Handler):
