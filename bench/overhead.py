@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -141,32 +142,33 @@ ON_CLUSTER_STEPS = 3
 
 
 @contextmanager
-def running_ray_cluster(num_cpus: int) -> Iterator[dict[str, str]]:
+def running_ray_cluster(num_cpus: int) -> Iterator[str]:
     """A Ray head started by ``ray start --head --block`` (as a long-lived cluster or a KubeRay
-    head is), up before it yields; yields the environment a run joins it with
-    (``RAY_ADDRESS=auto``: no code shipped, the workers import this checkout). Stopped after."""
-    env = dict(os.environ, PYTHONPATH=worker_pythonpath())
+    head is; its workers import this checkout), up before it yields its address; every process
+    it started is stopped after."""
     head = subprocess.Popen(
         [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", "0"]
         + [f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"],
         cwd=REPO,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=worker_pythonpath()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group: the head and everything it starts
     )
     try:
         assert head.stdout is not None
         output = []
         for line in head.stdout:
             output.append(line)
-            if "Ray runtime started" in line:
+            if found := re.search(r"--address='([^']+)'", line):  # printed once the head is up
                 break
         else:
             raise SystemExit("ray start --head failed:\n" + "".join(output[-40:]))
-        yield dict(env, RAY_ADDRESS="auto")
+        yield found.group(1)
     finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process it started
+        # Not SIGTERM: `ray start --block` then drains the node for up to 30 s first.
+        os.killpg(head.pid, signal.SIGKILL)
         head.wait(timeout=60)
 
 
@@ -187,7 +189,9 @@ def run_round(
         elif which == "meshpilot":
             results[which] = measure_meshpilot(config, steps, workdir, overrides)
         else:
-            with running_ray_cluster(embedded_cpus(job)) as env:
+            with running_ray_cluster(embedded_cpus(job)):
+                # auto: the cluster this machine runs, joined as from inside it (no code shipped).
+                env = dict(os.environ, PYTHONPATH=worker_pythonpath(), RAY_ADDRESS="auto")
                 results[which] = measure_meshpilot(config, ON_CLUSTER_STEPS, workdir, overrides, env=env)
     return results
 

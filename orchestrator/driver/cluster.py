@@ -42,6 +42,7 @@ def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] 
     address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
+            ray_compat.use_token_if_available()
             ray.init(
                 address=address,
                 runtime_env=_remote_runtime_env(address, packages),
@@ -63,7 +64,9 @@ def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] 
     except ConnectionError as error:
         raise UserError(
             f"cannot reach the Ray cluster at {address!r}: {error}. Check runtime.address / "
-            "--address / RAY_ADDRESS, or leave them unset for an embedded local cluster"
+            "--address / RAY_ADDRESS, and for a token-protected cluster (Ray's default) its head's "
+            "token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; or leave them unset "
+            "for an embedded local cluster"
         ) from None
     return True
 

@@ -33,6 +33,7 @@ REQUIRED: tuple[str, ...] = (
     "ray._raylet.AuthenticationTokenLoader.instance",
     "ray._raylet.AuthenticationTokenLoader.has_token",
     "ray._raylet.AuthenticationTokenLoader.get_token_for_http_header",
+    "ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available",
     "ray.util.placement_group.placement_group(_soft_target_node_id)",
     TOKEN_SETUP_LOGGER,
 )
@@ -68,6 +69,17 @@ def live_actors() -> list[tuple[str, str]]:
     from ray._private import state
 
     return [(info["ActorClassName"], info["ActorID"]) for info in state.actors().values() if info["State"] != "DEAD"]
+
+
+def use_token_if_available() -> bool:
+    """Before connecting to a cluster by its address: with ``RAY_AUTH_MODE`` unset and a token
+    found the way Ray's clients find it (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``), turn token authentication on for this process and those it starts.
+    Ray does so by itself only for a cluster it starts; a token-protected cluster (its default)
+    refuses a driver without one. True when token authentication is on."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def auth_token_header() -> dict[str, str]:

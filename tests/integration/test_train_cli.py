@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.overhead import running_ray_cluster
 from orchestrator.config import JobConfig, load_config
 from orchestrator.driver.run import run_training
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.observe.events import read_events
-from tests.jobs import DEMO_CONFIG, REPO, signal_after_step
+from tests.jobs import DEMO_CONFIG, REPO, signal_after_step, single_rank
 from workers.actor import RankActor
 
 
@@ -130,3 +131,23 @@ def test_an_actor_that_cannot_start_in_the_background_is_logged_once(ray_cluster
     assert [message for message in logged.messages if "could not start" in message] == [
         "an actor started in the background could not start: ModuleNotFoundError: No module named 'torch'"
     ]
+
+
+def test_train_joins_a_token_protected_cluster_by_its_address(tmp_path, monkeypatch):
+    """Ray's default cluster wants its token; a shell that never set RAY_AUTH_MODE still joins
+    with the token where Ray's clients look for it (the head keeps it in ~/.ray/auth_token)."""
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)  # a user's shell, for the head and the driver alike
+    with running_ray_cluster(num_cpus=2) as address:
+        process = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "train", str(DEMO_CONFIG), "--address", address]
+            + ["--run-dir", str(tmp_path / "run"), "--plain"]
+            + [f"--set={override}" for override in single_rank("training.steps=2", "metrics.enabled=false")]
+            + [f"--set=data.path={REPO / 'data' / 'sample.txt'}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert [e["step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "step"] == [1, 2]
