@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
-from orchestrator.config import load_config  # noqa: E402
+from orchestrator.config import JobConfig, load_config  # noqa: E402
 from orchestrator.driver.cluster import embedded_cpus, worker_pythonpath  # noqa: E402
 from orchestrator.errors import UserError  # noqa: E402
 from orchestrator.observe.events import read_events  # noqa: E402
@@ -176,11 +176,10 @@ RUNS = ("torchrun", "meshpilot", "on_cluster")
 
 
 def run_round(
-    config: Path, overrides: tuple[str, ...], workdir: Path, *, steps: int, order: tuple[str, ...]
+    config: Path, overrides: tuple[str, ...], workdir: Path, *, job: JobConfig, steps: int, order: tuple[str, ...]
 ) -> dict[str, tuple[float, list[dict], int | None]]:
-    """One round: each of ``RUNS`` once, in ``order``; per run, its command-to-first-step time,
-    step records and final snapshot interval."""
-    job = load_config(config, overrides=list(overrides))
+    """One round of ``job`` (``config`` with ``overrides``): each of ``RUNS`` once, in ``order``;
+    per run, its command-to-first-step time, step records and final snapshot interval."""
     results: dict[str, tuple[float, list[dict], int | None]] = {}
     for which in order:
         if which == "torchrun":
@@ -191,7 +190,7 @@ def run_round(
         else:
             with running_ray_cluster(embedded_cpus(job)):
                 # auto: the cluster this machine runs, joined as from inside it (no code shipped).
-                env = dict(os.environ, PYTHONPATH=worker_pythonpath(), RAY_ADDRESS="auto")
+                env = dict(os.environ, RAY_ADDRESS="auto")
                 results[which] = measure_meshpilot(config, ON_CLUSTER_STEPS, workdir, overrides, env=env)
     return results
 
@@ -199,7 +198,7 @@ def run_round(
 def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int, rounds: int, label: str) -> dict:
     """``rounds`` rounds of meshpilot and torchrun on the same job, alternating which goes first,
     each with a short meshpilot run on a running cluster for its command to first step."""
-    world = load_config(config, overrides=list(overrides)).mesh.world_size
+    job = load_config(config, overrides=list(overrides))
     runs: dict[str, dict[str, list]] = {which: {"step_s": [], "first_step_s": [], "phases": []} for which in RUNS}
     snapshot_intervals: list[int | None] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,7 +207,7 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
             workdir.mkdir()
             order = RUNS if round_index % 2 == 0 else RUNS[::-1]
             for which, (start, records, interval) in run_round(
-                config, overrides, workdir, steps=steps, order=order
+                config, overrides, workdir, job=job, steps=steps, order=order
             ).items():
                 runs[which]["first_step_s"].append(round(start, 3))
                 if which == "on_cluster":
@@ -223,7 +222,7 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
                 f"vs {runs['torchrun']['first_step_s'][-1]:.1f} s",
                 flush=True,
             )
-    return summarize(runs, snapshot_intervals, world_size=world, steps=steps, rounds=rounds)
+    return summarize(runs, snapshot_intervals, world_size=job.mesh.world_size, steps=steps, rounds=rounds)
 
 
 def summarize(runs: dict[str, dict[str, list]], snapshot_intervals: list[int | None], **shape: int) -> dict:
