@@ -24,21 +24,17 @@ import argparse
 import json
 import math
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
+from bench.support.ray_head import running_ray_cluster  # noqa: E402
 from orchestrator.config import JobConfig, load_config  # noqa: E402
-from orchestrator.driver.cluster import embedded_cpus, worker_pythonpath  # noqa: E402
+from orchestrator.driver.cluster import embedded_cpus  # noqa: E402
 from orchestrator.errors import UserError  # noqa: E402
 from orchestrator.observe.events import read_events  # noqa: E402
 
@@ -139,37 +135,6 @@ def ratio_interval(ours: list[float], reference: list[float]) -> tuple[float, fl
 
 # Steps of the run on a running cluster: only its first step is measured.
 ON_CLUSTER_STEPS = 3
-
-
-@contextmanager
-def running_ray_cluster(num_cpus: int) -> Iterator[str]:
-    """A Ray head started by ``ray start --head --block`` (as a long-lived cluster or a KubeRay
-    head is; its workers import this checkout), up before it yields its address; every process
-    it started is stopped after."""
-    head = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", "0"]
-        + [f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=worker_pythonpath()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: the head and everything it starts
-    )
-    try:
-        assert head.stdout is not None
-        output = []
-        for line in head.stdout:
-            output.append(line)
-            if found := re.search(r"--address='([^']+)'", line):  # printed once the head is up
-                break
-        else:
-            raise SystemExit("ray start --head failed:\n" + "".join(output[-40:]))
-        yield found.group(1)
-    finally:
-        # Not SIGTERM: `ray start --block` then drains the node for up to 30 s first.
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(timeout=60)
 
 
 RUNS = ("torchrun", "meshpilot", "on_cluster")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import running_ray_cluster
+from bench.support.ray_head import running_ray_cluster
 from orchestrator.config import JobConfig, load_config
 from orchestrator.driver.run import run_training
 from orchestrator.errors import ConfigError, UserError
