@@ -16,13 +16,18 @@ tiling or a refused commit marks the step failed (``failed_steps``, ``on_failure
 cause)`` with cause ``storage``), and so does a change of mesh before every rank reported (cause
 ``interrupted``); nothing is committed for it and training is never interrupted by it. A mesh
 that paused with every rank alive (a grow, a drain) is not waited for: its uploads go on in the
-background and its steps still commit, each with the mesh that saved it.
+background and its steps still commit, each with the mesh that saved it. So do the steps of a
+mesh that lost ranks while a whole replica of the model survived (an in-place shrink): the lost
+ranks are excused, and a step commits once the survivors reported, if their slices tile every
+tensor (the lost ranks were other replicas' copies, which are not written); if they do not,
+the lost ranks held slices nobody else wrote and the step fails as interrupted.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +43,18 @@ MESH_CHANGED = "the mesh changed before every rank reported"
 
 
 @dataclass(frozen=True)
-class _PausedMesh:
-    """A mesh that paused after ``last_step`` with every rank alive: its saves may still report."""
+class _OldMesh:
+    """A mesh that paused after ``last_step`` (``lost`` empty: every rank alive), or that lost
+    ``lost`` ranks with a whole replica surviving: its survivors' saves may still report."""
 
     last_step: int
     world_size: int
     mesh: dict[str, Any]
+    lost: frozenset[int] = frozenset()
+
+    def awaits(self, reported: Iterable[int]) -> bool:
+        """Whether a rank that can still report has not reported yet."""
+        return bool(set(range(self.world_size)) - self.lost - set(reported))
 
 
 class CommitCoordinator:
@@ -70,7 +81,7 @@ class CommitCoordinator:
         self.keep_every = keep_every
         self._on_failure = on_failure
         self._pending: dict[int, dict[int, ShardReport]] = {}
-        self._paused_meshes: list[_PausedMesh] = []  # oldest first
+        self._old_meshes: list[_OldMesh] = []  # oldest first
         self.committed_steps: list[int] = []
         self.failed_steps: dict[int, str] = {}
         self.last_retention: RetentionResult | None = None
@@ -79,30 +90,48 @@ class CommitCoordinator:
     def pending_steps(self) -> list[int]:
         return sorted(self._pending)
 
-    def reset(self, *, world_size: int, mesh: dict[str, Any], paused_after: int | None = None) -> None:
-        """The mesh changed (shrink, grow, restore).
+    def reset(
+        self,
+        *,
+        world_size: int,
+        mesh: dict[str, Any],
+        paused_after: int | None = None,
+        lost: frozenset[int] = frozenset(),
+    ) -> list[Manifest]:
+        """The mesh changed (shrink, grow, restore); returns the manifests this committed.
 
-        ``paused_after=S``: the old mesh paused after step S with every rank alive, and its
-        ranks finish their uploads in the background, so its steps (up to S) still commit with
-        the old mesh. Otherwise (a rank was lost, or a restore rewinds) half-reported steps of
-        every earlier mesh fail.
+        ``paused_after=S``: the old mesh's ranks that are not ``lost`` finish their uploads in
+        the background, so its steps (up to S) still commit with the old mesh: a pause with
+        every rank alive (``lost`` empty), or an in-place shrink where a whole replica survived
+        (the caller's promise: each lost rank's tensors are held by a survivor). Steps already
+        reported by every survivor commit now. Otherwise (no whole replica survived, or a restore
+        rewinds) half-reported steps of every earlier mesh fail.
         """
+        if (paused_after is None or lost) and self._old_meshes:
+            # Earlier meshes' ranks are numbered differently: which of them are lost is unknown.
+            earlier = self._old_meshes[-1].last_step
+            self._fail_pending(lambda step: step <= earlier)
+            self._old_meshes.clear()
         if paused_after is None:
-            for step in self._pending:
-                self._fail(step, MESH_CHANGED, cause="interrupted")
-            self._pending.clear()
-            self._paused_meshes.clear()
+            self._fail_pending(lambda step: True)
         else:
-            self._paused_meshes.append(_PausedMesh(paused_after, self.world_size, self.mesh))
+            self._fail_pending(lambda step: step > paused_after)  # saved after the pause: never complete
+            self._old_meshes.append(_OldMesh(paused_after, self.world_size, self.mesh, lost))
         self.world_size = world_size
         self.mesh = dict(mesh)
+        return [manifest for step in self.pending_steps if (manifest := self._commit_if_complete(step)) is not None]
 
-    def _mesh_of(self, step: int) -> tuple[int, dict[str, Any]]:
-        """The world size and mesh that saved ``step``: a paused mesh's, or the current one."""
-        for paused in self._paused_meshes:
-            if step <= paused.last_step:
-                return paused.world_size, paused.mesh
-        return self.world_size, self.mesh
+    def _fail_pending(self, which: Callable[[int], bool]) -> None:
+        for step in [step for step in self._pending if which(step)]:
+            del self._pending[step]
+            self._fail(step, MESH_CHANGED, cause="interrupted")
+
+    def _mesh_of(self, step: int) -> _OldMesh:
+        """The mesh that saved ``step``: an old one, or the current one (nobody lost)."""
+        for old in self._old_meshes:
+            if step <= old.last_step:
+                return old
+        return _OldMesh(step, self.world_size, self.mesh)
 
     def on_report(self, report: ShardReport | FailureReport | dict[str, Any]) -> Manifest | None:
         """Record one rank's report; return the manifest when this report completed a commit.
@@ -120,7 +149,7 @@ class CommitCoordinator:
         step = parsed.step
         if step in self.failed_steps or step in self.committed_steps:
             return None
-        world_size, mesh = self._mesh_of(step)
+        world_size = self._mesh_of(step).world_size
         if not 0 <= parsed.rank < world_size:
             log.warning(
                 "ignoring a checkpoint report of step %d from rank %d outside world size %d",
@@ -133,16 +162,18 @@ class CommitCoordinator:
             self._pending.pop(step, None)
             self._fail(step, f"rank {parsed.rank} gave up after {parsed.attempts} attempt(s): {parsed.error}")
             return None
-        reports = self._pending.setdefault(step, {})
-        reports[parsed.rank] = parsed
-        if len(reports) < world_size:
-            return None
-        del self._pending[step]
-        return self._commit(step, list(reports.values()), world_size=world_size, mesh=mesh)
+        self._pending.setdefault(step, {})[parsed.rank] = parsed
+        return self._commit_if_complete(step)
 
-    def _commit(
-        self, step: int, reports: list[ShardReport], *, world_size: int, mesh: dict[str, Any]
-    ) -> Manifest | None:
+    def _commit_if_complete(self, step: int) -> Manifest | None:
+        saved_by = self._mesh_of(step)
+        if saved_by.awaits(self._pending[step]):
+            return None
+        reports = list(self._pending.pop(step).values())
+        world_size, mesh = saved_by.world_size, saved_by.mesh
+        if saved_by.lost and not _tiles_every_tensor(reports):
+            self._fail(step, MESH_CHANGED, cause="interrupted")  # a lost rank held slices nobody else wrote
+            return None
         try:
             manifest = build_manifest(
                 reports, step=step, world_size=world_size, mesh=mesh, model=self.model, config_hash=self.config_hash
@@ -171,3 +202,13 @@ class CommitCoordinator:
         log.warning("checkpoint step %d not committed: %s", step, reason)
         if self._on_failure is not None:
             self._on_failure(step, reason, cause)
+
+
+def _tiles_every_tensor(reports: list[ShardReport]) -> bool:
+    """Whether the reported slices cover every tensor the reports name (replicas' copies counted once)."""
+    shapes = {tensor.fqn: tensor.shape for report in reports for tensor in report.tensors}
+    slices = {(chunk.fqn, chunk.offsets, chunk.sizes) for report in reports for chunk in report.chunks}
+    covered = dict.fromkeys(shapes, 0)
+    for fqn, _, sizes in slices:
+        covered[fqn] = covered.get(fqn, 0) + math.prod(sizes)
+    return all(covered[fqn] == math.prod(shape) for fqn, shape in shapes.items())

@@ -33,7 +33,7 @@ class NoCheckpoints:
     def on_report(self, report: CheckpointUploadReport) -> None:
         return None
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
         return None
 
     def latest_step(self) -> int | None:
@@ -78,18 +78,26 @@ class DriverCheckpoints:
     def on_report(self, report: CheckpointUploadReport) -> None:
         manifest = self.coordinator.on_report(report.upload)
         if manifest is not None:
-            self.events.emit(
-                "checkpoint_committed",
-                step=manifest.step,
-                uri=self.uri,
-                bytes=manifest.total_bytes,
-                upload_s=round(manifest.upload_s, 3),
-            )
+            self._committed(manifest)
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
-        """A new generation. After a failure, half-reported saves of the old mesh will never
-        complete; after a pause (``paused_after``: every rank alive) they still do."""
-        self.coordinator.reset(world_size=mesh.world_size, mesh=mesh.as_dict(), paused_after=paused_after)
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
+        """A new generation. After a pause (``paused_after``, nobody ``lost``) the old mesh's
+        saves still complete; after an in-place shrink (``paused_after`` and the ``lost`` ranks
+        of the old mesh, a whole replica surviving) they complete without the lost ranks when
+        those held only copies; otherwise half-reported saves of the old mesh never complete."""
+        for manifest in self.coordinator.reset(
+            world_size=mesh.world_size, mesh=mesh.as_dict(), paused_after=paused_after, lost=lost
+        ):
+            self._committed(manifest)
+
+    def _committed(self, manifest: Manifest) -> None:
+        self.events.emit(
+            "checkpoint_committed",
+            step=manifest.step,
+            uri=self.uri,
+            bytes=manifest.total_bytes,
+            upload_s=round(manifest.upload_s, 3),
+        )
 
     def latest_step(self) -> int | None:
         try:

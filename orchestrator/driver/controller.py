@@ -249,14 +249,16 @@ class Controller(Restores):
         stateless: frozenset[int] = frozenset(),
         memory: RecoveryPoint | None = None,
         paused_after: int | None = None,
+        lost: frozenset[int] = frozenset(),
     ) -> Configuring:
         """Start generation ``mesh`` on the active actors. ``paused_after=S``: the previous
-        generation paused after step S with every rank alive, so the checkpoint uploads its
-        ranks still have in flight (they no longer wait for them) commit with its mesh."""
+        generation stopped after step S with every rank alive but ``lost`` (a whole replica
+        among the survivors), so the checkpoint uploads its ranks still have in flight (they no
+        longer wait for them) commit with its mesh."""
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
-        self.checkpoints.reset(mesh, paused_after=paused_after)
+        self.checkpoints.reset(mesh, paused_after=paused_after, lost=lost)
         calls = self.group.configure(
             generation=self.generation,
             mesh=mesh,

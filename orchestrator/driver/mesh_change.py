@@ -87,6 +87,7 @@ class MeshChanges:
         stateless: frozenset[int] = frozenset(),
         memory: RecoveryPoint | None = None,
         paused_after: int | None = None,
+        lost: frozenset[int] = frozenset(),
     ) -> Configuring:
         raise NotImplementedError
 
@@ -332,7 +333,7 @@ class MeshChanges:
         else:
             return self._fail("policy", f"cannot carry out {decision!r}")
         return self._change_mesh(
-            state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step, all_alive=not lost
+            state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step, lost=frozenset(lost)
         )
 
     def _change_mesh(
@@ -344,11 +345,13 @@ class MeshChanges:
         *,
         kind: TransitionKind,
         resume_step: int,
-        all_alive: bool,
+        lost: frozenset[int],
     ) -> Configuring:
         """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
-        surviving replica (every rank then syncs replicas). With ``all_alive`` (a pause, nobody
-        lost) the old mesh's checkpoint uploads still in flight go on and commit."""
+        surviving replica (every rank then syncs replicas). The old mesh's checkpoint uploads
+        still in flight go on and commit without the ``lost`` ranks (a pause loses none) while
+        a whole replica survived: a save the lost ranks took part in needs only the slices
+        written by the survivors (copies of other replicas are not written)."""
         self.group.set_active(kept + joining)
         starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
         self.transitions.begin(
@@ -368,5 +371,11 @@ class MeshChanges:
             starts,
             sync_replicas=len(joining) > 0,
             stateless=joined,
-            paused_after=resume_step if all_alive else None,
+            paused_after=resume_step if _a_replica_survived(state.mesh, lost) else None,
+            lost=lost,
         )
+
+
+def _a_replica_survived(mesh: MeshSpec, lost: frozenset[int]) -> bool:
+    """Whether some replica group lost no rank: it holds every tensor of the model."""
+    return any(lost.isdisjoint(group.ranks) for group in mesh.replica_groups())

@@ -14,7 +14,7 @@ from checkpointing.catalog import list_committed
 from checkpointing.storage import open_storage
 from checkpointing.verify import verify_checkpoint
 from orchestrator.observe.events import read_events
-from tests.faults.harness import ON_WORKER_NODES, of_kind, run_job
+from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import DEMO_CONFIG, REPO, losses, signal_after_step
 
@@ -207,6 +207,39 @@ def test_draining_the_only_replica_saves_first_and_loses_no_step(reference, s3_b
     assert recovered["lost_steps"] == 0
     assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))  # each step exactly once
     assert_resumed_like(events, reference, restored_step=restored["step"])
+
+
+def test_a_save_in_flight_when_a_replicas_node_is_lost_commits_and_is_restored_after_a_second_fault(
+    reference, s3_bucket, ray_cluster, tmp_path
+):
+    """Regression (chaos seed 2): replica 1's node goes away right after step 3 was saved, before
+    its ranks' reports of that save reached the driver, and rank 0 dies while the shrunk mesh
+    configures. No replica is whole then, and without peer-memory snapshots only storage is
+    left: step 3 must have committed without replica 1, whose ranks write no slice (replica 0
+    writes them all), and the run resumes from it."""
+    nodes = WorkerNodes(ray_cluster, 2)
+    try:
+        result, events = run_job(
+            tmp_path,
+            *ELASTIC_LAYOUT,
+            "training.seq_len=32",
+            ON_WORKER_NODES,
+            f"training.steps={STEPS}",
+            *checkpoints_to(s3_bucket, interval=3),
+            "elastic.snapshot_interval_steps=0",
+            faults=("node@3:2", "kill@4:0/configure"),
+            node_fault=nodes.remove,
+        )
+    finally:
+        nodes.close()
+    assert result.exit_code == 0, result.reason
+    failures = of_kind(events, "failure")
+    assert failures[0]["kind"] == "node_lost" and failures[0]["ranks"] == [2, 3]
+    assert failures[1]["kind"] == "rank_died" and failures[1]["ranks"] == [0]
+    assert committed_before(events, events.index(failures[1])) == [3]
+    [restored] = of_kind(events, "restored")
+    assert restored["step"] == 3
+    assert_resumed_like(events, reference, restored_step=3)
 
 
 def test_corrupt_checkpoint_falls_back_to_the_previous_one_with_a_warning(reference, s3_bucket, tmp_path):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from checkpointing.catalog import list_committed, load_manifest
-from checkpointing.commit import CommitCoordinator
+from checkpointing.commit import MESH_CHANGED, CommitCoordinator
 from checkpointing.local import LocalStorage
 from checkpointing.retention import steps_to_delete
 from checkpointing.spec import FailureReport, ShardReport, manifest_key
@@ -152,6 +152,61 @@ def test_a_failure_after_a_pause_fails_the_paused_meshs_half_reported_steps(tmp_
     coord.reset(world_size=4, mesh={"dp_shard": 4}, paused_after=4)
     coord.reset(world_size=3, mesh={"dp_shard": 3})  # a rank lost: the paused mesh's saves end too
     assert coord.pending_steps == [] and "mesh changed" in coord.failed_steps[4]
+
+
+def replicated_reports(storage: StorageBackend, step: int) -> list[ShardReport | FailureReport]:
+    """Two replicas of two ranks (HSDP): replica 0 (ranks 0, 1) writes the slices, replica 1
+    (ranks 2, 3) holds copies of them and writes none."""
+    states = [{"a": torch.ones(2)}, {"b": torch.zeros(3)}] * 2
+    return shard_reports(storage, step, states, [True, True, False, False])
+
+
+def test_an_in_place_shrink_commits_a_save_without_the_lost_replicas_copies(tmp_path):
+    """Replica 1's node is lost right after step 3 was staged, before its (empty) reports reached
+    the driver: replica 0 wrote every slice, so step 3 commits with the mesh that saved it and
+    stays there to restore from when the recovery itself meets a fault."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage, world_size=4)
+    reports = replicated_reports(storage, 3)
+    assert [coord.on_report(report) for report in reports[:2]] == [None, None]
+    [committed] = coord.reset(world_size=2, mesh={"dp_shard": 2}, paused_after=4, lost=frozenset({2, 3}))
+    assert committed.step == 3 and coord.committed_steps == [3] and coord.failed_steps == {}
+    assert load_manifest(storage, 3).world_size == 4 and load_manifest(storage, 3).mesh == {"dp_shard": 2}
+    assert coord.on_report(reports[2]) is None  # a lost rank's late report changes nothing
+    new_mesh = shard_reports(storage, 6, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    assert [coord.on_report(report) is not None for report in new_mesh] == [False, True]
+
+
+def test_survivors_reports_that_arrive_after_the_shrink_complete_the_save(tmp_path):
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage, world_size=4)
+    reports = replicated_reports(storage, 3)
+    assert coord.reset(world_size=2, mesh={"dp_shard": 2}, paused_after=3, lost=frozenset({3})) == []
+    assert [coord.on_report(report) is not None for report in reports[:3]] == [False, False, True]
+    assert load_manifest(storage, 3).world_size == 4
+
+
+def test_a_save_whose_lost_rank_wrote_slices_fails_as_interrupted(tmp_path):
+    """Rank 0 wrote tensor ``a`` and no survivor did: the step cannot commit."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    failures: list[tuple[int, str, str]] = []
+    coord = coordinator(storage, world_size=4, on_failure=lambda *failure: failures.append(failure))
+    reports = replicated_reports(storage, 3)
+    for report in reports[1:]:
+        coord.on_report(report)
+    assert coord.reset(world_size=2, mesh={"dp_shard": 2}, paused_after=3, lost=frozenset({0})) == []
+    assert failures == [(3, MESH_CHANGED, "interrupted")] and coord.committed_steps == []
+    assert coord.on_report(reports[0]) is None and list_committed(storage) == []
+
+
+def test_saves_after_the_step_a_shrink_resumes_from_fail(tmp_path):
+    """Survivors resume after step 3: a step-4 save some of them staged before the failure is
+    never committed from the old mesh's reports (the new mesh redoes step 4)."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    coord = coordinator(storage, world_size=4)
+    coord.on_report(replicated_reports(storage, 4)[0])
+    assert coord.reset(world_size=2, mesh={"dp_shard": 2}, paused_after=3, lost=frozenset({2})) == []
+    assert coord.failed_steps == {4: MESH_CHANGED}
 
 
 def test_driver_side_modules_do_not_import_torch():

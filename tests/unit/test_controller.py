@@ -299,8 +299,11 @@ def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch
         ],
     )
     controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
+    controller.checkpoints = checkpoints = FakeCheckpoints([], config.mesh)
     final = controller.run()
     assert final.status == "finished"
+    # The old mesh's saves up to step 2 still commit without rank 2: replica 0 survived whole.
+    assert checkpoints.resets == [(4, None, frozenset()), (2, 2, frozenset({2}))]
     second = fake_group(controller).configured[1]
     assert second["mesh"].dp_replicate == 1 and second["mesh"].world_size == 2
     assert second["slots"] == [0, 1]  # the surviving replica's processes, not restarted
@@ -339,12 +342,13 @@ class FakeCheckpoints:
 
     def __init__(self, steps: list[int], mesh: MeshSpec) -> None:
         self.manifests = [FakeManifest(step, mesh.as_dict()) for step in sorted(steps)]
+        self.resets: list[tuple[int, int | None, frozenset[int]]] = []  # (world size, paused_after, lost)
 
     def check_access(self) -> None:
         pass
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None) -> None:
-        pass
+    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
+        self.resets.append((mesh.world_size, paused_after, lost))
 
     def latest_step(self) -> int | None:
         return self.manifests[-1].step if self.manifests else None
