@@ -1,6 +1,7 @@
 """Faults that go through storage: no replica survives, S3 goes down, the driver dies or is
-terminated, a single replica is drained, a checkpoint is corrupt. Real Ray, real S3 (SeaweedFS
-with authentication): after each, training resumes where an uninterrupted run would be."""
+terminated, a single replica is drained, a replica's node is lost with a save in flight and a
+second fault follows, a checkpoint is corrupt. Real Ray, real S3 (SeaweedFS with
+authentication): after each, training resumes where an uninterrupted run would be."""
 
 from __future__ import annotations
 
