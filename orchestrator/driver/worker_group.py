@@ -71,6 +71,8 @@ class RankSlot:
     state: SlotState = SlotState.STARTING
     ready_ref: Any = None
     bundle_index: int = 0  # its bundle (one tensor-parallel group's worth) in the placement group
+    # A ``poll`` call that has not answered yet: its answer holds the reports it drained.
+    unanswered_poll: Any = None
 
 
 class WorkerGroup:
@@ -300,9 +302,18 @@ class WorkerGroup:
         return PendingCalls([slot.actor.run.remote(last_step=last_step) for slot in self.active])
 
     def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]:
-        """Heartbeats (with queued reports) of every active rank that answers within ``timeout``."""
-        calls = PendingCalls([slot.actor.poll.remote() for slot in self.active])
+        """Heartbeats (with queued reports) of every active rank that answers within ``timeout``.
+
+        A rank's poll that has not answered in time is waited for again by the next one, never
+        called anew: once the actor runs it, the reports it drained from the rank's channel
+        live only in that answer (on a loaded machine, a pause's last step reports were lost so)."""
+        for slot in self.active:
+            if slot.unanswered_poll is None:
+                slot.unanswered_poll = slot.actor.poll.remote()
+        calls = PendingCalls([slot.unanswered_poll for slot in self.active])
         calls.collect(timeout)
+        for rank in calls.results:
+            self.active[rank].unanswered_poll = None
         return calls.results
 
     def request_stop(self) -> None:
