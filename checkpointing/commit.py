@@ -6,8 +6,9 @@ reaches it from the ranks' ``CheckpointWriter``::
 
     coordinator = CommitCoordinator(storage, world_size=8, mesh=mesh_dict, config_hash=h,
                                     model=model_dict, keep_last=3, keep_every=0)
-    manifest = coordinator.on_report(shard_report)    # None until the step is complete
+    manifest = coordinator.on_report(shard_report, generation=g)  # None until the step is complete
     if manifest: emit checkpoint_committed(step, uri, bytes, upload_s)
+    coordinator.reset(world_size=4, mesh=new_mesh_dict, generation=g + 1, ...)  # the mesh changed
 
 When all ``world_size`` reports of a step are in and none failed, it merges them into a
 manifest, checks that the chunks tile every tensor exactly once, and writes the manifest with
@@ -21,6 +22,10 @@ mesh that lost ranks while a whole replica of the model survived (an in-place sh
 ranks are excused, and a step commits once the survivors reported, if their slices tile every
 tensor (the lost ranks were other replicas' copies, which are not written); if they do not,
 the lost ranks held slices nobody else wrote and the step fails as interrupted.
+
+Reports carry the generation (mesh) that saved them: an upload that ends after a mesh change is
+matched with its own mesh, a save ended by the change fails, and a later generation that redoes
+a failed step (after a restore that rewinds) commits its save of it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from checkpointing.errors import CheckpointError, CommitConflictError
@@ -43,13 +48,15 @@ MESH_CHANGED = "the mesh changed before every rank reported"
 
 
 @dataclass(frozen=True)
-class _OldMesh:
-    """A mesh that paused after ``last_step`` (``lost`` empty: every rank alive), or that lost
-    ``lost`` ranks with a whole replica surviving: its survivors' saves may still report."""
+class _Saver:
+    """The mesh of generation ``generation``, whose saves of steps up to ``last_step`` may still
+    report: the current one (no limit), one that paused (``lost`` empty: every rank alive), or
+    one that lost ``lost`` ranks with a whole replica surviving."""
 
-    last_step: int
+    generation: int
     world_size: int
     mesh: dict[str, Any]
+    last_step: float = math.inf
     lost: frozenset[int] = frozenset()
 
     def awaits(self, reported: Iterable[int]) -> bool:
@@ -71,20 +78,30 @@ class CommitCoordinator:
         keep_last: int,
         keep_every: int = 0,
         on_failure: Callable[[int, str, str], None] | None = None,
+        generation: int = 0,
     ) -> None:
         self.storage = storage
-        self.world_size = world_size
-        self.mesh = dict(mesh)
+        self._current = _Saver(generation, world_size, dict(mesh))
         self.config_hash = config_hash
         self.model = dict(model)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self._on_failure = on_failure
         self._pending: dict[int, dict[int, ShardReport]] = {}
-        self._old_meshes: list[_OldMesh] = []  # oldest first
+        self._pending_generation: dict[int, int] = {}  # step -> the generation saving it
+        self._old_meshes: list[_Saver] = []  # oldest first
         self.committed_steps: list[int] = []
         self.failed_steps: dict[int, str] = {}
+        self._failed_generation: dict[int, int] = {}  # step -> the generation whose save of it failed
         self.last_retention: RetentionResult | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self._current.world_size
+
+    @property
+    def mesh(self) -> dict[str, Any]:
+        return self._current.mesh
 
     @property
     def pending_steps(self) -> list[int]:
@@ -95,17 +112,20 @@ class CommitCoordinator:
         *,
         world_size: int,
         mesh: dict[str, Any],
+        generation: int | None = None,
         paused_after: int | None = None,
         lost: frozenset[int] = frozenset(),
     ) -> list[Manifest]:
-        """The mesh changed (shrink, grow, restore); returns the manifests this committed.
+        """The mesh changed (shrink, grow, restore) to ``generation`` (default: the next one);
+        returns the manifests this committed.
 
         ``paused_after=S``: the old mesh's ranks that are not ``lost`` finish their uploads in
         the background, so its steps (up to S) still commit with the old mesh: a pause with
         every rank alive (``lost`` empty), or an in-place shrink where a whole replica survived
         (the caller's promise: each lost rank's tensors are held by a survivor). Steps already
         reported by every survivor commit now. Otherwise (no whole replica survived, or a restore
-        rewinds) half-reported steps of every earlier mesh fail.
+        rewinds) half-reported steps of every earlier mesh fail. A later generation's save of a
+        failed step (a redo) commits as any other.
         """
         if (paused_after is None or lost) and self._old_meshes:
             # Earlier meshes' ranks are numbered differently: which of them are lost is unknown.
@@ -116,25 +136,30 @@ class CommitCoordinator:
             self._fail_pending(lambda step: True)
         else:
             self._fail_pending(lambda step: step > paused_after)  # saved after the pause: never complete
-            self._old_meshes.append(_OldMesh(paused_after, self.world_size, self.mesh, lost))
-        self.world_size = world_size
-        self.mesh = dict(mesh)
+            self._old_meshes.append(replace(self._current, last_step=paused_after, lost=lost))
+        next_generation = self._current.generation + 1 if generation is None else generation
+        self._current = _Saver(next_generation, world_size, dict(mesh))
         return [manifest for step in self.pending_steps if (manifest := self._commit_if_complete(step)) is not None]
 
     def _fail_pending(self, which: Callable[[int], bool]) -> None:
         for step in [step for step in self._pending if which(step)]:
             del self._pending[step]
-            self._fail(step, MESH_CHANGED, cause="interrupted")
+            self._fail(step, MESH_CHANGED, cause="interrupted", generation=self._pending_generation.pop(step))
 
-    def _mesh_of(self, step: int) -> _OldMesh:
-        """The mesh that saved ``step``: an old one, or the current one (nobody lost)."""
-        for old in self._old_meshes:
-            if step <= old.last_step:
-                return old
-        return _OldMesh(step, self.world_size, self.mesh)
+    def _saver(self, generation: int | None, step: int) -> _Saver | None:
+        """The mesh that saved ``step`` in ``generation``; None for a generation whose saves
+        ended with a mesh change. Without a generation (one writer process per rank and no mesh
+        change: tests, benchmarks), the one whose steps include ``step``."""
+        for saver in (*self._old_meshes, self._current):
+            if (generation is None or generation == saver.generation) and step <= saver.last_step:
+                return saver
+        return None
 
-    def on_report(self, report: ShardReport | FailureReport | dict[str, Any]) -> Manifest | None:
-        """Record one rank's report; return the manifest when this report completed a commit.
+    def on_report(
+        self, report: ShardReport | FailureReport | dict[str, Any], *, generation: int | None = None
+    ) -> Manifest | None:
+        """Record one rank's report of a save by ``generation``; return the manifest when this
+        report completed a commit.
 
         A report that crossed a process boundary as JSON (a dict) is rebuilt first.
         """
@@ -147,32 +172,46 @@ class CommitCoordinator:
                 log.warning("ignoring a malformed checkpoint report: %s", error)
                 return None
         step = parsed.step
-        if step in self.failed_steps or step in self.committed_steps:
+        saver = self._saver(generation, step)
+        if step in self.committed_steps:
             return None
-        world_size = self._mesh_of(step).world_size
-        if not 0 <= parsed.rank < world_size:
+        if saver is None or step in self._pending and self._pending_generation[step] != saver.generation:
+            # A late report of a save that a mesh change ended, or a save of a step another open
+            # generation is saving: the step fails once, unless another generation is saving it.
+            if generation is not None and step not in self.failed_steps and step not in self._pending:
+                self._fail(step, MESH_CHANGED, cause="interrupted", generation=generation)
+            return None
+        if step in self.failed_steps and saver.generation <= self._failed_generation[step]:
+            return None  # that save failed; a later generation's redo of the step is taken
+        if not 0 <= parsed.rank < saver.world_size:
             log.warning(
                 "ignoring a checkpoint report of step %d from rank %d outside world size %d",
                 step,
                 parsed.rank,
-                world_size,
+                saver.world_size,
             )
             return None
         if isinstance(parsed, FailureReport):
             self._pending.pop(step, None)
-            self._fail(step, f"rank {parsed.rank} gave up after {parsed.attempts} attempt(s): {parsed.error}")
+            self._pending_generation.pop(step, None)
+            reason = f"rank {parsed.rank} gave up after {parsed.attempts} attempt(s): {parsed.error}"
+            self._fail(step, reason, generation=saver.generation)
             return None
         self._pending.setdefault(step, {})[parsed.rank] = parsed
+        self._pending_generation[step] = saver.generation
         return self._commit_if_complete(step)
 
     def _commit_if_complete(self, step: int) -> Manifest | None:
-        saved_by = self._mesh_of(step)
+        saved_by = self._saver(self._pending_generation[step], step)
+        assert saved_by is not None, "a pending step's generation is open (reset fails the others)"
         if saved_by.awaits(self._pending[step]):
             return None
         reports = list(self._pending.pop(step).values())
+        del self._pending_generation[step]
         world_size, mesh = saved_by.world_size, saved_by.mesh
         if saved_by.lost and not _tiles_every_tensor(reports):
-            self._fail(step, MESH_CHANGED, cause="interrupted")  # a lost rank held slices nobody else wrote
+            # A lost rank held slices nobody else wrote.
+            self._fail(step, MESH_CHANGED, cause="interrupted", generation=saved_by.generation)
             return None
         try:
             manifest = build_manifest(
@@ -184,10 +223,11 @@ class CommitCoordinator:
                     "another run writes to the same checkpoint.uri"
                 )
         except CheckpointError as error:
-            self._fail(step, str(error))
+            self._fail(step, str(error), generation=saved_by.generation)
             return None
         except (TypeError, ValueError, KeyError) as error:  # a malformed report must not stop the driver
-            self._fail(step, f"the reports of step {step} cannot form a manifest: {type(error).__name__}: {error}")
+            reason = f"the reports of step {step} cannot form a manifest: {type(error).__name__}: {error}"
+            self._fail(step, reason, generation=saved_by.generation)
             return None
         self.committed_steps.append(step)
         log.info("committed checkpoint step %d under %s (%d bytes)", step, self.storage.uri, manifest.total_bytes)
@@ -197,8 +237,9 @@ class CommitCoordinator:
             log.warning("checkpoint retention under %s failed: %s", self.storage.uri, error)
         return manifest
 
-    def _fail(self, step: int, reason: str, *, cause: str = "storage") -> None:
+    def _fail(self, step: int, reason: str, *, generation: int, cause: str = "storage") -> None:
         self.failed_steps[step] = reason
+        self._failed_generation[step] = generation
         log.warning("checkpoint step %d not committed: %s", step, reason)
         if self._on_failure is not None:
             self._on_failure(step, reason, cause)

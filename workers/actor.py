@@ -238,7 +238,7 @@ class RankActor:
         """Inside ``configure`` (which set the generation, rank, mesh and store), collective: join
         the generation's process group, then build and keep its committer, trainer, fault
         injector and checkpoints (an empty trainer: nothing is filled yet)."""
-        from workers.checkpoints import NoCheckpoints, RankCheckpoints
+        from workers.checkpoints import rank_checkpoints
         from workers.rendezvous import StepCommitter, join_barrier
         from workers.runtime import init_generation, make_source, pick_device
         from workers.trainer import Trainer
@@ -281,12 +281,9 @@ class RankActor:
         self.trainer = trainer
         self._filled = False
         self._group_sockets, self._sockets_before_join = group_sockets.opened(), group_sockets.before
-        checkpoints = (
-            RankCheckpoints(self.spec, trainer, rank=rank, channel=self.channel, storage_down=self.faults.storage_down)
-            if self.spec.checkpoint
-            else NoCheckpoints()
+        self.checkpoints = checkpoints = rank_checkpoints(
+            self.spec, trainer, rank, generation, self.channel, self.faults
         )
-        self.checkpoints = checkpoints
         return trainer, checkpoints
 
     def _fault_injector(self, faults: tuple[FaultSpec, ...], rank: int) -> FaultInjector:

@@ -26,6 +26,7 @@ from workers.spec import TrainSpec
 from workers.spec.train import CheckpointTarget
 
 if TYPE_CHECKING:
+    from workers.faults import FaultInjector
     from workers.trainer import Trainer
 
 log = logging.getLogger("meshpilot")
@@ -49,6 +50,17 @@ class NoCheckpoints:
         return None
 
 
+def rank_checkpoints(
+    spec: TrainSpec, trainer: Trainer, rank: int, generation: int, channel: ReportChannel, faults: FaultInjector
+) -> RankCheckpoints | NoCheckpoints:
+    """The generation's checkpoints of this rank: saves and restores with ``checkpoint.uri``, else none."""
+    if spec.checkpoint is None:
+        return NoCheckpoints()
+    return RankCheckpoints(
+        spec, trainer, rank=rank, generation=generation, channel=channel, storage_down=faults.storage_down
+    )
+
+
 class RankCheckpoints:
     def __init__(
         self,
@@ -57,6 +69,7 @@ class RankCheckpoints:
         *,
         rank: int,
         channel: ReportChannel,
+        generation: int = 0,
         storage_down: Callable[[], bool] = lambda: False,
     ) -> None:
         target = spec.checkpoint
@@ -68,7 +81,9 @@ class RankCheckpoints:
         self.writer = CheckpointWriter(
             self.storage,
             rank=rank,
-            report=channel.checkpoint_upload,
+            # Stamped with this generation: an upload that ends after the next one began is told
+            # apart from that one's save of the same step (a redo).
+            report=functools.partial(channel.checkpoint_upload, generation=generation),
             pin_memory=trainer.device.type == "cuda",
             max_in_flight=target.max_in_flight,
             mesh=trainer.world_mesh,

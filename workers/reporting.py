@@ -58,9 +58,9 @@ class ReportChannel:
     def log(self, *, level: str, logger: str, message: str) -> None:
         self.send(LogReport(rank=self.rank, time=time.time(), level=level, logger=logger, message=message))
 
-    def checkpoint_upload(self, upload: ShardReport | FailureReport) -> None:
-        """The uploader finished one save: durable, or given up."""
-        self.send(CheckpointUploadReport(rank=self.rank, time=time.time(), upload=upload))
+    def checkpoint_upload(self, upload: ShardReport | FailureReport, *, generation: int) -> None:
+        """The uploader finished one save of ``generation``: durable, or given up."""
+        self.send(CheckpointUploadReport(rank=self.rank, time=time.time(), upload=upload, generation=generation))
 
     def drain_notice(self, reason: str, scope: NoticeScope = NoticeScope.NODE) -> None:
         self.send(DrainNoticeReport(rank=self.rank, time=time.time(), reason=reason, scope=scope))

@@ -33,7 +33,9 @@ class NoCheckpoints:
     def on_report(self, report: CheckpointUploadReport) -> None:
         return None
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
+    def reset(
+        self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
+    ) -> None:
         return None
 
     def latest_step(self) -> int | None:
@@ -76,17 +78,19 @@ class DriverCheckpoints:
         self.storage.check_access()
 
     def on_report(self, report: CheckpointUploadReport) -> None:
-        manifest = self.coordinator.on_report(report.upload)
+        manifest = self.coordinator.on_report(report.upload, generation=report.generation)
         if manifest is not None:
             self._committed(manifest)
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
-        """A new generation. After a pause (``paused_after``, nobody ``lost``) the old mesh's
+    def reset(
+        self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
+    ) -> None:
+        """A new generation, ``generation``. After a pause (``paused_after``, nobody ``lost``) the old mesh's
         saves still complete; after an in-place shrink (``paused_after`` and the ``lost`` ranks
         of the old mesh, a whole replica surviving) they complete without the lost ranks when
         those held only copies; otherwise half-reported saves of the old mesh never complete."""
         for manifest in self.coordinator.reset(
-            world_size=mesh.world_size, mesh=mesh.as_dict(), paused_after=paused_after, lost=lost
+            world_size=mesh.world_size, mesh=mesh.as_dict(), generation=generation, paused_after=paused_after, lost=lost
         ):
             self._committed(manifest)
 

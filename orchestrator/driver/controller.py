@@ -258,7 +258,7 @@ class Controller(Restores):
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
-        self.checkpoints.reset(mesh, paused_after=paused_after, lost=lost)
+        self.checkpoints.reset(mesh, generation=self.generation, paused_after=paused_after, lost=lost)
         calls = self.group.configure(
             generation=self.generation,
             mesh=mesh,

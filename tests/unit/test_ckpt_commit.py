@@ -209,6 +209,37 @@ def test_saves_after_the_step_a_shrink_resumes_from_fail(tmp_path):
     assert coord.failed_steps == {4: MESH_CHANGED}
 
 
+def test_a_step_redone_after_a_restore_commits_though_its_first_save_was_interrupted(tmp_path):
+    """Generation 0 saved step 6 on one rank of two when a failure made the run restore an older
+    step: that save fails, its late report changes nothing, and generation 1's save of step 6
+    (the redo) commits."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    failures: list[tuple[int, str, str]] = []
+    coord = coordinator(storage, on_failure=lambda *failure: failures.append(failure))
+    first_save = shard_reports(storage, 6, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    assert coord.on_report(first_save[0], generation=0) is None
+    coord.reset(world_size=2, mesh={"dp_shard": 2}, generation=1)  # a restore rewinds
+    assert failures == [(6, MESH_CHANGED, "interrupted")]
+    assert coord.on_report(first_save[1], generation=0) is None
+    redo = shard_reports(storage, 6, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}], [True, True])
+    assert [coord.on_report(report, generation=1) is not None for report in redo] == [False, True]
+    assert coord.committed_steps == [6] and {f.key for f in load_manifest(storage, 6).files} == {
+        f.key for report in redo for f in report.files
+    }
+
+
+def test_a_late_report_of_a_save_ended_by_a_mesh_change_fails_it_instead_of_joining_the_new_mesh(tmp_path):
+    """No report of generation 0's step-3 save had arrived when the mesh changed: its late
+    reports belong to no open mesh, so step 3 fails once (the new mesh does not count them)."""
+    storage = LocalStorage(tmp_path, fsync=False)
+    failures: list[tuple[int, str, str]] = []
+    coord = coordinator(storage, world_size=4, on_failure=lambda *failure: failures.append(failure))
+    late = replicated_reports(storage, 3)
+    coord.reset(world_size=2, mesh={"dp_shard": 2}, generation=1)
+    assert [coord.on_report(report, generation=0) for report in late[:2]] == [None, None]
+    assert failures == [(3, MESH_CHANGED, "interrupted")] and coord.pending_steps == []
+
+
 def test_driver_side_modules_do_not_import_torch():
     """The controller commits, lists and retains without torch (DESIGN.md import rules)."""
     import subprocess

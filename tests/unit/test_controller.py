@@ -347,7 +347,9 @@ class FakeCheckpoints:
     def check_access(self) -> None:
         pass
 
-    def reset(self, mesh: MeshSpec, *, paused_after: int | None = None, lost: frozenset[int] = frozenset()) -> None:
+    def reset(
+        self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
+    ) -> None:
         self.resets.append((mesh.world_size, paused_after, lost))
 
     def latest_step(self) -> int | None:

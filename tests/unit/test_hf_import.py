@@ -161,7 +161,9 @@ def test_a_job_restoring_an_import_loads_the_weights_and_starts_its_optimizer_fr
         checkpoint=CheckpointTarget(uri=dest.uri),
     )
     trainer = FakeTrainer()
-    checkpoints = RankCheckpoints(spec, trainer, rank=0, channel=SimpleNamespace(checkpoint_upload=lambda report: None))
+    checkpoints = RankCheckpoints(
+        spec, trainer, rank=0, channel=SimpleNamespace(checkpoint_upload=lambda report, generation: None)
+    )
     try:
         extra = checkpoints.restore(0)
     finally:

@@ -309,10 +309,12 @@ def test_a_save_dropped_by_a_mesh_change_is_no_storage_failure(tmp_path):
     checkpoints = DriverCheckpoints(config, EventLog(None, [exporter]), mesh=config.mesh)
     assert value(scrape(exporter), "meshpilot_checkpoint_failures_total", reason="storage") == 0
     durable = ShardReport(step=8, rank=0)
-    checkpoints.on_report(CheckpointUploadReport(rank=0, time=0.0, upload=durable))  # 1 of 4 ranks durable
-    checkpoints.reset(MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1))  # a replica left: the save is dropped
+    checkpoints.reset(config.mesh, generation=1)  # the first configure
+    # 1 of 4 ranks durable, then a restore: the save is dropped.
+    checkpoints.on_report(CheckpointUploadReport(rank=0, time=0.0, upload=durable, generation=1))
+    checkpoints.reset(MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1), generation=2)
     given_up = FailureReport(step=12, rank=1, error="SlowDown", attempts=5)
-    checkpoints.on_report(CheckpointUploadReport(rank=1, time=0.0, upload=given_up))
+    checkpoints.on_report(CheckpointUploadReport(rank=1, time=0.0, upload=given_up, generation=2))
     samples = scrape(exporter)
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="interrupted") == 1
     assert value(samples, "meshpilot_checkpoint_failures_total", reason="storage") == 1

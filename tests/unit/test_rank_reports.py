@@ -49,7 +49,7 @@ def test_other_kinds_go_to_their_handler_as_typed_reports():
     router.on(ReportKind.CHECKPOINT_UPLOAD, seen.append)
     router.on("drain_notice", seen.append)  # a StrEnum value names the kind as well
     channel = ReportChannel(rank=0)
-    channel.checkpoint_upload(ShardReport(step=4, rank=0))
+    channel.checkpoint_upload(ShardReport(step=4, rank=0), generation=1)
     channel.drain_notice("spot instance reclaimed")
     router.route(channel.drain())
     upload, notice = seen

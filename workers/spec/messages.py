@@ -142,11 +142,13 @@ class LogReport:
 @dataclass(frozen=True)
 class CheckpointUploadReport:
     """A rank's checkpoint upload of one step ended (uploader thread): its shards are durable
-    (``ShardReport``) or it gave up (``FailureReport``); the driver's commit coordinator reads it."""
+    (``ShardReport``) or it gave up (``FailureReport``); the driver's commit coordinator reads it.
+    ``generation``: the one that saved it (the upload may end after the next one began)."""
 
     rank: int
     time: float
     upload: ShardReport | FailureReport
+    generation: int = 0
     kind: ReportKind = ReportKind.CHECKPOINT_UPLOAD
 
 
