@@ -85,10 +85,11 @@ class DriverCheckpoints:
     def reset(
         self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
     ) -> None:
-        """A new generation, ``generation``. After a pause (``paused_after``, nobody ``lost``) the old mesh's
-        saves still complete; after an in-place shrink (``paused_after`` and the ``lost`` ranks
-        of the old mesh, a whole replica surviving) they complete without the lost ranks when
-        those held only copies; otherwise half-reported saves of the old mesh never complete."""
+        """The mesh of ``generation`` starts. After a pause (``paused_after``, nobody ``lost``)
+        the old mesh's saves still complete; after an in-place shrink (``paused_after`` and the
+        ``lost`` ranks of the old mesh, a whole replica surviving) they complete without the
+        lost ranks when those held only copies; otherwise half-reported saves of the old mesh
+        never complete."""
         for manifest in self.coordinator.reset(
             world_size=mesh.world_size, mesh=mesh.as_dict(), generation=generation, paused_after=paused_after, lost=lost
         ):
