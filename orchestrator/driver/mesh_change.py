@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 
 from elastic.policy import (
@@ -245,6 +246,15 @@ class MeshChanges:
                 return state
         return self._decide(state, lost)
 
+    def _await_step_reports(self, resume_step: int, survivors: Iterable[int]) -> None:
+        """Drain until the survivors' reports of every step up to ``resume_step`` are in, or the
+        heartbeat timeout passed. On a loaded machine a rank can answer a poll after one drain
+        gave up on it; a step of the old mesh left without an event would hold back every later
+        one (the router emits steps in order)."""
+        deadline = time.monotonic() + self.config.elastic.heartbeat_timeout_s
+        while not self.router.reported(resume_step, survivors) and time.monotonic() < deadline:
+            self._drain_reports(timeout=1.0)
+
     def _held_elsewhere(self, state: Settling, lost: dict[int, Lost], now: float) -> bool:
         """Whether the ranks still inside a failed configuration need not be waited for any more.
 
@@ -265,10 +275,14 @@ class MeshChanges:
 
     def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
         self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
-        applied = [
-            r.last_step for rank, r in state.calls.results.items() if rank not in lost and isinstance(r, RunOutcome)
-        ]
+        survivors = {
+            rank: outcome.last_step
+            for rank, outcome in state.calls.results.items()
+            if rank not in lost and isinstance(outcome, RunOutcome)
+        }
+        applied = list(survivors.values())
         resume_step = min(applied) if applied else self.last_step
+        self._await_step_reports(resume_step, survivors)
         self.snapshots.applied(state.generation, max(applied, default=0))
         self.router.flush(resume_step)
         self.last_step = max(self.last_step, resume_step)

@@ -58,6 +58,13 @@ class ReportRouter:
         self.mesh = mesh
         self._pending = {}
 
+    def reported(self, upto_step: int, ranks: Iterable[int]) -> bool:
+        """Whether every step up to ``upto_step`` is emitted or reported by all of ``ranks``."""
+        wanted = set(ranks)
+        return all(
+            wanted <= self._pending.get(step, {}).keys() for step in range(self.last_emitted_step + 1, upto_step + 1)
+        )
+
     def flush(self, upto_step: int) -> None:
         """Emit steps up to ``upto_step`` that every survivor applied but a lost rank never
         reported (it died between the commit and its report): the run did take them."""

@@ -43,6 +43,16 @@ def test_a_step_event_waits_for_every_rank_and_takes_the_slowest(tmp_path):
     assert staged == {"event": "checkpoint_staged", "time": staged["time"], "step": 1, "stall_s": 0.25}
 
 
+def test_a_mesh_change_can_tell_whether_the_survivors_reports_of_every_step_are_in():
+    """Before the mesh changes, the driver drains until the survivors reported every step they
+    applied: a step of the old mesh left without an event would hold back every later one."""
+    router = ReportRouter(EventLog(None), mesh=MeshSpec(dp_shard=2), tokens_per_step=1)
+    router.route([step_report(0, 1, loss=2.0), step_report(0, 2, loss=2.0)])
+    assert router.reported(2, [0]) and not router.reported(2, [0, 1]) and not router.reported(3, [0])
+    router.route([step_report(1, 1, loss=2.0)])
+    assert router.last_emitted_step == 1 and router.reported(1, [0, 1]) and not router.reported(2, [1])
+
+
 def test_other_kinds_go_to_their_handler_as_typed_reports():
     router = ReportRouter(EventLog(None), mesh=MeshSpec(), tokens_per_step=1)
     seen = []
