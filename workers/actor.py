@@ -90,8 +90,7 @@ class RankActor:
         self.channel = ReportChannel()
         logging.getLogger("meshpilot").addHandler(RankLogHandler(self.channel))
         logging.getLogger("meshpilot").setLevel(logging.INFO)
-        self.rank = -1
-        self.generation = -1
+        self.rank, self.generation = -1, -1
         self.mesh: MeshSpec | None = None
         self.trainer: Trainer | None = None
         self.source: SampleSource | None = None  # the generation's samples (the trainer reads them)
@@ -108,6 +107,7 @@ class RankActor:
         # Set when the driver aborted this generation's groups: any error the loop sees after
         # that is a consequence of another rank's failure, whatever torch's message says.
         self._aborted = threading.Event()
+        self._aborted_generation = -1  # the latest one aborted: its abort may overtake its configure
         self._phase = (Phase.STARTING, time.monotonic())
         self._loop_thread: int | None = None
         # Where the loop waits for its peers, marked by the trainer (hang blame reads it).
@@ -206,6 +206,8 @@ class RankActor:
         self.channel.rank = rank
         self._stop.clear()
         self._aborted.clear()
+        if generation <= self._aborted_generation:  # aborted before this call got here: leave at once
+            self._aborted.set()
         forget_old_meshes()
         if self.store is None:
             self.store = connect_store(*store_address)
@@ -281,9 +283,8 @@ class RankActor:
         self.trainer = trainer
         self._filled = False
         self._group_sockets, self._sockets_before_join = group_sockets.opened(), group_sockets.before
-        self.checkpoints = checkpoints = rank_checkpoints(
-            self.spec, trainer, rank, generation, self.channel, self.faults
-        )
+        checkpoints = rank_checkpoints(self.spec, trainer, rank, generation, self.channel, self.faults)
+        self.checkpoints = checkpoints
         return trainer, checkpoints
 
     def _fault_injector(self, faults: tuple[FaultSpec, ...], rank: int) -> FaultInjector:
@@ -438,12 +439,13 @@ class RankActor:
         collective fails at once and so do peers blocked on it, instead of waiting for the
         collective timeout; with NCCL, aborting the communicators releases the kernels queued
         on them. The driver calls it on every survivor when a generation fails: the whole
-        generation unblocks in well under a second. A call that arrives late, once the rank
-        has moved on to a later generation, is ignored. The device is synced and emptied by
-        the loop thread as it leaves the generation (``_drop_process_groups``), not here: this
-        answers on a control thread and must return at once. A timer checks a few seconds later
-        that the loop did leave (``workers/group_abort.py``).
+        generation unblocks in well under a second. A late call (the rank moved on) is ignored;
+        one that overtook its generation's configure (still dropping the last groups) ends that
+        configure at once. The loop thread syncs and empties the device as it leaves the
+        generation (``_drop_process_groups``): this answers on a control thread and returns at
+        once. A timer checks a few seconds later that the loop did leave (``group_abort.py``).
         """
+        self._aborted_generation = max(self._aborted_generation, generation)
         if generation != self.generation:
             return
         self._aborted.set()
