@@ -96,14 +96,6 @@ class CommitCoordinator:
         self.last_retention: RetentionResult | None = None
 
     @property
-    def world_size(self) -> int:
-        return self._current.world_size
-
-    @property
-    def mesh(self) -> dict[str, Any]:
-        return self._current.mesh
-
-    @property
     def pending_steps(self) -> list[int]:
         return sorted(self._pending)
 
