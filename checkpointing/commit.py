@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from checkpointing.errors import CheckpointError, CommitConflictError
@@ -64,6 +64,22 @@ class _Saver:
         return bool(set(range(self.world_size)) - self.lost - set(reported))
 
 
+@dataclass
+class _Save:
+    """A save of one step in progress: the generation saving it and its ranks' reports so far."""
+
+    generation: int
+    reports: dict[int, ShardReport] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why the save of a step by ``generation`` failed (a later generation's redo may commit)."""
+
+    generation: int
+    reason: str
+
+
 class CommitCoordinator:
     """Collects per-rank reports and commits each complete step exactly once."""
 
@@ -87,17 +103,20 @@ class CommitCoordinator:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self._on_failure = on_failure
-        self._pending: dict[int, dict[int, ShardReport]] = {}
-        self._pending_generation: dict[int, int] = {}  # step -> the generation saving it
+        self._pending: dict[int, _Save] = {}
         self._old_meshes: list[_Saver] = []  # oldest first
         self.committed_steps: list[int] = []
-        self.failed_steps: dict[int, str] = {}
-        self._failed_generation: dict[int, int] = {}  # step -> the generation whose save of it failed
+        self._failed: dict[int, _Failure] = {}
         self.last_retention: RetentionResult | None = None
 
     @property
     def pending_steps(self) -> list[int]:
         return sorted(self._pending)
+
+    @property
+    def failed_steps(self) -> dict[int, str]:
+        """Why each failed step was not committed."""
+        return {step: failure.reason for step, failure in self._failed.items()}
 
     def reset(
         self,
@@ -135,8 +154,7 @@ class CommitCoordinator:
 
     def _fail_pending(self, which: Callable[[int], bool]) -> None:
         for step in [step for step in self._pending if which(step)]:
-            del self._pending[step]
-            self._fail(step, MESH_CHANGED, cause="interrupted", generation=self._pending_generation.pop(step))
+            self._fail(step, MESH_CHANGED, cause="interrupted", generation=self._pending.pop(step).generation)
 
     def _saver(self, generation: int | None, step: int) -> _Saver | None:
         """The mesh that saved ``step`` in ``generation``; None for a generation whose saves
@@ -167,13 +185,15 @@ class CommitCoordinator:
         saver = self._saver(generation, step)
         if step in self.committed_steps:
             return None
-        if saver is None or step in self._pending and self._pending_generation[step] != saver.generation:
+        saving = self._pending.get(step)
+        if saver is None or saving is not None and saving.generation != saver.generation:
             # A late report of a save that a mesh change ended, or a save of a step another open
             # generation is saving: the step fails once, unless another generation is saving it.
-            if generation is not None and step not in self.failed_steps and step not in self._pending:
+            if generation is not None and step not in self._failed and saving is None:
                 self._fail(step, MESH_CHANGED, cause="interrupted", generation=generation)
             return None
-        if step in self.failed_steps and saver.generation <= self._failed_generation[step]:
+        failed = self._failed.get(step)
+        if failed is not None and saver.generation <= failed.generation:
             return None  # that save failed; a later generation's redo of the step is taken
         if not 0 <= parsed.rank < saver.world_size:
             log.warning(
@@ -185,21 +205,19 @@ class CommitCoordinator:
             return None
         if isinstance(parsed, FailureReport):
             self._pending.pop(step, None)
-            self._pending_generation.pop(step, None)
             reason = f"rank {parsed.rank} gave up after {parsed.attempts} attempt(s): {parsed.error}"
             self._fail(step, reason, generation=saver.generation)
             return None
-        self._pending.setdefault(step, {})[parsed.rank] = parsed
-        self._pending_generation[step] = saver.generation
+        self._pending.setdefault(step, _Save(saver.generation)).reports[parsed.rank] = parsed
         return self._commit_if_complete(step)
 
     def _commit_if_complete(self, step: int) -> Manifest | None:
-        saved_by = self._saver(self._pending_generation[step], step)
+        saving = self._pending[step]
+        saved_by = self._saver(saving.generation, step)
         assert saved_by is not None, "a pending step's generation is open (reset fails the others)"
-        if saved_by.awaits(self._pending[step]):
+        if saved_by.awaits(saving.reports):
             return None
-        reports = list(self._pending.pop(step).values())
-        del self._pending_generation[step]
+        reports = list(self._pending.pop(step).reports.values())
         world_size, mesh = saved_by.world_size, saved_by.mesh
         if saved_by.lost and not _tiles_every_tensor(reports):
             # A lost rank held slices nobody else wrote.
@@ -230,8 +248,7 @@ class CommitCoordinator:
         return manifest
 
     def _fail(self, step: int, reason: str, *, generation: int, cause: str = "storage") -> None:
-        self.failed_steps[step] = reason
-        self._failed_generation[step] = generation
+        self._failed[step] = _Failure(generation, reason)
         log.warning("checkpoint step %d not committed: %s", step, reason)
         if self._on_failure is not None:
             self._on_failure(step, reason, cause)
