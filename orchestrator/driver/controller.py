@@ -283,6 +283,10 @@ class Controller(Restores):
 
     def _await_configuration(self, state: Configuring) -> State:
         state.calls.collect(self.poll_interval_s, first=True)
+        # Reports keep coming while the ranks configure (the last generation's checkpoint uploads
+        # end in the background): take them now, or a rank that dies configuring takes them
+        # along. A poll not answered yet is kept for the next tick, so nothing waits for it.
+        self._drain_reports(timeout=0.0)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
         if state.memory is not None and any(f.failure_kind == FailureKind.STORAGE for f in failed.values()):
             self.snapshots.unusable(state.memory)  # a holder did not answer: the recovery picks another

@@ -28,6 +28,7 @@ from workers.spec.messages import (
     DrainNoticeReport,
     FailureKind,
     Heartbeat,
+    LogReport,
     NoticeScope,
     Phase,
     RunOutcome,
@@ -232,6 +233,19 @@ def test_configuration_waits_until_every_rank_answers(controller):
         assert isinstance(controller.state, Configuring)
     controller.step()
     assert isinstance(controller.state, Running)
+
+
+def test_reports_are_taken_while_the_ranks_configure(controller, tmp_path):
+    """A rank's reports (the last generation's checkpoint uploads, its logs) reach the driver
+    while the mesh configures, not only once it runs: a rank that dies configuring would take
+    them along."""
+    FakeGroup.script = {"configure_delay": 3}
+    controller.step()
+    fake_group(controller).queued[1] = [LogReport(rank=1, time=1.0, level="warning", logger="meshpilot", message="hi")]
+    controller.step()
+    assert isinstance(controller.state, Configuring)
+    [log_event] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "log"]
+    assert (log_event["rank"], log_event["message"]) == (1, "hi")
 
 
 def test_rank_failure_without_a_surviving_replica_ends_the_run(controller, tmp_path):
