@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
 from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
-from workers.group_abort import abort_groups, watch_abort
+from workers.group_abort import abort_groups, release_collectives, watch_abort
 from workers.notices import InstanceActionWatcher, watch_sigterm
 from workers.peer_snapshots import SnapshotStore
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
@@ -449,13 +449,14 @@ class RankActor:
         if generation != self.generation:
             return
         self._aborted.set()
-        abort_groups(self._group_sockets)
+        release_collectives(self._group_sockets, self.spec.backend)
         watch_abort(
             rank=self.rank,
             generation=generation,
             still_in=lambda: self.generation == generation and self._loop_thread is not None,
             sockets=self._group_sockets,
             before_join=self._sockets_before_join,
+            backend=self.spec.backend,
         )
 
     def _drop_process_groups(self, *, keep_shards: bool) -> None:

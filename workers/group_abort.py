@@ -1,17 +1,25 @@
 """Aborting a generation's process groups on a rank, and making sure the abort took.
 
-Runs on every rank: ``abort_groups`` on the control thread that answers the driver's
-``abort_collectives`` and on the loop thread as it leaves a generation; ``watch_abort`` starts a
-timer thread after the driver's abort.
+Runs on every rank: ``release_collectives`` on the control thread that answers the driver's
+``abort_collectives``, ``abort_groups`` on the loop thread as it leaves a generation;
+``watch_abort`` starts a timer thread after the driver's abort.
 
-The abort shuts the generation's sockets down (``workers/sockets.py``) and aborts the groups:
-the collective the loop is blocked in fails at once, well under a second. A few times in many
-CI runs (never alone) a survivor's gloo collective stayed blocked through the driver's whole
-unwind window, and the driver had to count the survivor's replica group as hit. So, once
-``CHECK_AFTER_S`` has passed with the loop still in the aborted generation, the watch aborts
-again (an abort that raced something still being set up) and logs what names the cause: how
-many of the groups' sockets gloo has still not closed, the sockets opened since the rank
-joined that no group noted, and every Python thread's stack.
+The driver's abort shuts the generation's sockets down (``workers/sockets.py``) with gloo, or
+aborts the groups with any other backend: the collective the loop is blocked in fails at once,
+well under a second. It does not abort gloo groups while the loop may still run: the shut
+sockets alone fail every collective, those queued and those enqueued after
+(``tests/integration/test_gloo_release.py``), and aborting as well left more ranks stuck (in a
+two-process loop of collectives released mid-way, a one-off: 7 of 60 ranks against 2 of 60; why
+is not traced). The loop aborts them as it leaves. A few times in many CI runs (never alone) a
+survivor's gloo collective stayed blocked through the driver's whole unwind window, and the
+driver had to count the survivor's replica group as hit. Traced: a send that gloo parked when
+its write failed on a socket already shut for writing, which the connection's error never
+reaches (the sockets are now shut for reading first; a send that meets a peer's closed socket
+can still be parked so, until the collective timeout). So, once ``CHECK_AFTER_S`` has passed
+with the loop still in the aborted generation, the watch aborts again (an abort that raced
+something still being set up) and logs what names the cause: how many of the groups' sockets
+gloo has still not closed, the sockets opened since the rank joined that no group noted, and
+every Python thread's stack.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from workers.sockets import shutdown_sockets, socket_inodes
+from workers.sockets import SOCKET_SHUTDOWN_BACKENDS, shutdown_sockets, socket_inodes
 
 log = logging.getLogger("meshpilot.rank")
 
@@ -31,9 +39,20 @@ log = logging.getLogger("meshpilot.rank")
 CHECK_AFTER_S = 4.0
 
 
+def release_collectives(sockets: set[str], backend: str) -> None:
+    """Make every collective of the generation fail at once, while the loop may still be in one
+    or enter one: gloo's ``sockets`` (noted when the rank joined) are shut down; with any other
+    backend the groups are aborted (see the module docstring)."""
+    if backend in SOCKET_SHUTDOWN_BACKENDS:
+        shutdown_sockets(sockets)
+    else:
+        abort_groups(set())
+
+
 def abort_groups(sockets: set[str]) -> None:
-    """Shut ``sockets`` (the generation's, noted when the rank joined it) down, then abort every
-    process group of this process; errors of groups already aborted are logged, not raised."""
+    """Once the loop is out of the generation: shut ``sockets`` (the generation's, noted when
+    the rank joined it) down, then abort every process group of this process; errors of groups
+    already aborted are logged, not raised."""
     import torch.distributed as dist
 
     from checkpointing.torch_compat import abort_process_groups
@@ -53,16 +72,18 @@ def watch_abort(
     still_in: Callable[[], bool],
     sockets: set[str],
     before_join: set[str],
+    backend: str,
     after_s: float = CHECK_AFTER_S,
 ) -> threading.Timer:
     """Check once, ``after_s`` from now, that the loop left ``generation`` (``still_in()`` is
-    False); if not, abort again and log why it may be stuck (see the module docstring)."""
+    False); if not, release its collectives again and log why it may be stuck (see the module
+    docstring)."""
 
     def check() -> None:
         if not still_in():
             return
         open_now = socket_inodes()
-        abort_groups(sockets)
+        release_collectives(sockets, backend)
         # Sockets are noted for gloo only (an NCCL group's are NCCL's to close): say nothing of them otherwise.
         noted = (
             f" {len(sockets & open_now)} of its groups' {len(sockets)} sockets still open, "

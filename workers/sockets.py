@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 _FD_DIR = Path("/proc/self/fd")
 
 # The backends whose process groups are closed for certain by shutting their sockets down.
 SOCKET_SHUTDOWN_BACKENDS = frozenset({"gloo"})
+# How long ``shutdown_sockets`` gives the owners of the sockets it shut for reading to close
+# them (gloo's event loop wakes every 10 ms), and how often it looks.
+SETTLE_S = 0.2
+SETTLE_POLL_S = 0.005
 
 
 class GroupSockets:
@@ -57,10 +62,34 @@ def socket_inodes() -> set[str]:
     return found
 
 
-def shutdown_sockets(inodes: set[str]) -> int:
-    """Shut down (both directions) every open socket among ``inodes``; returns how many."""
+def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
+    """Shut every open socket among ``inodes`` down; returns how many (listeners are left alone).
+
+    Reading first: the owner (gloo's event loop thread) reads the end of the connection, fails
+    whatever waits on it and closes the socket, which tells the peer. The sockets still open
+    after ``settle_s`` (an owner that is not reading) are then shut down for writing too, which
+    tells their peers at once.
+
+    Why not both directions at once: gloo (torch 2.13) parks a send whose write fails with
+    EPIPE in the connection's transmit queue, and the connection's error never reaches the
+    sends parked there: the collective waits for the whole collective timeout. With the write
+    side shut down first, every send a collective issued before gloo read the end was parked
+    so (a rank stuck in FSDP's reduce-scatter after the driver's abort, seen in CI). In a
+    two-process loop of collectives released mid-way (a one-off), 10 of 60 ranks stuck with
+    both directions shut at once, 2 of 60 reading first.
+    """
     if not inodes or not _FD_DIR.is_dir():
         return 0
+    count = _shutdown_open(inodes, socket.SHUT_RD)
+    deadline = time.monotonic() + settle_s
+    while count and inodes & socket_inodes() and time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)
+    _shutdown_open(inodes, socket.SHUT_RDWR)
+    return count
+
+
+def _shutdown_open(inodes: set[str], how: int) -> int:
+    """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns how many."""
     count = 0
     for entry in _FD_DIR.iterdir():
         try:
@@ -74,7 +103,7 @@ def shutdown_sockets(inodes: set[str]) -> int:
                 # Leave listeners alone: gloo's accept thread treats a dead listener as fatal.
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(how)
                 count += 1
         except OSError:
             pass  # already shut down, or not connected
