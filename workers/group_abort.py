@@ -57,7 +57,8 @@ def abort_groups(sockets: set[str]) -> None:
 
     from checkpointing.torch_compat import abort_process_groups
 
-    shutdown_sockets(sockets)
+    # The loop is out: no send of this rank is in flight to be parked, so no reading first.
+    shutdown_sockets(sockets, settle_s=0.0)
     if dist.is_initialized():
         try:
             abort_process_groups()

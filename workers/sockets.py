@@ -80,20 +80,21 @@ def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
     """
     if not inodes or not _FD_DIR.is_dir():
         return 0
-    count = _shutdown_open(inodes, socket.SHUT_RD)
+    shut = _shutdown_open(inodes, socket.SHUT_RD)
     deadline = time.monotonic() + settle_s
-    while count and inodes & socket_inodes() and time.monotonic() < deadline:
+    while shut & socket_inodes() and time.monotonic() < deadline:
         time.sleep(SETTLE_POLL_S)
-    _shutdown_open(inodes, socket.SHUT_RDWR)
-    return count
+    _shutdown_open(shut, socket.SHUT_RDWR)
+    return len(shut)
 
 
-def _shutdown_open(inodes: set[str], how: int) -> int:
-    """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns how many."""
-    count = 0
+def _shutdown_open(inodes: set[str], how: int) -> set[str]:
+    """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns those."""
+    shut = set()
     for entry in _FD_DIR.iterdir():
         try:
-            if os.readlink(entry) not in inodes:
+            target = os.readlink(entry)
+            if target not in inodes:
                 continue
             duplicate = os.dup(int(entry.name))
         except (OSError, ValueError):
@@ -104,7 +105,7 @@ def _shutdown_open(inodes: set[str], how: int) -> int:
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue
                 sock.shutdown(how)
-                count += 1
+                shut.add(target)
         except OSError:
             pass  # already shut down, or not connected
-    return count
+    return shut
