@@ -8,18 +8,16 @@ The driver's abort shuts the generation's sockets down (``workers/sockets.py``) 
 aborts the groups with any other backend: the collective the loop is blocked in fails at once,
 well under a second. It does not abort gloo groups while the loop may still run: the shut
 sockets alone fail every collective, those queued and those enqueued after
-(``tests/integration/test_gloo_release.py``), and aborting as well left more ranks stuck (in a
-two-process loop of collectives released mid-way, a one-off: 7 of 60 ranks against 2 of 60; why
-is not traced). The loop aborts them as it leaves. A few times in many CI runs (never alone) a
-survivor's gloo collective stayed blocked through the driver's whole unwind window, and the
-driver had to count the survivor's replica group as hit. Traced: a send that gloo parked when
-its write failed on a socket already shut for writing, which the connection's error never
-reaches (the sockets are now shut for reading first; a send that meets a peer's closed socket
-can still be parked so, until the collective timeout). So, once ``CHECK_AFTER_S`` has passed
-with the loop still in the aborted generation, the watch aborts again (an abort that raced
-something still being set up) and logs what names the cause: how many of the groups' sockets
-gloo has still not closed, the sockets opened since the rank joined that no group noted, and
-every Python thread's stack.
+(``tests/integration/test_gloo_release.py``); the loop aborts them as it leaves. A few times in
+many CI runs (never alone) a survivor's gloo collective stayed blocked through the driver's
+whole unwind window, and the driver had to count the survivor's replica group as hit. Traced: a
+send that gloo parked when its write failed on a socket already shut for writing, which the
+connection's error never reaches (the sockets are now shut for reading first; a send that meets
+a peer's closed socket can still be parked so, until the collective timeout). So, once
+``CHECK_AFTER_S`` has passed with the loop still in the aborted generation, the watch releases
+them again (a release that raced something still being set up) and logs what names the cause:
+how many of the groups' sockets gloo has still not closed, the sockets opened since the rank
+joined that no group noted, and every Python thread's stack.
 """
 
 from __future__ import annotations

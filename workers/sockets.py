@@ -74,9 +74,8 @@ def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
     EPIPE in the connection's transmit queue, and the connection's error never reaches the
     sends parked there: the collective waits for the whole collective timeout. With the write
     side shut down first, every send a collective issued before gloo read the end was parked
-    so (a rank stuck in FSDP's reduce-scatter after the driver's abort, seen in CI). In a
-    two-process loop of collectives released mid-way (a one-off), 10 of 60 ranks stuck with
-    both directions shut at once, 2 of 60 reading first.
+    so (a rank stuck in FSDP's reduce-scatter after the driver's abort, seen in CI). How often
+    a release still leaves a rank stuck, against shutting both ways at once: ``bench/release.py``.
     """
     if not inodes or not _FD_DIR.is_dir():
         return 0

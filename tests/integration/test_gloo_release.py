@@ -19,8 +19,8 @@ import torch.distributed as dist
 from workers.group_abort import release_collectives
 from workers.sockets import GroupSockets
 
-# How long the rank waits for its collective to end: an unreleased one would wait for the
-# collective timeout (far longer), or forever when it is never run.
+# How long the rank waits for its collectives to end: unreleased, they would wait for the
+# collective timeout (120 s here).
 WAIT_S = 10.0
 QUEUED = 4
 
