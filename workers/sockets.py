@@ -81,7 +81,7 @@ def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
         return 0
     shut = _shutdown_open(inodes, socket.SHUT_RD)
     deadline = time.monotonic() + settle_s
-    while shut & socket_inodes() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and shut & socket_inodes():
         time.sleep(SETTLE_POLL_S)
     _shutdown_open(shut, socket.SHUT_RDWR)
     return len(shut)
