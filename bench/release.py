@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.trials is None:
         args.trials = QUICK_TRIALS if args.quick else DEFAULT_TRIALS
+    if args.trials < 1:
+        parser.error(f"--trials must be at least 1, not {args.trials}")
     return args
 
 
