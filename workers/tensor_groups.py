@@ -1,26 +1,13 @@
-"""Grouping and packing a rank's tensors for collectives: by mesh, and into bounded flat chunks.
+"""Packing a rank's tensors into bounded flat chunks for collectives.
 
-Runs on every rank, called by the trainer: the gradient norm and clip take the tensors of one
-mesh at a time (a foreach op, or a DTensor reduction, needs one mesh), and the replica sync
-broadcasts a stage's state in flat chunks of bounded size (a whole stage at once would not fit
-next to the live state). Nothing here communicates.
+Runs on every rank, called by the trainer: the replica sync broadcasts a stage's state in flat
+chunks of bounded size (a whole stage at once would not fit next to the live state). Nothing
+here communicates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch.distributed.tensor import DTensor
-
-
-def by_mesh(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors grouped by the mesh they are sharded on (plain tensors together), in first-seen order."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
-    return list(groups.values()) or [list(tensors)]
-
 
 # One slice [start, stop) of a tensor's flattened elements.
 Piece = tuple[torch.Tensor, int, int]

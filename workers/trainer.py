@@ -34,10 +34,10 @@ from workers import parallelize as par
 from workers.data import SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
+from workers.local_updates import LocalAdamW, clip_to_norm, grad_norm
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
 from workers.spec import FailureKind, StepDecision, TrainSpec, Verdict
-from workers.tensor_groups import by_mesh
 from workers.trainer_state import TrainerState
 
 log = logging.getLogger("meshpilot")
@@ -198,18 +198,16 @@ class Trainer(TrainerState):
         par.materialize(module, torch.device("cpu") if self.spec.cpu_offload else self.device)
         return module
 
-    def _build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW over every parameter of this rank's stages, fused: one kernel per device and
-        dtype, so one DTensor dispatch per step (and one sharding propagation after a mesh
-        change) instead of about ten per parameter (``optimizer_s`` in the step phases). The
-        same path on CPU and GPU: torch's default is single-tensor on CPU and foreach on CUDA.
+    def _build_optimizer(self) -> LocalAdamW:
+        """AdamW over every parameter of this rank's stages, fused (one kernel per device and
+        dtype; torch's default is one parameter at a time on CPU) and run on the local shards
+        (see ``local_updates``): the same path on CPU and GPU.
         """
-        return torch.optim.AdamW(
+        return LocalAdamW(
             [p for module in self.modules for p in module.parameters()],
             lr=self.spec.lr,
             betas=(self.spec.beta1, self.spec.beta2),
             weight_decay=self.spec.weight_decay,
-            fused=True,
         )
 
     def _build_schedule(self):
@@ -402,37 +400,19 @@ class Trainer(TrainerState):
         that differ in the last bit, and replicas that drift apart. So every replica applies
         replica group 0's norm, broadcast over the replica dimension (one scalar).
         """
-        params = [p for module in self.modules for p in module.parameters() if p.grad is not None]
-        grads = cast(list[torch.Tensor], [p.grad for p in params])  # params keeps only those with a grad
+        grads = [p.grad for module in self.modules for p in module.parameters() if p.grad is not None]
         norm = self._replica_group_grad_norm(grads)
         if self.mesh.dp_replicate > 1:
             group = self.world_mesh["dp_replicate"].get_group()
             dist.broadcast(norm, src=dist.get_global_rank(group, 0), group=group)
         if self.spec.grad_clip > 0:
-            for same_mesh in by_mesh(params):  # a foreach op takes tensors of one mesh
-                torch.nn.utils.clip_grads_with_norm_(same_mesh, self.spec.grad_clip, norm, foreach=True)
+            clip_to_norm(grads, self.spec.grad_clip, norm)
         return norm
 
     def _replica_group_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Collective within this replica group: the 2-norm of all gradients, every stage's
-        included (a plain tensor on this rank's device).
-
-        Gradients on different meshes (a family that leaves its embeddings and norms whole
-        under TP: those on the data-parallel mesh, the split matrices on data x tensor) are
-        reduced per mesh, in parameter order on every rank, and then combined.
-        """
-        norms = []
-        # torch reduces a DTensor norm's partial dimensions in one collective over a flattened
-        # mesh, which it cannot build when they are not adjacent in the root mesh: the experts'
-        # mesh under context or tensor parallelism (dp_shard / ep x cp x tp, then ep) is one.
-        by_dimension = self.ep > 1 and (self.mesh.cp > 1 or self.mesh.tp > 1)
-        for same_mesh in by_mesh(grads):
-            if by_dimension and isinstance(same_mesh[0], DTensor):
-                norms.append(_norm_by_mesh_dimension(cast(list[DTensor], same_mesh)))
-                continue
-            norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0, foreach=True)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        included (a plain tensor on this rank's device)."""
+        norm = grad_norm(grads, self.device)
         if self.mesh.pp > 1:
             squared = norm.pow(2)
             dist.all_reduce(squared, group=self.world_mesh["pp"].get_group())
@@ -473,19 +453,3 @@ class Trainer(TrainerState):
         self.__dict__.pop("expert_meshes", None)
         self.__dict__.pop("whole_weight_mesh", None)
         self.__dict__.pop("_stage_parameters", None)
-
-
-def _norm_by_mesh_dimension(grads: list[DTensor]) -> torch.Tensor:
-    """Collective over the gradients' (common) mesh: their 2-norm, each placement's local sum of
-    squares reduced one mesh dimension at a time over the dimensions it is split on."""
-    mesh = grads[0].device_mesh
-    total = torch.zeros((), device=grads[0].to_local().device, dtype=torch.float32)
-    for placements in dict.fromkeys(grad.placements for grad in grads):
-        local = [grad.to_local() for grad in grads if grad.placements == placements]
-        squared = torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in local]).pow(2).sum()
-        for dim, placement in enumerate(placements):
-            # Not ``is_shard()``: FSDP's strided shard of a tensor-parallel shard answers False to it.
-            if not placement.is_replicate():
-                dist.all_reduce(squared, group=mesh.get_group(dim))
-        total = total + squared
-    return total.sqrt()

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from elastic.spec import MeshSpec
 from workers import parallelize as par
+from workers.local_updates import new_adamw_state
 from workers.models import StageModel
 from workers.tensor_groups import flat_chunks, scatter_back
 
@@ -57,10 +58,7 @@ class TrainerState:
                     continue
                 state = self.optimizer.state[param]
                 if not state:
-                    # On the parameter's device, where fused AdamW keeps its step counters.
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state.update(new_adamw_state(param))
 
     @torch.no_grad()
     def state_digest(self) -> str:
