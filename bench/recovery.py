@@ -276,6 +276,8 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, 
         "mttr_s": recovered["mttr_s"],
         "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
         "from_previous_step_s": change.first_step_at - previous_step_at,
+        "first_step_s": change.first_step_time_s,
+        "steady_step_s": change.steady_step_time_s,
         "source": recovered.get("source"),
         "new_mesh": recovered["new_mesh"],
         "kill_seen": fault_at == watch.died_at,
@@ -361,6 +363,8 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
         "mttr_s": recovered["mttr_s"],
         "detection_s": change.to_first_step_s - recovered["mttr_s"],
         "remove_node_s": removed["remove_s"],
+        "first_step_s": change.first_step_time_s,
+        "steady_step_s": change.steady_step_time_s,
     }
     grow: dict[str, Any] = {"node_to_step_s": None, "join_s": None, "add_node_s": None}
     if of_kind(events, "grow") and added:
@@ -370,6 +374,8 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
             "join_s": of_kind(events, "grow")[0]["join_s"],
             "add_node_s": added["at"] - added["called_at"],
             "lost_steps": growth.lost_steps,
+            "first_step_s": growth.first_step_time_s,
+            "steady_step_s": growth.steady_step_time_s,
         }
     else:
         print(f"  warning: the run ended before the new node's replica joined (raise the steps): {run_dir}")
@@ -397,6 +403,8 @@ def meshpilot_drain(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
         "mttr_s": recovered["mttr_s"],
         "notice_to_step_s": change.to_first_step_s,
         "steps_after_notice": change.first_step - FAULT_STEP,
+        "first_step_s": change.first_step_time_s,
+        "steady_step_s": change.steady_step_time_s,
     }
 
 
@@ -559,6 +567,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_mttr_s": mid("meshpilot_kill", "mttr_s"),
         "ours_detection_s": mid("meshpilot_kill", "detection_s"),
         "ours_from_previous_step_s": mid("meshpilot_kill", "from_previous_step_s"),
+        "ours_first_step_s": mid("meshpilot_kill", "first_step_s"),
+        "ours_steady_step_s": mid("meshpilot_kill", "steady_step_s"),
         "reference_s": mid("reference_kill", "fault_to_step_s"),
         "reference_lost_steps": worst("reference_kill", "lost_steps"),
         "reference_to_new_progress_s": mid("reference_kill", "to_new_progress_s"),
@@ -569,6 +579,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_lost_steps": worst("meshpilot_node", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_node", "mttr_s"),
         "ours_detection_s": mid("meshpilot_node", "detection_s"),
+        "ours_first_step_s": mid("meshpilot_node", "first_step_s"),
+        "ours_steady_step_s": mid("meshpilot_node", "steady_step_s"),
         "reference_s": mid("reference_node", "fault_to_step_s"),
         "reference_lost_steps": worst("reference_node", "lost_steps"),
         "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"),
@@ -580,12 +592,16 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_drain", "mttr_s"),
         "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"),
+        "ours_first_step_s": mid("meshpilot_drain", "first_step_s"),
+        "ours_steady_step_s": mid("meshpilot_drain", "steady_step_s"),
         "goal_pause_s": GOALS["drain_pause_s"],
     }
     grow: dict[str, Any] = {
         "ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"),
         "ours_join_s": mid("meshpilot_grow", "join_s"),
         "ours_add_node_s": mid("meshpilot_grow", "add_node_s"),
+        "ours_first_step_s": mid("meshpilot_grow", "first_step_s"),
+        "ours_steady_step_s": mid("meshpilot_grow", "steady_step_s"),
         "goal_s": GOALS["grow_s"],
     }
     one_replica: dict[str, Any] = {
@@ -641,6 +657,9 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
     def x(value) -> str:
         return "-" if value is None else f"{value:.1f}x"
 
+    def first_and_later(figures: dict[str, Any]) -> str:
+        return f"{s(figures['ours_first_step_s'])} / {s(figures['ours_steady_step_s'])}"
+
     kill, node, drain, grow = summary["kill"], summary["node"], summary["drain"], summary["grow"]
     one, snap = summary["one_replica"], summary["snapshots"]
     rows = [
@@ -656,6 +675,7 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
         ("", "completed steps lost", s(kill["ours_lost_steps"]), s(kill["reference_lost_steps"]), "", "0"),
         ("", "fault -> new progress", s(kill["ours_s"]), s(kill["reference_to_new_progress_s"]), "", ""),
         ("", "controller mttr_s", s(kill["ours_mttr_s"]), "", "", ""),
+        ("", "first step on the new mesh / later", first_and_later(kill), "", "", ""),
         (
             "node removed",
             "fault -> first step",
@@ -665,12 +685,14 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
             f"<= {GOALS['node_s']:g} s",
         ),
         ("", "controller mttr_s", s(node["ours_mttr_s"]), "", "", ""),
+        ("", "first step on the new mesh / later", first_and_later(node), "", "", ""),
         ("", "completed steps lost", s(node["ours_lost_steps"]), s(node["reference_lost_steps"]), "", "0"),
         ("", "fault -> new progress", s(node["ours_s"]), s(node["reference_to_new_progress_s"]), "", ""),
         ("drain notice", "pause (step to step)", s(drain["ours_pause_s"]), "", "", f"<= {GOALS['drain_pause_s']:g} s"),
         ("", "  of it, no step running", s(drain["ours_idle_s"]), "", "", ""),
         ("", "completed steps lost", s(drain["ours_lost_steps"]), "", "", "0"),
         ("", "controller mttr_s", s(drain["ours_mttr_s"]), "", "", ""),
+        ("", "first step on the new mesh / later", first_and_later(drain), "", "", ""),
         (
             "grow (node added)",
             "node up -> first step",
@@ -680,6 +702,7 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
             f"<= {GOALS['grow_s']:g} s",
         ),
         ("", "join pause (join_s)", s(grow["ours_join_s"]), "", "", ""),
+        ("", "first step on the new mesh / later", first_and_later(grow), "", "", ""),
         (
             "one replica, SIGKILL",
             "fault -> first step (peer memory)",

@@ -30,6 +30,8 @@ class MeshChange:
     last_step_before: int  # the last step completed before the change began
     last_step_before_at: float | None
     first_step_time_s: float | None = None  # the first new step's own duration (slowest rank)
+    # The median duration of the later steps on the new mesh: what the first one compares to.
+    steady_step_time_s: float | None = None
 
     @property
     def to_first_step_s(self) -> float:
@@ -83,6 +85,7 @@ def mesh_change(
         raise ValueError(f"no step completed on the new mesh {new_mesh} after the {after_event!r} event")
     before = [e for i, e in steps if i < first_index]
     last = before[-1] if before else None
+    later = [e["step_time_s"] for i, e in steps if i > first_index and e["mesh"] == new_mesh and "step_time_s" in e]
     return MeshChange(
         began_at=began_at,
         first_step=first["step"],
@@ -90,6 +93,7 @@ def mesh_change(
         last_step_before=last["step"] if last else 0,
         last_step_before_at=last["completed_at"] if last else None,
         first_step_time_s=first.get("step_time_s"),
+        steady_step_time_s=statistics.median(later) if later else None,
     )
 
 

@@ -58,6 +58,18 @@ def test_a_drain_pauses_between_the_last_old_step_and_the_first_new_one():
     assert change.lost_steps == 0
 
 
+def test_the_first_step_on_the_new_mesh_compares_to_the_later_steps_on_it():
+    events = [{**step(n, 100.0 + n, TWO), "step_time_s": 0.3} for n in range(1, 8)] + [
+        {"event": "failure"},
+        {**step(8, 109.0, ONE), "step_time_s": 0.9},
+        {"event": "recovered", "new_mesh": ONE},
+        *({**step(n, 101.0 + n, ONE), "step_time_s": 0.4 + n / 100} for n in (9, 10, 11)),
+    ]
+    change = mesh_change(events, after_event="failure", new_mesh_event="recovered", began_at=107.5)
+    assert change.first_step_time_s == 0.9
+    assert change.steady_step_time_s == pytest.approx(0.5)  # the median of steps 9-11, not the old mesh's 0.3 s
+
+
 def test_a_grow_after_a_shrink_ends_on_the_grown_mesh_not_the_original_one():
     events = [
         step(1, 101.0, TWO),
