@@ -39,7 +39,9 @@ def grad_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
 
     Gradients split over the same mesh dimensions are summed locally first, so there is one
     small all-reduce per such set and split dimension (the data-parallel one alone for pure
-    FSDP), not one per gradient.
+    FSDP), not one per gradient. One dimension at a time, also because a DTensor norm reduces
+    over a flattened mesh, which torch cannot build from dimensions not adjacent in the root
+    mesh (the experts' mesh under context or tensor parallelism is one).
     """
     squares: dict[_Reduction, list[torch.Tensor]] = {}
     for grad in grads:
