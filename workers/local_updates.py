@@ -82,8 +82,19 @@ def _without_partial(grad: DTensor) -> DTensor:
 @torch.no_grad()
 def clip_to_norm(grads: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Scale every gradient (its local shard, in place) by ``max_norm / norm`` where the norm
-    is larger: torch's clip with a given total norm. Local to this rank, no collective."""
-    torch.nn.utils.clip_grads_with_norm_([local_slice(grad) for grad in grads], max_norm, norm, foreach=True)
+    is larger. Local to this rank, no collective.
+
+    torch's ``clip_grads_with_norm_`` arithmetic, which takes parameters and so would scale
+    their DTensor gradients: the same coefficient, clamped at 1 and multiplied in even then, so
+    that no device sync decides whether to clip.
+    """
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for grad in grads:
+        local = local_slice(grad)
+        if local.device not in on_device:  # offloaded gradients live in host memory
+            on_device[local.device] = coefficient.to(local.device)
+        local.mul_(on_device[local.device])
 
 
 def new_adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:

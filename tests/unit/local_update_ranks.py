@@ -8,7 +8,7 @@ sends back numpy arrays (plain pickles) and the facts the test compares.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,13 @@ def run_rank(rank: int, store_path: str, results) -> None:
 
     clipped = [grad.detach().clone() for grad in grads]
     clip_to_norm(clipped, MAX_NORM, norm)
-    torch_clipped = [grad.detach().clone() for grad in grads]
-    for same_mesh in (torch_clipped[:3], torch_clipped[3:]):  # torch's foreach clip takes one mesh at a time
+    # torch's clip scales the gradients of the parameters it is given.
+    holders = as_parameters(mesh)
+    for holder, grad in zip(holders, grads, strict=True):
+        holder.grad = grad.detach().clone()
+    for same_mesh in (holders[:3], holders[3:]):  # torch's foreach clip takes one mesh at a time
         torch.nn.utils.clip_grads_with_norm_(same_mesh, MAX_NORM, norm, foreach=True)
+    torch_clipped = [cast(torch.Tensor, holder.grad) for holder in holders]  # each was given one above
 
     ours, theirs = as_parameters(mesh), as_parameters(mesh)
     local_adamw = LocalAdamW(ours, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
@@ -103,6 +107,7 @@ def run_rank(rank: int, store_path: str, results) -> None:
             float(norm_with_pending_sum),
             host(clipped),
             host(torch_clipped),
+            host(grads),
             host(ours),
             host(theirs),
             [described(state) for state in states],

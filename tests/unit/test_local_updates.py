@@ -38,13 +38,15 @@ def test_the_norm_is_that_of_the_whole_gradients_on_every_rank(ranks):
 
 def test_the_clip_scales_each_shard_as_torchs_clip_does(ranks):
     for rank in (0, 1):
-        clipped, torch_clipped = ranks[rank][3:5]
+        clipped, torch_clipped, unclipped = ranks[rank][3:6]
         assert_bitwise_equal(clipped, torch_clipped)
+        # The norm is above MAX_NORM: every gradient was scaled down, none left as it was.
+        assert all(abs(after).sum() < abs(before).sum() for after, before in zip(clipped, unclipped, strict=True))
 
 
 def test_adamw_on_local_shards_leaves_torchs_parameters_and_state(ranks):
     for rank in (0, 1):
-        params, torch_params, states, torch_states = ranks[rank][5:9]
+        params, torch_params, states, torch_states = ranks[rank][6:10]
         assert_bitwise_equal(params, torch_params)
         for state, torch_state in zip(states, torch_states, strict=True):
             assert state.keys() == torch_state.keys() == {"step", "exp_avg", "exp_avg_sq"}
@@ -52,4 +54,4 @@ def test_adamw_on_local_shards_leaves_torchs_parameters_and_state(ranks):
                 assert state[key][:2] == torch_state[key][:2], key  # type and dtype
                 assert_bitwise_equal([state[key][2]], [torch_state[key][2]])
     # The split parameters' moments stay DTensors (checkpoints read their placements).
-    assert ranks[0][7][0]["exp_avg"][0] == "DTensor"
+    assert ranks[0][8][0]["exp_avg"][0] == "DTensor"
