@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit  # noqa: E402
 from bench.support.recovery_timing import (  # noqa: E402
+    MeshChange,
     median,
     mesh_change,
     of_kind,
@@ -276,8 +277,7 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, 
         "mttr_s": recovered["mttr_s"],
         "detection_s": change.to_first_step_s - recovered["mttr_s"],  # mttr_s runs from detection
         "from_previous_step_s": change.first_step_at - previous_step_at,
-        "first_step_s": change.first_step_time_s,
-        "steady_step_s": change.steady_step_time_s,
+        **first_step_figures(change),
         "source": recovered.get("source"),
         "new_mesh": recovered["new_mesh"],
         "kill_seen": fault_at == watch.died_at,
@@ -363,8 +363,7 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
         "mttr_s": recovered["mttr_s"],
         "detection_s": change.to_first_step_s - recovered["mttr_s"],
         "remove_node_s": removed["remove_s"],
-        "first_step_s": change.first_step_time_s,
-        "steady_step_s": change.steady_step_time_s,
+        **first_step_figures(change),
     }
     grow: dict[str, Any] = {"node_to_step_s": None, "join_s": None, "add_node_s": None}
     if of_kind(events, "grow") and added:
@@ -374,8 +373,7 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
             "join_s": of_kind(events, "grow")[0]["join_s"],
             "add_node_s": added["at"] - added["called_at"],
             "lost_steps": growth.lost_steps,
-            "first_step_s": growth.first_step_time_s,
-            "steady_step_s": growth.steady_step_time_s,
+            **first_step_figures(growth),
         }
     else:
         print(f"  warning: the run ended before the new node's replica joined (raise the steps): {run_dir}")
@@ -403,9 +401,13 @@ def meshpilot_drain(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
         "mttr_s": recovered["mttr_s"],
         "notice_to_step_s": change.to_first_step_s,
         "steps_after_notice": change.first_step - FAULT_STEP,
-        "first_step_s": change.first_step_time_s,
-        "steady_step_s": change.steady_step_time_s,
+        **first_step_figures(change),
     }
+
+
+def first_step_figures(change: MeshChange) -> dict[str, float | None]:
+    """The first step on the new mesh and the median of the later ones on it (slowest rank)."""
+    return {"first_step_s": change.first_step_time_s, "steady_step_s": change.steady_step_time_s}
 
 
 def _losses(events, *, upto: int) -> dict[int, float]:
@@ -557,6 +559,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
     def mid(name: str, key: str) -> float | None:
         return _round(median(r.get(key) for r in results[name]))
 
+    def first_step_medians(name: str) -> dict[str, Any]:
+        return {"ours_first_step_s": mid(name, "first_step_s"), "ours_steady_step_s": mid(name, "steady_step_s")}
+
     def worst(name: str, key: str) -> int | None:
         values = [r[key] for r in results[name] if r.get(key) is not None]
         return max(values) if values else None
@@ -567,8 +572,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_mttr_s": mid("meshpilot_kill", "mttr_s"),
         "ours_detection_s": mid("meshpilot_kill", "detection_s"),
         "ours_from_previous_step_s": mid("meshpilot_kill", "from_previous_step_s"),
-        "ours_first_step_s": mid("meshpilot_kill", "first_step_s"),
-        "ours_steady_step_s": mid("meshpilot_kill", "steady_step_s"),
+        **first_step_medians("meshpilot_kill"),
         "reference_s": mid("reference_kill", "fault_to_step_s"),
         "reference_lost_steps": worst("reference_kill", "lost_steps"),
         "reference_to_new_progress_s": mid("reference_kill", "to_new_progress_s"),
@@ -579,8 +583,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_lost_steps": worst("meshpilot_node", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_node", "mttr_s"),
         "ours_detection_s": mid("meshpilot_node", "detection_s"),
-        "ours_first_step_s": mid("meshpilot_node", "first_step_s"),
-        "ours_steady_step_s": mid("meshpilot_node", "steady_step_s"),
+        **first_step_medians("meshpilot_node"),
         "reference_s": mid("reference_node", "fault_to_step_s"),
         "reference_lost_steps": worst("reference_node", "lost_steps"),
         "reference_to_new_progress_s": mid("reference_node", "to_new_progress_s"),
@@ -592,16 +595,14 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_lost_steps": worst("meshpilot_drain", "lost_steps"),
         "ours_mttr_s": mid("meshpilot_drain", "mttr_s"),
         "ours_notice_to_step_s": mid("meshpilot_drain", "notice_to_step_s"),
-        "ours_first_step_s": mid("meshpilot_drain", "first_step_s"),
-        "ours_steady_step_s": mid("meshpilot_drain", "steady_step_s"),
+        **first_step_medians("meshpilot_drain"),
         "goal_pause_s": GOALS["drain_pause_s"],
     }
     grow: dict[str, Any] = {
         "ours_node_to_step_s": mid("meshpilot_grow", "node_to_step_s"),
         "ours_join_s": mid("meshpilot_grow", "join_s"),
         "ours_add_node_s": mid("meshpilot_grow", "add_node_s"),
-        "ours_first_step_s": mid("meshpilot_grow", "first_step_s"),
-        "ours_steady_step_s": mid("meshpilot_grow", "steady_step_s"),
+        **first_step_medians("meshpilot_grow"),
         "goal_s": GOALS["grow_s"],
     }
     one_replica: dict[str, Any] = {
