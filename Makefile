@@ -1,6 +1,7 @@
 # meshpilot — the README's two commands:
 #   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
-#   make test   install if needed, then lint (ruff, mypy) and the whole test suite
+#   make test   install if needed, then lint (ruff, mypy) and the tests not marked slow (under 30 min on 2 cores)
+#   make test-all   the same with the slow fault scenarios too: what CI runs (.ci/run)
 #   make lint   ruff check, ruff format --check, mypy
 #   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with CUDA GPUs (install a CUDA torch first:
 #                   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.meshpilot-installed
 
-.PHONY: setup demo lint test test-fast test-gpu bench clean
+.PHONY: setup demo lint test test-all test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -34,13 +35,15 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-test-fast: setup lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# Everything, the long fault scenarios (marked slow) included: CI runs this.
+test-all: setup lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
 # tests/gpu needs a CUDA GPU (two for its replica-group tests): without one `make test` does not
-# collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` runs it too.
+# collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` and
+# `make test-all` run it too.
 test-gpu: setup
 	$(PY) -m pytest tests/gpu -s $(PYTEST_ARGS)
 	$(PY) bench/gpu.py --quick

@@ -106,6 +106,7 @@ MOE_LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # two 4-rank MoE jobs per layout: 40-50 s a layout on 2 cores
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_a_killed_rank_of_a_moe_replica_group_recovers_in_place(layout, tmp_path):
     """An expert shard is state like any other: a rank of replica group 1 is killed, the job goes

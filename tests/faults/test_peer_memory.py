@@ -236,6 +236,7 @@ def assert_completed_like_after_restore(events, reference, restored_step: int) -
     assert rewound[-(STEPS - restored_step) :] == list(range(restored_step + 1, STEPS + 1))
 
 
+@pytest.mark.slow  # a compound fault: two recoveries, one of them aborted, ~40 s on 2 cores
 def test_a_rank_lost_while_the_recovery_builds_its_groups_is_not_waited_for_the_collective_timeout(reference, tmp_path):
     """A fault during a recovery, where the abort cannot reach: ``kill@6:1`` is restored onto the
     three survivors and a warm spare (rank 3, holding no snapshot), and as that mesh builds its
