@@ -47,7 +47,7 @@ def _rank(rank: int, port: int, flow: str, delay_s: float, results: Any) -> None
     import torch.distributed as dist
 
     from workers.group_abort import abort_groups, release_collectives
-    from workers.sockets import GroupSockets, _shutdown_open
+    from workers.sockets import GroupSockets, shutdown_open
 
     watch = GroupSockets("gloo")
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, flow: str, delay_s: float, results: Any) -> None
     if flow == "ours":
         release_collectives(sockets, "gloo")
     else:
-        _shutdown_open(sockets, socket.SHUT_RDWR)
+        shutdown_open(sockets, socket.SHUT_RDWR)
         abort_groups(set())
     results.put(not left.wait(STUCK_AFTER_S))
 

@@ -79,16 +79,19 @@ def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
     """
     if not inodes or not _FD_DIR.is_dir():
         return 0
-    shut = _shutdown_open(inodes, socket.SHUT_RD)
+    shut = shutdown_open(inodes, socket.SHUT_RD)
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and shut & socket_inodes():
         time.sleep(SETTLE_POLL_S)
-    _shutdown_open(shut, socket.SHUT_RDWR)
+    shutdown_open(shut, socket.SHUT_RDWR)
     return len(shut)
 
 
-def _shutdown_open(inodes: set[str], how: int) -> set[str]:
-    """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns those."""
+def shutdown_open(inodes: set[str], how: int) -> set[str]:
+    """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns those.
+
+    One direction per call; ``shutdown_sockets`` is the order a release uses (bench/release.py
+    also calls this directly, for the both-directions-at-once flow it measures against)."""
     shut = set()
     for entry in _FD_DIR.iterdir():
         try:
