@@ -173,6 +173,7 @@ def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(reference, s3_bucke
     assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored[-1]["step"])
 
 
+@pytest.mark.slow  # a compound fault (a rank lost, its buddy stuck), ~26 s on 2 cores
 def test_a_stuck_buddy_serves_the_snapshots_it_holds_before_it_is_killed(reference, tmp_path):
     """Rank 1 dies in step 7 and rank 2, which holds the copy of rank 1's snapshot, never leaves
     the aborted generation (stuck, as a rank blocked where the abort cannot reach). Its actor still

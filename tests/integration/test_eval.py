@@ -15,6 +15,7 @@ from tests.jobs import train
 STEPS = 12
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; make test evaluates through the pp2-dualpipev-eval loss-parity layout
 def test_a_run_evaluates_every_five_steps_and_shows_it(ray_cluster, tmp_path, monkeypatch, capsys):
     exporters = []
     monkeypatch.setattr(

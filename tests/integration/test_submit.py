@@ -408,6 +408,7 @@ def test_real_train_job_runs_to_completion(ray_head):
     assert result.stderr.rstrip().endswith(f"meshpilot: {job_id}: SUCCEEDED")
 
 
+@pytest.mark.slow  # two Ray jobs, ~40 s on 2 cores; make test keeps the one that runs to completion
 def test_real_train_job_resumes(ray_head, tmp_path):
     """Submitting again under a job's name continues from its checkpoint instead of starting over.
 

@@ -51,6 +51,7 @@ def ranks_by_layout(tmp_path_factory) -> dict[str, dict[int, tuple]]:
     return {layout: evaluate_on(layout, store_dir) for layout in LAYOUTS}
 
 
+@pytest.mark.slow  # four layouts of spawned ranks up to 8, ~50 s on 2 cores
 def test_eval_loss_is_the_same_on_one_rank_and_on_eight(ranks_by_layout):
     expected = plain_eval_loss()
     for layout, ranks in ranks_by_layout.items():
