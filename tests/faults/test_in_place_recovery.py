@@ -63,6 +63,7 @@ def test_sigterm_to_one_rank_on_a_single_node_leaves_its_replica_group_only(refe
     assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
 
 
+@pytest.mark.slow  # a compound fault (a joining rank killed mid-recovery), ~25 s on 2 cores
 def test_a_joining_rank_killed_while_the_refill_configures_restarts_the_recovery(reference, tmp_path):
     """A fault during a recovery: rank 2 dies, warm spares refill its replica group, and one of
     them dies while the refill configures. The recovery starts again from what is left (replica 0,

@@ -155,6 +155,7 @@ def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(reference, 
     assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored["step"])
 
 
+@pytest.mark.slow  # a compound fault (a rank and its buddy lost together), ~23 s on 2 cores
 def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(reference, s3_bucket, tmp_path):
     checkpoints = (
         f"checkpoint.uri={s3_bucket.uri}",

@@ -22,8 +22,24 @@ from tests.unit.spawned_ranks import spawn_ranks
 LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "tp2-pp2-dp_shard2": MeshSpec(dp_shard=2, tp=2, pp=2)}
 
 
-@pytest.mark.parametrize("architecture", ["llama3", "smollm", "mistral", "qwen2"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+ARCHITECTURES = ("llama3", "smollm", "mistral", "qwen2")
+
+
+# Every architecture on one rank; on 8 ranks (about 22 s each on 2 cores) make test keeps llama3's
+# and CI runs them all (make test-all).
+@pytest.mark.parametrize(
+    ("layout", "architecture"),
+    [
+        pytest.param(
+            layout,
+            architecture,
+            id=f"{layout}-{architecture}",
+            marks=pytest.mark.slow if LAYOUTS[layout].world_size > 1 and architecture != "llama3" else (),
+        )
+        for layout in LAYOUTS
+        for architecture in ARCHITECTURES
+    ],
+)
 def test_logits_equal_transformers_on_any_mesh(architecture, layout, tmp_path):
     save_random_model(architecture, tmp_path / "model", dtype=torch.bfloat16)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
