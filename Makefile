@@ -1,7 +1,7 @@
 # meshpilot — the README's two commands:
 #   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
 #   make test   install if needed, then lint (ruff, mypy) and the tests not marked slow (under 30 min on 2 cores)
-#   make test-all   the same with the slow fault scenarios too: what CI runs (.ci/run)
+#   make test-all   the same with the long scenarios marked slow too: what CI runs (.ci/run)
 #   make lint   ruff check, ruff format --check, mypy
 #   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with CUDA GPUs (install a CUDA torch first:
 #                   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
@@ -37,7 +37,7 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# Everything, the long fault scenarios (marked slow) included: CI runs this.
+# Everything, the long scenarios marked slow included: CI runs this.
 test-all: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 

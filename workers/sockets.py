@@ -90,8 +90,8 @@ def shutdown_sockets(inodes: set[str], *, settle_s: float = SETTLE_S) -> int:
 def shutdown_open(inodes: set[str], how: int) -> set[str]:
     """``socket.shutdown(how)`` on every open socket among ``inodes`` but listeners; returns those.
 
-    One direction per call; ``shutdown_sockets`` is the order a release uses (bench/release.py
-    also calls this directly, for the both-directions-at-once flow it measures against)."""
+    ``shutdown_sockets`` is the order a release uses (reading first, then both ways);
+    bench/release.py calls this directly for the flow it measures against (both ways at once)."""
     shut = set()
     for entry in _FD_DIR.iterdir():
         try:
