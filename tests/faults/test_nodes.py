@@ -66,11 +66,23 @@ def test_lost_node_shrinks_then_a_new_node_grows_the_mesh_back(reference, worker
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference(LONG_STEPS), LONG_STEPS)
     [failure] = of_kind(events, "failure")
-    assert failure["kind"] == "node_lost" and failure["ranks"] == [2, 3]
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
-    [grow] = of_kind(events, "grow")
-    assert grow["new_mesh"]["dp_replicate"] == 2 and grow["added_ranks"] == [2, 3]
+    grows = of_kind(events, "grow")
+    assert grows[-1]["new_mesh"] == recovered["old_mesh"], "the mesh grew back to what it was"
+    if failure["ranks"] == [2, 3]:
+        assert failure["kind"] == "node_lost"
+        [grow] = grows
+        assert grow["added_ranks"] == [2, 3]
+    else:
+        # On a loaded machine a rank of the surviving replica group can also be found stuck: a
+        # gloo send to its partner stays parked after the abort (the known gloo limit that
+        # bench/release.py measures). It is replaced too: the job resumes from peer memory with
+        # no step lost, and the mesh grows back in two steps.
+        stuck = set(failure["ranks"]) - {2, 3}
+        assert failure["kind"] == "node_lost,stuck" and {2, 3} < set(failure["ranks"]), failure
+        assert len(stuck) == 1 and stuck <= {0, 1}, failure
+        assert sorted(rank for grow in grows for rank in grow["added_ranks"]) == [1, 2, 3]
     assert events[-1]["replicas_consistent"] is True
 
 
