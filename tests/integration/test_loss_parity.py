@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.jobs import losses, single_rank, train
+from tests.marks import slow_when_named
 
 STEPS = 20
 LAYOUTS = {
@@ -161,9 +162,7 @@ SLOW_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize(
-    "layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name for name in LAYOUTS]
-)
+@pytest.mark.parametrize("layout", slow_when_named(LAYOUTS, SLOW_LAYOUTS))
 def test_parallel_losses_match_single_rank(layout, reference_losses, tmp_path):
     overrides = LAYOUTS[layout]
     result, events = train(tmp_path, f"training.steps={STEPS}", *overrides)

@@ -14,6 +14,7 @@ import torch
 
 from elastic.policy import restore_mesh
 from elastic.spec import MeshError, MeshSpec, RankCoords
+from tests.marks import slow_when_named
 from tests.unit import cp_ranks
 from tests.unit.spawned_ranks import spawn_ranks
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
@@ -68,9 +69,7 @@ def single_rank_run(tmp_path_factory):
 
 # cp2-tp2 (about 20 s on 2 cores, the others 6-9 s) combines two axes the others cover: CI runs it
 # (make test-all), make test not.
-@pytest.mark.parametrize(
-    "layout", [pytest.param(name, marks=pytest.mark.slow) if name == "cp2-tp2" else name for name in LAYOUTS]
-)
+@pytest.mark.parametrize("layout", slow_when_named(LAYOUTS, {"cp2-tp2"}))
 def test_training_with_cp_matches_one_rank(layout, single_rank_run, tmp_path):
     mesh, activation_checkpointing = LAYOUTS[layout]
     ranks = spawn_ranks(
