@@ -56,3 +56,18 @@ def test_the_summary_sets_each_start_against_torchrun_measured_in_the_same_round
     assert "on_cluster_step_s" not in summary["per_round"]
     assert set(summary["phases_s"]) == {"torchrun", "meshpilot"}
     assert (summary["world_size"], summary["steps"], summary["rounds"]) == (2, 120, 3)
+
+
+@pytest.mark.parametrize(("rounds", "quantile"), [(3, 4.303), (12, 2.201), (31, 2.042), (40, 2.042)])
+def test_the_ratio_interval_uses_students_t_for_the_rounds_run(rounds: int, quantile: float):
+    import math
+    import statistics
+
+    from bench.overhead import ratio_interval
+
+    ours = [1.0 + 0.01 * (i % 5) for i in range(rounds)]
+    logs = [math.log(value) for value in ours]
+    half = quantile * statistics.stdev(logs) / math.sqrt(rounds)
+    centre, low, high = ratio_interval(ours, [1.0] * rounds)
+    assert centre == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (low, high) == pytest.approx((centre * math.exp(-half), centre * math.exp(half)))
