@@ -9,8 +9,12 @@ vote) and for `torchrun bench/torchrun_reference.py` (the same Trainer, nothing 
 (3) the command to the first step of `meshpilot train` joining a Ray cluster that is already
 running (`RAY_ADDRESS=auto`, as in a Ray job or a KubeRay pod, whose Python environment has
 meshpilot), which leaves Ray's own cluster start out: the bench starts that cluster with
-`ray start --head` before the timer and stops it after the run.
-Rounds alternate the order (torchrun first, then meshpilot first, ...). The step-time goal is
+`ray start --head` before the timer and stops it after the run; and (4) torchrun's step
+time beside an idle Ray job (a running cluster, a connected driver, one idle actor). On a
+machine whose cores the ranks fill, Ray's own processes slow any job beside them, so
+``step_time_ratio_beside_ray`` (meshpilot against that) is what meshpilot's rank actors, vote,
+reports and snapshots cost on top of Ray being there.
+Each round runs the four in turn, the next round in the reverse order. The step-time goal is
 judged on 2 ranks (dp_shard=2, one per core, a ~0.4 s step): the geometric mean of the
 per-round ratios with its 95% interval. The demo's 8-rank mesh is measured too, labelled as
 oversubscribed (8 ranks and Ray's processes on 2 cores drift by more than the effect).
@@ -32,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, emit, run_command, steady_step_time  # noqa: E402
-from bench.support.ray_head import running_ray_cluster  # noqa: E402
+from bench.support.ray_head import idle_ray_job, running_ray_cluster  # noqa: E402
 from orchestrator.config import JobConfig, load_config  # noqa: E402
 from orchestrator.driver.cluster import embedded_cpus  # noqa: E402
 from orchestrator.errors import UserError  # noqa: E402
@@ -143,7 +147,7 @@ def ratio_interval(ours: list[float], reference: list[float]) -> tuple[float, fl
 ON_CLUSTER_STEPS = 3
 
 
-RUNS = ("torchrun", "meshpilot", "on_cluster")
+RUNS = ("torchrun", "meshpilot", "on_cluster", "torchrun_beside_ray")
 
 
 def run_round(
@@ -158,6 +162,10 @@ def run_round(
             results[which] = (start, records, None)
         elif which == "meshpilot":
             results[which] = measure_meshpilot(config, steps, workdir, overrides)
+        elif which == "torchrun_beside_ray":
+            with idle_ray_job(embedded_cpus(job)):
+                start, records = measure_torchrun(config, steps, job.mesh.world_size, workdir, overrides)
+            results[which] = (start, records, None)
         else:
             with running_ray_cluster(embedded_cpus(job)):
                 # auto: the cluster this machine runs, joined as from inside it (no code shipped).
@@ -188,7 +196,9 @@ def compare(config: Path, overrides: tuple[str, ...], *, steps: int, warmup: int
                 runs[which]["phases"].append(median_phases(records, warmup))
             print(
                 f"{label}, round {round_index + 1}: step {runs['meshpilot']['step_s'][-1]:.3f} s vs "
-                f"{runs['torchrun']['step_s'][-1]:.3f} s; first step {runs['meshpilot']['first_step_s'][-1]:.1f} s "
+                f"{runs['torchrun']['step_s'][-1]:.3f} s (beside an idle Ray job "
+                f"{runs['torchrun_beside_ray']['step_s'][-1]:.3f} s); "
+                f"first step {runs['meshpilot']['first_step_s'][-1]:.1f} s "
                 f"(on a running cluster {runs['on_cluster']['first_step_s'][-1]:.1f} s) "
                 f"vs {runs['torchrun']['first_step_s'][-1]:.1f} s",
                 flush=True,
@@ -200,6 +210,9 @@ def summarize(runs: dict[str, dict[str, list]], snapshot_intervals: list[int | N
     """The figures of ``compare``'s rounds (medians, the ratio and its interval, every round)."""
     ours, reference = runs["meshpilot"], runs["torchrun"]
     ratio, low, high = ratio_interval(ours["step_s"], reference["step_s"])
+    beside_ray = runs["torchrun_beside_ray"]["step_s"]
+    ratio_beside, low_beside, high_beside = ratio_interval(ours["step_s"], beside_ray)
+    ray_ratio, ray_low, ray_high = ratio_interval(beside_ray, reference["step_s"])
     ours_start, torchrun_start = statistics.median(ours["first_step_s"]), statistics.median(reference["first_step_s"])
     on_cluster_start = statistics.median(runs["on_cluster"]["first_step_s"])
     return {
@@ -208,6 +221,13 @@ def summarize(runs: dict[str, dict[str, list]], snapshot_intervals: list[int | N
         "torchrun_step_s": round(statistics.median(reference["step_s"]), 4),
         "step_time_ratio": round(ratio, 4),
         "step_time_ratio_95": [round(low, 4), round(high, 4)],
+        # What Ray's presence alone costs: torchrun beside an idle Ray job against torchrun alone;
+        # and meshpilot against torchrun beside it (what is left is meshpilot's own cost).
+        "torchrun_beside_ray_step_s": round(statistics.median(beside_ray), 4),
+        "ray_presence_ratio": round(ray_ratio, 4),
+        "ray_presence_ratio_95": [round(ray_low, 4), round(ray_high, 4)],
+        "step_time_ratio_beside_ray": round(ratio_beside, 4),
+        "step_time_ratio_beside_ray_95": [round(low_beside, 4), round(high_beside, 4)],
         "meshpilot_first_step_s": round(ours_start, 2),
         "torchrun_first_step_s": round(torchrun_start, 2),
         "first_step_extra_s": round(ours_start - torchrun_start, 2),
@@ -284,6 +304,8 @@ def main() -> None:
         "demo_mesh_oversubscribed": demo_mesh,
         "step_time_ratio": two_ranks["step_time_ratio"],
         "step_time_ratio_95": two_ranks["step_time_ratio_95"],
+        "step_time_ratio_beside_ray": two_ranks["step_time_ratio_beside_ray"],
+        "step_time_ratio_beside_ray_95": two_ranks["step_time_ratio_beside_ray_95"],
         "first_step_extra_s": {
             "two_ranks": two_ranks["first_step_extra_s"],
             "demo_mesh": demo_mesh["first_step_extra_s"],
@@ -292,9 +314,12 @@ def main() -> None:
         },
     }
     low, high = two_ranks["step_time_ratio_95"]
+    beside_low, beside_high = two_ranks["step_time_ratio_beside_ray_95"]
     print(
         f"steady step, 2 ranks: meshpilot {two_ranks['meshpilot_step_s']:.3f} s vs torchrun "
         f"{two_ranks['torchrun_step_s']:.3f} s: x{two_ranks['step_time_ratio']:.3f} (95%: {low:.3f}-{high:.3f}); "
+        f"against torchrun beside an idle Ray job x{two_ranks['step_time_ratio_beside_ray']:.3f} "
+        f"(95%: {beside_low:.3f}-{beside_high:.3f}); "
         f"command to first step: +{two_ranks['first_step_extra_s']:.1f} s (2 ranks), "
         f"+{demo_mesh['first_step_extra_s']:.1f} s (8 ranks); on a running cluster "
         f"+{two_ranks['on_cluster_first_step_extra_s']:.1f} s (2 ranks), "

@@ -47,3 +47,44 @@ def running_ray_cluster(num_cpus: int) -> Iterator[str]:
         # Not SIGTERM: `ray start --block` then drains the node for up to 30 s first.
         os.killpg(head.pid, signal.SIGKILL)
         head.wait(timeout=60)
+
+
+# A driver that connects and keeps one idle actor: what a meshpilot job's driver and its store
+# actor add to a running cluster before they do any work.
+_IDLE_DRIVER = """
+import ray, time
+
+@ray.remote(num_cpus=0)
+class Idle:
+    def ready(self):
+        return True
+
+actor = Idle.remote()
+ray.get(actor.ready.remote())
+print("ready", flush=True)
+time.sleep(24 * 3600)
+"""
+
+
+@contextmanager
+def idle_ray_job(num_cpus: int) -> Iterator[None]:
+    """A running Ray cluster (``running_ray_cluster``) with a connected driver holding one idle
+    actor, up before it yields and stopped after: the reference for what Ray's presence alone
+    costs a job that shares the machine with it."""
+    with running_ray_cluster(num_cpus):
+        driver = subprocess.Popen(
+            [sys.executable, "-c", _IDLE_DRIVER],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=worker_pythonpath(), RAY_ADDRESS="auto"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert driver.stdout is not None
+            if driver.stdout.readline().strip() != "ready":
+                raise SystemExit("the idle Ray driver did not start")
+            yield
+        finally:
+            driver.kill()
+            driver.wait(timeout=60)

@@ -47,6 +47,8 @@ def test_the_summary_sets_each_start_against_torchrun_measured_in_the_same_round
         "meshpilot": {"step_s": [0.21, 0.22, 0.22], "first_step_s": [8.0, 9.0, 8.5], "phases": [phases] * 3},
         # The runs on a running cluster are too short for a steady step time.
         "on_cluster": {"step_s": [], "first_step_s": [5.0, 6.0, 5.5], "phases": []},
+        # torchrun beside an idle Ray job: the reference for what Ray's presence costs.
+        "torchrun_beside_ray": {"step_s": [0.21, 0.22, 0.22], "first_step_s": [4.1, 4.5, 4.3], "phases": [phases] * 3},
     }
     summary = summarize(runs, [7, 8, 9], world_size=2, steps=120, rounds=3)
     assert summary["first_step_extra_s"] == 4.3  # medians: 8.5 - 4.2
@@ -54,7 +56,11 @@ def test_the_summary_sets_each_start_against_torchrun_measured_in_the_same_round
     assert summary["on_cluster_first_step_extra_s"] == 1.3
     assert summary["per_round"]["on_cluster_first_step_s"] == [5.0, 6.0, 5.5]
     assert "on_cluster_step_s" not in summary["per_round"]
-    assert set(summary["phases_s"]) == {"torchrun", "meshpilot"}
+    assert summary["torchrun_beside_ray_step_s"] == 0.22
+    # meshpilot's rounds equal torchrun's beside Ray: all of the gap is Ray being there.
+    assert summary["step_time_ratio_beside_ray"] == 1.0
+    assert summary["ray_presence_ratio"] == summary["step_time_ratio"]
+    assert set(summary["phases_s"]) == {"torchrun", "meshpilot", "torchrun_beside_ray"}
     assert (summary["world_size"], summary["steps"], summary["rounds"]) == (2, 120, 3)
 
 
