@@ -25,6 +25,7 @@ most 2 s more than torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -157,15 +158,12 @@ def run_round(
     per run, its command-to-first-step time, step records and final snapshot interval."""
     results: dict[str, tuple[float, list[dict], int | None]] = {}
     for which in order:
-        if which == "torchrun":
-            start, records = measure_torchrun(config, steps, job.mesh.world_size, workdir, overrides)
+        if which in ("torchrun", "torchrun_beside_ray"):
+            with idle_ray_job(embedded_cpus(job)) if which == "torchrun_beside_ray" else contextlib.nullcontext():
+                start, records = measure_torchrun(config, steps, job.mesh.world_size, workdir, overrides)
             results[which] = (start, records, None)
         elif which == "meshpilot":
             results[which] = measure_meshpilot(config, steps, workdir, overrides)
-        elif which == "torchrun_beside_ray":
-            with idle_ray_job(embedded_cpus(job)):
-                start, records = measure_torchrun(config, steps, job.mesh.world_size, workdir, overrides)
-            results[which] = (start, records, None)
         else:
             with running_ray_cluster(embedded_cpus(job)):
                 # auto: the cluster this machine runs, joined as from inside it (no code shipped).
