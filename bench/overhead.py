@@ -70,7 +70,8 @@ TWO_RANKS = (
 )
 # The same model and per-rank batch on one rank: the second core is left to Ray's processes (and
 # torchrun's launcher), so neither side is preempted by them. What meshpilot costs where the ranks
-# do not fill the machine, as on a GPU node; no collective, so no peer-memory snapshots either.
+# do not fill the machine, as on a GPU node. No collective; the peer-memory snapshots are the
+# rank's own host copy only (no buddy to send them to).
 ONE_RANK_SPARE_CORE = (
     *(o for o in TWO_RANKS if not o.startswith(("parallelism.dp_shard=", "training.global_batch="))),
     "parallelism.dp_shard=1",
