@@ -61,6 +61,7 @@ from workers.spec.messages import (
     FailureKind,
     NoticeScope,
     ReportKind,
+    RunOutcome,
     RunStatus,
     StartFrom,
     StartMode,
@@ -329,7 +330,7 @@ class Controller(Restores):
 
     def _supervise(self, state: Running) -> State:
         # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
-        # rank queued before returning are drained right after.
+        # rank queued before returning are drained right after (at the end, until all are in).
         state.calls.collect(timeout=self.poll_interval_s, first=True)
         self._drain_reports()
         lost = self.detector.losses(state.calls.results, hangs=True)
@@ -339,6 +340,10 @@ class Controller(Restores):
         if state.calls.done:
             statuses = {run_status(r) for r in returned.values()}
             if statuses == {RunStatus.FINISHED}:
+                # A poll slower than the drain above holds the last steps' reports (on a loaded
+                # machine, every step of a short run): take them before the run ends.
+                last = max(outcome.last_step for outcome in returned.values() if isinstance(outcome, RunOutcome))
+                self._await_step_reports(last, range(state.mesh.world_size))
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
             return self._fail("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")
