@@ -33,7 +33,7 @@ import torch
 from checkpointing.errors import CheckpointError
 from checkpointing.shardfile import build_header
 from checkpointing.spec import DTYPES, TensorEntry, block_count, block_rows
-from checkpointing.torch_compat import chunk_list
+from checkpointing.torch_compat import chunk_list, local_tensor_shape
 
 log = logging.getLogger("meshpilot.checkpoint")
 
@@ -182,7 +182,7 @@ def layout_key(tensors: dict[str, torch.Tensor], owns_plain_tensors: bool) -> tu
                     tuple(tensor.shape),
                     id(tensor.device_mesh),
                     tuple(tensor.placements),
-                    tuple(tensor._local_tensor.shape),
+                    local_tensor_shape(tensor),
                 )
             )
         else:

@@ -42,6 +42,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
     "torch.distributed.device_mesh:DeviceMesh._flatten",
     "torch.distributed.device_mesh:DeviceMesh._unflatten",
+    "torch.distributed.tensor:DTensor._local_tensor",
 )
 
 
@@ -137,6 +138,12 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
     """(local shape, global offset) of this rank's slice of DTensor ``tensor``."""
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(shape), tuple(offset)
+
+
+def local_tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """The shape of this rank's local part of DTensor ``tensor``, read from the tensor it wraps
+    (``to_local()`` gives the same shape through an autograd call, per tensor on every save)."""
+    return tuple(tensor._local_tensor.shape)
 
 
 def chunk_list(tensor: torch.Tensor) -> list[Any]:

@@ -4,13 +4,18 @@
 
 Sizes (no module of the four packages over 500 lines, no function over 60), the one-way
 imports (orchestrator -> elastic, orchestrator -> workers -> checkpointing; elastic pure), and
-private torch / Ray internals only inside their one fenced module each.
+private torch / Ray internals only inside their fenced modules: named through the library
+(``torch._C._x``, ``from ray._private import state``) or reached through one of its objects
+(``tensor._local_tensor``, ``mesh._flatten(...)``).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,12 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 TORCH_FENCE = "checkpointing/torch_compat.py"
 RAY_FENCES = ("orchestrator/driver/ray_compat.py", "workers/ray_compat.py")
+FENCES = (TORCH_FENCE, *RAY_FENCES)
+# Private names of the standard library used as its documentation shows: not torch / Ray internals.
+STDLIB_PRIVATES = (
+    "argparse._SubParsersAction",  # the type of add_subparsers()'s result; argparse names no public one
+    "sys._current_frames",  # documented in the sys module: the stack dump of a stuck rank
+)
 
 
 def _modules(*packages: str) -> list[Path]:
@@ -58,6 +69,7 @@ def _attribute_chains(tree: ast.AST) -> list[tuple[str, int]]:
     return chains
 
 
+@functools.cache  # each module is parsed once per test session, whichever tests read it
 def _parse(path: Path) -> ast.AST:
     """Parse one module, retrying CPython 3.11's spurious ``SystemError`` from ``ast.parse``.
 
@@ -136,6 +148,122 @@ def _private_uses(paths: list[Path], roots: tuple[str, ...]) -> list[str]:
             if parts[0] in roots and any(part.startswith("_") and not part.startswith("__") for part in parts[1:]):
                 hits.append(f"{_relative(path)}:{line} {name}")
     return hits
+
+
+def _is_private(name: str) -> bool:
+    """``_name`` or ``_name_`` (enum's sunder names too), not a dunder and not the bare ``_``."""
+    return name.startswith("_") and not name.startswith("__") and name != "_"
+
+
+@dataclass
+class _PrivateNames:
+    """The private attribute names one module defines on its own objects, and those it reaches."""
+
+    defined: set[str] = field(default_factory=set)
+    reached: list[tuple[str, str, int]] = field(default_factory=list)  # (name, expression, line)
+
+
+def _scope_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of a module or class body, into ``if`` / ``try`` / ``with`` but not into defs."""
+    for statement in body:
+        yield statement
+        if not isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            for inner in ("body", "orelse", "finalbody", "handlers"):
+                yield from _scope_statements(getattr(statement, inner, []))
+
+
+def _scope_definitions(tree: ast.AST) -> set[str]:
+    """Private names assigned in a module or class body (module globals that another module reaches as
+    ``module._name``, class attributes, dataclass fields) and the names a class lists in ``__slots__``."""
+    scopes = [tree] + [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    defined = set()
+    for scope in scopes:
+        for statement in _scope_statements(getattr(scope, "body", [])):
+            if isinstance(statement, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                names = {node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name)}
+                defined |= {name for name in names if _is_private(name)}
+                if "__slots__" in names and statement.value is not None:
+                    defined |= {
+                        node.value
+                        for node in ast.walk(statement.value)
+                        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value)
+                    }
+    return defined
+
+
+def _named_attribute(node: ast.Call) -> tuple[str, bool] | None:
+    """(``_name``, set on ``self``) for ``getattr(x, "_name")`` and its kin, else None."""
+    function = ast.unparse(node.func)
+    if function not in ("getattr", "hasattr", "setattr", "delattr", "object.__setattr__") or len(node.args) < 2:
+        return None
+    name = node.args[1]
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value)):
+        return None
+    on_self = function in ("setattr", "object.__setattr__") and ast.unparse(node.args[0]) in ("self", "cls")
+    return name.value, on_self
+
+
+def _private_names(tree: ast.AST) -> _PrivateNames:
+    """Every private attribute a module defines (``self._x = ...``, ``def _x``, ``class _X``, a module or
+    class level ``_x``, ``__slots__``) and every one it reaches on any object (``x._y``, ``getattr(x, "_y")``).
+    """
+    found = _PrivateNames(defined=_scope_definitions(tree))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and _is_private(node.name):
+            found.defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if on_self and isinstance(node.ctx, ast.Store):
+                found.defined.add(node.attr)
+            else:
+                found.reached.append((node.attr, ast.unparse(node), node.lineno))
+        elif isinstance(node, ast.Call) and (named := _named_attribute(node)) is not None:
+            name, on_self = named
+            if on_self:
+                found.defined.add(name)
+            else:
+                found.reached.append((name, ast.unparse(node), node.lineno))
+    return found
+
+
+def _foreign_private_attributes(paths: list[Path]) -> list[str]:
+    """``where:line expression`` for each private attribute reached that no module of ours defines."""
+    per_module = {_relative(path): _private_names(_parse(path)) for path in paths}
+    ours = set().union(*(names.defined for names in per_module.values()))
+    return [
+        f"{where}:{line} {expression}"
+        for where, names in per_module.items()
+        for name, expression, line in names.reached
+        if name not in ours and expression not in STDLIB_PRIVATES
+    ]
+
+
+def test_private_attributes_of_library_objects_only_in_the_fences() -> None:
+    """``tensor._local_tensor`` or ``mesh._flatten(...)`` names no module, so the checks above miss it:
+    a private attribute that our own code does not define belongs to torch, Ray or another library."""
+    leaks = [hit for hit in _foreign_private_attributes(_modules(*PACKAGES)) if hit.split(":")[0] not in FENCES]
+    assert leaks == [], f"private attributes of library objects outside {FENCES}: wrap them in a fence function"
+
+
+def test_the_object_fence_tells_our_privates_from_a_library_s() -> None:
+    source = """
+class Cache:
+    __slots__ = ("_slot",)
+    _shared = 0
+
+    def __init__(self, mesh):
+        self._key = None
+        object.__setattr__(self, "_frozen", True)
+        self._mesh = mesh._flatten("dp")
+
+    def _helper(self, tensor, group):
+        other = Cache(None)
+        return other._key, other._slot, other._frozen, Cache._shared, tensor._local_tensor, getattr(group, "_pg")
+"""
+    names = _private_names(ast.parse(source))
+    foreign = [expression for name, expression, _ in names.reached if name not in names.defined]
+    assert foreign == ["mesh._flatten", "tensor._local_tensor", "getattr(group, '_pg')"]
 
 
 def test_private_torch_only_in_its_fence() -> None:

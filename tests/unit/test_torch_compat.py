@@ -53,3 +53,21 @@ def test_no_other_module_names_a_private_torch_symbol():
             text = path.read_text(encoding="utf-8")
             offenders += [f"{path.relative_to(repo)}: {name}" for name in private if name in text]
     assert offenders == []
+
+
+def test_local_tensor_shape_is_the_shape_to_local_gives():
+    """A fake process group makes this process rank 1 of 4: its slice of 10 rows is rows 3-5."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        tensor = DTensor.from_local(
+            torch.zeros(3, 2), mesh, [Shard(0)], run_check=False, shape=torch.Size((10, 2)), stride=(2, 1)
+        )
+        assert torch_compat.local_tensor_shape(tensor) == tuple(tensor.to_local().shape) == (3, 2)
+    finally:
+        dist.destroy_process_group()

@@ -49,6 +49,10 @@ class FailureKind(StrEnum):
     INJECTED = "injected"  # a fault injected on purpose (``--inject raise@STEP``)
 
 
+# The kinds' string values, as ``checkpointing/`` errors declare them (see ``failure_kind_of``).
+_FAILURE_KIND_VALUES = frozenset(kind.value for kind in FailureKind)
+
+
 class Phase(StrEnum):
     """What a rank is doing, as its heartbeat says."""
 
@@ -77,7 +81,7 @@ def failure_kind_of(error: BaseException) -> FailureKind:
     importable without torch (an OOM exists only where torch is already loaded).
     """
     kind = getattr(error, "failure_kind", None)
-    if isinstance(kind, str) and kind in FailureKind._value2member_map_:
+    if isinstance(kind, str) and kind in _FAILURE_KIND_VALUES:
         return FailureKind(kind)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(error, torch.OutOfMemoryError):
