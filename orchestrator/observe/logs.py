@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -178,60 +179,109 @@ class ConsoleEventPrinter:
             self.logger.log(level, "%s", text)
 
     def _describe(self, event: dict[str, Any]) -> tuple[int, str] | None:
+        """(level, line) for an event an operator must notice, else None."""
         name = event.get("event")
-        get = event.get
-        if name == "start":
-            return logging.INFO, (
-                f"run {get('name')}: {_mesh(get('mesh'))} ({get('world_size')} ranks), "
-                f"{get('steps')} steps, run dir {get('run_dir')}"
-            )
-        if name == "log" and get("rank") is not None and _level(get("level")) >= self.rank_level:
-            return _level(get("level")), f"[rank {get('rank')}] {get('message')}"
-        if name == "failure":
-            return logging.WARNING, (
-                f"failure: {get('kind')} on node {get('node')}, ranks {_ranks(get('ranks'))}: {get('message')}"
-            )
-        if name == "recovered":
-            change = f"{_mesh(get('old_mesh'))} -> {_mesh(get('new_mesh'))}"
-            if not is_failure_recovery(event):  # the end of a drain's (or an idle grow's) pause
-                return logging.INFO, (
-                    f"training again after the {get('cause')} in {float(get('mttr_s') or 0):.1f} s: {change}"
-                )
-            return logging.INFO, (
-                f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, {get('lost_steps') or 0} steps lost"
-            )
-        if name == "restored":
-            return logging.INFO, (
-                f"restored step {get('step')} from {get('uri')} in "
-                f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}"
-            )
-        if name == "eval":
-            return logging.INFO, (
-                f"eval at step {get('step')}: loss {float(event['loss']):.4f} over {int(event['tokens']):,} tokens "
-                f"in {float(get('eval_s') or 0):.1f} s"
-            )
-        if name == "checkpoint_committed":
-            return logging.INFO, (
-                f"checkpoint step {get('step')} committed: {_megabytes(get('bytes'))} in "
-                f"{float(get('upload_s') or 0):.1f} s -> {get('uri')}"
-            )
-        if name == "checkpoint_failed":
-            if checkpoint_failure_reason(event) == "interrupted":  # storage is fine: the mesh moved on
-                return logging.INFO, f"checkpoint step {get('step')} dropped: {get('error')}"
-            return logging.WARNING, f"checkpoint step {get('step')} failed: {get('error')}"
-        if name == "drain":
-            return logging.WARNING, (f"draining node {get('node')} (ranks {_ranks(get('ranks'))}): {get('reason')}")
-        if name == "grow":
-            return logging.INFO, (
-                f"grew to {_mesh(get('new_mesh'))}, added ranks {_ranks(get('added_ranks'))} "
-                f"in {float(get('join_s') or 0):.1f} s"
-            )
-        if name == "done":
-            return (
-                logging.INFO,
-                f"done: {get('status')} after {get('steps')} steps in {float(get('elapsed_s') or 0):.1f} s",
-            )
-        return None
+        if name == "log":
+            return self._describe_rank_log(event)
+        describe = _DESCRIBERS.get(name) if isinstance(name, str) else None
+        return describe(event) if describe is not None else None
+
+    def _describe_rank_log(self, event: dict[str, Any]) -> tuple[int, str] | None:
+        """A rank's log record at or above ``rank_level``; the quieter ones stay in its rank file."""
+        level = _level(event.get("level"))
+        if event.get("rank") is None or level < self.rank_level:
+            return None
+        return level, f"[rank {event.get('rank')}] {event.get('message')}"
+
+
+# One console line per kind of event (the rank ``log`` records aside, which depend on the printer's
+# ``rank_level``). Each takes the event and gives (level, line).
+def _describe_start(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, (
+        f"run {get('name')}: {_mesh(get('mesh'))} ({get('world_size')} ranks), "
+        f"{get('steps')} steps, run dir {get('run_dir')}"
+    )
+
+
+def _describe_failure(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.WARNING, (
+        f"failure: {get('kind')} on node {get('node')}, ranks {_ranks(get('ranks'))}: {get('message')}"
+    )
+
+
+def _describe_recovered(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    change = f"{_mesh(get('old_mesh'))} -> {_mesh(get('new_mesh'))}"
+    if not is_failure_recovery(event):  # the end of a drain's (or an idle grow's) pause
+        return logging.INFO, f"training again after the {get('cause')} in {float(get('mttr_s') or 0):.1f} s: {change}"
+    return logging.INFO, (
+        f"recovered in {float(get('mttr_s') or 0):.1f} s: {change}, {get('lost_steps') or 0} steps lost"
+    )
+
+
+def _describe_restored(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, (
+        f"restored step {get('step')} from {get('uri')} in "
+        f"{float(get('restore_s') or 0):.1f} s onto {_mesh(get('to_mesh'))}"
+    )
+
+
+def _describe_eval(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, (
+        f"eval at step {get('step')}: loss {float(event['loss']):.4f} over {int(event['tokens']):,} tokens "
+        f"in {float(get('eval_s') or 0):.1f} s"
+    )
+
+
+def _describe_checkpoint_committed(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, (
+        f"checkpoint step {get('step')} committed: {_megabytes(get('bytes'))} in "
+        f"{float(get('upload_s') or 0):.1f} s -> {get('uri')}"
+    )
+
+
+def _describe_checkpoint_failed(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    if checkpoint_failure_reason(event) == "interrupted":  # storage is fine: the mesh moved on
+        return logging.INFO, f"checkpoint step {get('step')} dropped: {get('error')}"
+    return logging.WARNING, f"checkpoint step {get('step')} failed: {get('error')}"
+
+
+def _describe_drain(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.WARNING, f"draining node {get('node')} (ranks {_ranks(get('ranks'))}): {get('reason')}"
+
+
+def _describe_grow(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, (
+        f"grew to {_mesh(get('new_mesh'))}, added ranks {_ranks(get('added_ranks'))} "
+        f"in {float(get('join_s') or 0):.1f} s"
+    )
+
+
+def _describe_done(event: dict[str, Any]) -> tuple[int, str]:
+    get = event.get
+    return logging.INFO, f"done: {get('status')} after {get('steps')} steps in {float(get('elapsed_s') or 0):.1f} s"
+
+
+_DESCRIBERS: dict[str, Callable[[dict[str, Any]], tuple[int, str]]] = {
+    "start": _describe_start,
+    "failure": _describe_failure,
+    "recovered": _describe_recovered,
+    "restored": _describe_restored,
+    "eval": _describe_eval,
+    "checkpoint_committed": _describe_checkpoint_committed,
+    "checkpoint_failed": _describe_checkpoint_failed,
+    "drain": _describe_drain,
+    "grow": _describe_grow,
+    "done": _describe_done,
+}
 
 
 def _level(level: Any) -> int:
