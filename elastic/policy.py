@@ -138,42 +138,35 @@ class FailurePolicy:
             over = self._count(status)
             if over is not None:
                 return Fail(over)
+        shrink = self._shrink_in_place(status, hit, fits)
+        if shrink is not None:
+            return shrink
+        return _restore(status, hit, restore_mesh)
+
+    def _shrink_in_place(self, status: GroupStatus, hit: tuple[int, ...], fits: MeshFits) -> Shrink | None:
+        """Drop the ``hit`` replica groups and go on with the survivors, refilled from warm actors as far
+        as the mesh fits; else the fewest survivors that fit. None when no replica group survives or
+        no such mesh keeps ``min_replicas``."""
         mesh = status.mesh
         survivors = mesh.dp_replicate - len(hit)
-        if survivors >= 1:
-            refill = min(len(hit), status.warm_actors // mesh.replica_size)
-            if self.max_replicas is not None:
-                refill = min(refill, max(0, self.max_replicas - survivors))
-            while refill >= 0:
-                candidate = mesh.with_replicas(survivors + refill)
-                if fits(candidate):
-                    break
-                refill -= 1
-            else:
-                candidate = None
-            if candidate is not None and candidate.dp_replicate >= self.min_replicas:
-                return Shrink(candidate, drop=hit, refill=refill)
-            smallest = _fewest_replicas_that_fit(mesh, survivors, fits)
-            if smallest is not None and smallest.dp_replicate >= self.min_replicas:
-                return Shrink(smallest, drop=hit + _extra_drops(mesh, hit, survivors - smallest.dp_replicate), refill=0)
-        from_memory = status.memory_step is not None and (
-            status.checkpoint_step is None or status.memory_step >= status.checkpoint_step
-        )
-        if status.checkpoint_step is None and not from_memory:
-            return Fail(
-                f"no complete replica group survived ({len(hit)} of {mesh.dp_replicate} hit), no peer-memory "
-                "snapshot is whole, and there is no committed checkpoint to restore; set checkpoint.uri, or "
-                "raise parallelism.dp_replicate"
-            )
-        target = restore_mesh()
-        if target is None:
-            return Fail(
-                "no complete replica group survived and the remaining resources cannot hold any mesh "
-                "for this model and batch"
-            )
-        if from_memory:
-            return RestoreFromCheckpoint(step=status.memory_step, new_mesh=target, source=StateSource.PEER_MEMORY)
-        return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
+        if survivors < 1:
+            return None
+        refill = min(len(hit), status.warm_actors // mesh.replica_size)
+        if self.max_replicas is not None:
+            refill = min(refill, max(0, self.max_replicas - survivors))
+        while refill >= 0:
+            candidate = mesh.with_replicas(survivors + refill)
+            if fits(candidate):
+                break
+            refill -= 1
+        else:
+            candidate = None
+        if candidate is not None and candidate.dp_replicate >= self.min_replicas:
+            return Shrink(candidate, drop=hit, refill=refill)
+        smallest = _fewest_replicas_that_fit(mesh, survivors, fits)
+        if smallest is not None and smallest.dp_replicate >= self.min_replicas:
+            return Shrink(smallest, drop=hit + _extra_drops(mesh, hit, survivors - smallest.dp_replicate), refill=0)
+        return None
 
     def _count(self, status: GroupStatus) -> str | None:
         """Count a loss against the budget; the reason to give up, or None."""
@@ -191,6 +184,29 @@ class FailurePolicy:
         if len(self.failure_times) > self.max_failures:
             return _budget_reason(self, len(self.failure_times))
         return None
+
+
+def _restore(status: GroupStatus, hit: tuple[int, ...], restore_mesh: Callable[[], MeshSpec | None]) -> Decision:
+    """No replica group can go on: restore from the newer of peer memory and the last committed
+    checkpoint onto the mesh ``restore_mesh`` picks, or fail saying what is missing."""
+    from_memory = status.memory_step is not None and (
+        status.checkpoint_step is None or status.memory_step >= status.checkpoint_step
+    )
+    if status.checkpoint_step is None and not from_memory:
+        return Fail(
+            f"no complete replica group survived ({len(hit)} of {status.mesh.dp_replicate} hit), no peer-memory "
+            "snapshot is whole, and there is no committed checkpoint to restore; set checkpoint.uri, or "
+            "raise parallelism.dp_replicate"
+        )
+    target = restore_mesh()
+    if target is None:
+        return Fail(
+            "no complete replica group survived and the remaining resources cannot hold any mesh "
+            "for this model and batch"
+        )
+    if from_memory:
+        return RestoreFromCheckpoint(step=status.memory_step, new_mesh=target, source=StateSource.PEER_MEMORY)
+    return RestoreFromCheckpoint(step=status.checkpoint_step, new_mesh=target)
 
 
 @dataclass
