@@ -15,6 +15,7 @@ import builtins  # in the class body below, `list` is the method: later annotati
 import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 from checkpointing.errors import (
     CheckpointError,
@@ -25,6 +26,9 @@ from checkpointing.errors import (
     StorageUnreachableError,
 )
 from checkpointing.storage import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Buffer, ObjectInfo, PendingUpload, split_parts
+
+if TYPE_CHECKING:  # botocore is imported where an error is translated
+    from botocore.exceptions import ClientError
 
 _MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 _MAX_PARTS = 10000
@@ -305,20 +309,24 @@ class S3Storage:
                 f"of {where}; retry, or check the server"
             )
         if isinstance(error, ClientError):
-            code = _code(error)
-            if code in ("NoSuchBucket",) or (operation == "HeadBucket" and code in ("404", "NotFound")):
-                return StorageNotFoundError(
-                    f"bucket {self.bucket!r} does not exist at {endpoint}: create it, "
-                    "or fix the bucket in checkpoint.uri"
-                )
-            if code in _CREDENTIAL_CODES:
-                text = _CREDENTIAL_CODES[code].format(endpoint=endpoint, where=where, action=operation)
-                return StorageCredentialsError(f"S3 refused {operation} on {where}: {text}" + _CREDENTIAL_FIX)
-            if code in ("NoSuchKey", "404", "NotFound"):
-                return CheckpointNotFoundError(f"no object {where}")
-            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return StorageAccessError(f"S3 {operation} of {where} failed: {code} (HTTP {status})")
+            return self._translate_refusal(error, operation, where, endpoint)
         return StorageAccessError(f"S3 {operation} of {where} failed: {type(error).__name__}")
+
+    def _translate_refusal(self, error: ClientError, operation: str, where: str, endpoint: str) -> CheckpointError:
+        """The server answered with an error code (botocore's ``ClientError``): a missing bucket or
+        object, refused credentials, or another code named with its HTTP status."""
+        code = _code(error)
+        if code in ("NoSuchBucket",) or (operation == "HeadBucket" and code in ("404", "NotFound")):
+            return StorageNotFoundError(
+                f"bucket {self.bucket!r} does not exist at {endpoint}: create it, or fix the bucket in checkpoint.uri"
+            )
+        if code in _CREDENTIAL_CODES:
+            text = _CREDENTIAL_CODES[code].format(endpoint=endpoint, where=where, action=operation)
+            return StorageCredentialsError(f"S3 refused {operation} on {where}: {text}" + _CREDENTIAL_FIX)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return CheckpointNotFoundError(f"no object {where}")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return StorageAccessError(f"S3 {operation} of {where} failed: {code} (HTTP {status})")
 
 
 def _code(error) -> str:
