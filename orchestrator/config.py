@@ -443,24 +443,39 @@ def _check_value(key: str, value: Any, kind: Any, choices: tuple[str, ...] | Non
         problems.append(f"{key}: null is not allowed; give a {_type_name(allowed)}")
         return None
     for candidate in allowed:
-        if typing.get_origin(candidate) is dict:
-            return _check_mapping(key, value, problems)
-        if candidate is bool and isinstance(value, bool):
-            return value
-        if candidate is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if candidate is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if candidate is float and isinstance(value, str) and _EXPONENT_WITHOUT_DOT.fullmatch(value):
-            return float(value)
-        if candidate is str and isinstance(value, str):
-            if choices and value not in choices:
-                hint = difflib.get_close_matches(value, choices, n=1)
-                extra = f"; did you mean {hint[0]!r}?" if hint else ""
-                problems.append(f"{key}: {value!r} is not one of {', '.join(choices)}{extra}")
-            return value
+        checked = _as_kind(key, value, candidate, choices, problems)
+        if checked is not _NOT_THIS_KIND:
+            return checked
     problems.append(f"{key}: expected {_type_name(allowed)}, got {type(value).__name__} {value!r}")
     return None
+
+
+# What _as_kind gives for a value that is not of the kind asked (None is a valid result).
+_NOT_THIS_KIND = object()
+
+
+def _as_kind(key: str, value: Any, kind: Any, choices: tuple[str, ...] | None, problems: list[str]) -> Any:
+    """``value`` taken as one member of a setting's type: a mapping, bool, int, float (from an int or
+    YAML 1.1's "1e-3") or str (one of ``choices`` when given); ``_NOT_THIS_KIND`` when it is not one."""
+    if typing.get_origin(kind) is dict:
+        return _check_mapping(key, value, problems)
+    if isinstance(value, bool):
+        return value if kind is bool else _NOT_THIS_KIND
+    if kind is int and isinstance(value, int):
+        return value
+    if kind is float and (isinstance(value, (int, float)) or _is_exponent_text(value)):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        if choices and value not in choices:
+            hint = difflib.get_close_matches(value, choices, n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            problems.append(f"{key}: {value!r} is not one of {', '.join(choices)}{extra}")
+        return value
+    return _NOT_THIS_KIND
+
+
+def _is_exponent_text(value: Any) -> bool:
+    return isinstance(value, str) and _EXPONENT_WITHOUT_DOT.fullmatch(value) is not None
 
 
 def _check_mapping(key: str, value: Any, problems: list[str]) -> dict[str, float] | None:
