@@ -12,6 +12,7 @@ saved.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import queue
@@ -51,51 +52,69 @@ class Net(nn.Module):
 def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.Tensor], bool, object]:
     """This rank's model + optimizer state under ``mesh_shape`` (world size 1: plain tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
     model = Net()
     owns_plain = True
     mesh = None
-    world = 1
-    for size in mesh_shape.values():
-        world *= size
-    if world > 1:
+    if math.prod(mesh_shape.values()) > 1:
         mesh = init_device_mesh("cpu", tuple(mesh_shape.get(d, 1) for d in DIMS), mesh_dim_names=DIMS)
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "every rank of the world is in the mesh it built"
         coords = dict(zip(DIMS, coordinate))
-        stage, stages = coords["pp"], mesh_shape["pp"]
-        per_stage = MODEL["layers"] // stages
-        for index in list(model.layers):  # a pipeline stage keeps only its layers, names unchanged
-            if not stage * per_stage <= int(index) < (stage + 1) * per_stage:
-                del model.layers[index]
-        if stage != 0:
-            model.embed = None
-        if stage != stages - 1:
-            model.norm = model.head = None
+        keep_stage(model, stage=coords["pp"], stages=mesh_shape["pp"])
         if mesh_shape["tp"] > 1:
-            tp_mesh = mesh["tp"]
-            for block in model.layers.values():
-                parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            if model.embed is not None:
-                parallelize_module(model, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate())})
-            if model.head is not None:
-                parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
-        shard_dim = "dp_shard"
-        if mesh_shape.get("cp", 1) > 1:  # the trainer's dp_shard_cp (workers/parallelize.py)
-            from checkpointing.torch_compat import flatten_mesh
-
-            shard_dim = "dp_shard_cp"
-            flatten_mesh(mesh["dp_shard", "cp"], shard_dim)
-        dp_dims = ("dp_replicate", shard_dim) if mesh_shape["dp_replicate"] > 1 else (shard_dim,)
-        dp_mesh = mesh[dp_dims]
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            tensor_parallel(model, mesh["tp"])
+        shard(model, mesh, mesh_shape)
         owns_plain = coords["dp_replicate"] == 0 and coords["dp_shard"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+    return trained_state(model), owns_plain, mesh
+
+
+def keep_stage(model: Net, *, stage: int, stages: int) -> None:
+    """Drop what pipeline ``stage`` of ``stages`` does not hold: other stages' layers (names unchanged),
+    the embedding off the first stage, the norm and head off the last."""
+    per_stage = MODEL["layers"] // stages
+    for index in list(model.layers):
+        if not stage * per_stage <= int(index) < (stage + 1) * per_stage:
+            del model.layers[index]
+    if stage != 0:
+        model.embed = None
+    if stage != stages - 1:
+        model.norm = model.head = None
+
+
+def tensor_parallel(model: Net, tp_mesh) -> None:
+    """Column-then-row parallel blocks; the embedding row-parallel, the head column-parallel (DTensor TP)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if model.embed is not None:
+        parallelize_module(model, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate())})
+    if model.head is not None:
+        parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def shard(model: Net, mesh, mesh_shape: dict[str, int]) -> None:
+    """FSDP2 over dp_shard (flattened with cp into dp_shard_cp as the trainer does), HSDP when dp_replicate > 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    shard_dim = "dp_shard"
+    if mesh_shape.get("cp", 1) > 1:  # the trainer's dp_shard_cp (workers/parallelize.py)
+        from checkpointing.torch_compat import flatten_mesh
+
+        shard_dim = "dp_shard_cp"
+        flatten_mesh(mesh["dp_shard", "cp"], shard_dim)
+    dp_dims = ("dp_replicate", shard_dim) if mesh_shape["dp_replicate"] > 1 else (shard_dim,)
+    dp_mesh = mesh[dp_dims]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state and its Adam state after one step with fixed gradients, as the trainer names them."""
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for parameter in model.parameters():
         parameter.grad = parameter.detach() * 0.5 + 0.25  # same per element whatever the mesh
@@ -105,7 +124,7 @@ def build_state(mesh_shape: dict[str, int], seed: int) -> tuple[dict[str, torch.
     for optimized, values in optimizer.state.items():  # keyed by the parameters, typed as plain tensors
         for key, value in values.items():
             state[f"optim.{names[optimized]}.{key}"] = value
-    return state, owns_plain, mesh
+    return state
 
 
 def full_values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
