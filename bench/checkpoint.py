@@ -95,7 +95,6 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     from botocore.config import Config
     from torch.distributed.tensor import DTensor
 
-    from checkpointing.reader import load_manifest, restore
     from checkpointing.spec import FailureReport, ShardReport
     from checkpointing.writer import CheckpointWriter
     from elastic.spec import MeshSpec
@@ -173,6 +172,29 @@ def _rank_main(rank: int, args: dict, results) -> dict:
     first_upload_s = figures["ours_upload_s"][0]
     figures["ours_upload_s"] = figures["ours_upload_s"][1:]  # the first save is reported on its own
     dist.barrier()
+    _time_restores(storage, spec, state, rank=rank, rounds=rounds, figures=figures)
+    dist.barrier()
+    storage.close()
+    dist.destroy_process_group()
+    return {
+        "figures": figures,
+        "first_stall": first_stall,
+        "first_upload_s": first_upload_s,
+        "local_bytes": local_bytes(state),
+        "shard_bytes": len(bytes(writer._free[0].memoryview())),
+    }
+
+
+def _time_restores(storage, spec, state, *, rank: int, rounds: int, figures: dict[str, list[float]]) -> None:
+    """(c) Restore the last save (step ``rounds``) into the saving mesh (dp_shard=2), tp=2 and pp=2, interleaved.
+
+    Both ranks call it; a barrier starts each timed restore.
+    """
+    import torch.distributed as dist
+
+    from checkpointing.reader import load_manifest, restore
+    from elastic.spec import MeshSpec
+
     manifest = load_manifest(storage, rounds)
     targets = {
         "restore_same": state,
@@ -187,16 +209,6 @@ def _rank_main(rank: int, args: dict, results) -> dict:
             started = time.perf_counter()
             restore(storage, manifest, target)
             figures[name].append(time.perf_counter() - started)
-    dist.barrier()
-    storage.close()
-    dist.destroy_process_group()
-    return {
-        "figures": figures,
-        "first_stall": first_stall,
-        "first_upload_s": first_upload_s,
-        "local_bytes": local_bytes(state),
-        "shard_bytes": len(bytes(writer._free[0].memoryview())),
-    }
 
 
 def run(quick: bool) -> dict:
