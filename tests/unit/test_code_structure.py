@@ -2,11 +2,11 @@
 
     python -m pytest tests/unit/test_code_structure.py -q
 
-Sizes (no module of the four packages over 500 lines, no function over 60), the one-way
-imports (orchestrator -> elastic, orchestrator -> workers -> checkpointing; elastic pure), and
-private torch / Ray internals only inside their fenced modules: named through the library
-(``torch._C._x``, ``from ray._private import state``) or reached through one of its objects
-(``tensor._local_tensor``, ``mesh._flatten(...)``).
+The one-way imports (orchestrator -> elastic, orchestrator -> workers -> checkpointing; elastic
+pure), and private torch / Ray internals only inside their fenced modules: named through the
+library (``torch._C._x``, ``from ray._private import state``) or reached through one of its
+objects (``tensor._local_tensor``, ``mesh._flatten(...)``). Sizes are a review matter; ruff's
+complexity rules (pyproject.toml) catch tangled functions.
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "workers", "checkpointing", "elastic")
-MAX_MODULE_LINES = 500
-MAX_FUNCTION_LINES = 60
 TORCH_FENCE = "checkpointing/torch_compat.py"
 RAY_FENCES = ("orchestrator/driver/ray_compat.py", "workers/ray_compat.py")
 FENCES = (TORCH_FENCE, *RAY_FENCES)
@@ -85,24 +81,6 @@ def _parse(path: Path) -> ast.AST:
         except SystemError:
             time.sleep(0.05)
     return ast.parse(source, filename=str(path))
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_module_over_500_lines(package: str) -> None:
-    long = {_relative(p): n for p in _modules(package) if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: split them by responsibility"
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_function_over_60_lines(package: str) -> None:
-    long = {}
-    for path in _modules(package):
-        for node in ast.walk(_parse(path)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long[f"{_relative(path)}:{node.lineno} {node.name}"] = length
-    assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines"
 
 
 def _imports_from(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
