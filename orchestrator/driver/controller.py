@@ -36,7 +36,7 @@ from orchestrator.driver.checkpoint_commits import driver_checkpoints
 from orchestrator.driver.detector import Detector, DrainWatch, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
 from orchestrator.driver.peer_memory import RecoveryPoint, snapshot_book
-from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.rank_reports import ReportRouter, RouterHooks
 from orchestrator.driver.replicas import Replicas, replicas_consistent
 from orchestrator.driver.restores import Restores
 from orchestrator.driver.sample_ledger import sample_ledger
@@ -96,24 +96,12 @@ class Controller(Restores):
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
-        self.router = ReportRouter(
-            events, mesh=config.mesh, tokens_per_step=config.training.global_batch * config.training.seq_len
-        )
-        self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
-        self.router.ledger = sample_ledger(
-            events.path.parent if events.path else None,
-            record_samples=config.data.record_samples,
-            global_batch=config.training.global_batch,
-        )
         self.checkpoints = driver_checkpoints(config, events)
-        self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
-        self.snapshots = snapshot_book(config, events, self.router)
         runtime = config.runtime
         per_rank = RankResources(runtime.cpus_per_rank, runtime.gpus_per_rank, dict(runtime.resources_per_rank))
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
             spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=config.runtime.start_timeout_s
         )
-        self.snapshots.publish_interval = self.group.set_snapshot_interval
         self.replicas = Replicas(self.group, self.spec)
         self.failure_policy, self.scaling_policy = _policies(config)
         self.detector = Detector(
@@ -123,10 +111,25 @@ class Controller(Restores):
             dead_nodes=self.replicas.dead_nodes,
         )
         self.faults = DriverFaults(faults, node_of=self.replicas.node_of, remove_node=node_fault)
-        # Injected driver and node faults fire the moment their step is known, before the
-        # reports that came with it (a later step, a checkpoint's commit) are handled.
-        self.router.after_step = lambda: self.faults.fire(self.router.last_emitted_step)
-        self.router.after_eval = self.detector.evaluated  # an evaluation is progress for the hang check
+        self.router = ReportRouter(
+            events,
+            mesh=config.mesh,
+            tokens_per_step=config.training.global_batch * config.training.seq_len,
+            ledger=sample_ledger(
+                events.path.parent if events.path else None,
+                record_samples=config.data.record_samples,
+                global_batch=config.training.global_batch,
+            ),
+            hooks=RouterHooks(
+                # Injected driver and node faults fire the moment their step is known, before the
+                # reports that came with it (a later step, a checkpoint's commit) are handled.
+                after_step=self.faults.fire,
+                after_eval=self.detector.evaluated,  # an evaluation is progress for the hang check
+            ),
+        )
+        self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
+        self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
+        self.snapshots = snapshot_book(config, events, self.router, publish_interval=self.group.set_snapshot_interval)
         self.transitions = TransitionTimer(events, self.router)
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()
