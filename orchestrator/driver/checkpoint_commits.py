@@ -4,12 +4,14 @@ Runs on the driver (no torch). The ranks upload their shards and report; ``on_re
 the upload of each ``CheckpointUploadReport`` to the commit coordinator, which writes the
 manifest (the commit) once every rank of the step is durable, and turns the outcome into
 ``checkpoint_committed`` / ``checkpoint_failed`` events. ``NoCheckpoints`` stands in when ``checkpoint.uri`` is unset.
+``CheckpointCommits`` is what the controller, the mesh change and the restore use of either.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Set as AbstractSet
+from typing import Any, Protocol
 
 from checkpointing.catalog import choose_restore, latest_committed
 from checkpointing.commit import CommitCoordinator
@@ -21,6 +23,31 @@ from orchestrator.observe.events import EventLog
 from workers.spec.messages import CheckpointUploadReport
 
 log = logging.getLogger("meshpilot")
+
+
+class ResumePoint(Protocol):
+    """What the driver reads of a committed checkpoint's manifest to resume from it."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def mesh(self) -> dict[str, Any]: ...
+
+
+class CheckpointCommits(Protocol):
+    """The driver's checkpoints as the controller sees them (``DriverCheckpoints``, ``NoCheckpoints``)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def uri(self) -> str | None: ...
+    def check_access(self) -> None: ...
+    def on_report(self, report: CheckpointUploadReport) -> None: ...
+    def reset(
+        self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
+    ) -> None: ...
+    def latest_step(self) -> int | None: ...
+    def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> ResumePoint | None: ...
 
 
 class NoCheckpoints:
@@ -121,7 +148,8 @@ class DriverCheckpoints:
         self.events.emit("checkpoint_failed", step=step, error=reason, reason=cause)
 
 
-def driver_checkpoints(config: JobConfig, events: EventLog) -> DriverCheckpoints | NoCheckpoints:
+def driver_checkpoints(config: JobConfig, events: EventLog) -> CheckpointCommits:
+    """The job's checkpoint commits: to ``checkpoint.uri``, or none when it is unset."""
     if config.checkpoint.uri is None:
         return NoCheckpoints()
     return DriverCheckpoints(config, events, mesh=config.mesh)

@@ -1,22 +1,28 @@
 """The driver's control loop: an explicit state machine, one iteration per ``step()`` call.
 
 Runs on the driver. States carry their data (``orchestrator.driver.states``, where the diagram
-of the machine is); ``step()`` looks at the current state, does one bounded piece of work
-(start actors, wait a little for a configuration, poll the ranks once) and moves to the next
-state. ``run()`` calls ``step()`` until a terminal state. Tests drive it one iteration at a time
-with a fake worker group (``Controller.worker_group_class``, any ``WorkerGroupProtocol``).
+of the machine is); ``step()`` looks at the current state, calls that state's handler, which
+does one bounded piece of work (start actors, wait a little for a configuration, poll the ranks
+once) and returns the next state, or a ``NextGeneration`` that ``step()`` configures at once.
+``run()`` calls ``step()`` until a terminal state. Tests drive it one iteration at a time with
+a fake worker group (``Controller.worker_group_class``, any ``WorkerGroupProtocol``).
+
+    Starting        Controller._start
+    Configuring     Controller._await_configuration
+    Running         Controller._supervise (and _housekeeping: drains, grows, spare actors)
+    Settling        MeshChange.settle (mesh_change.py): shrink, refill, grow, or hand over to
+    AwaitingActors  Restore.await_actors (restore.py): restore from peer memory or storage
 
 Recovery in place never restarts a surviving process: survivors keep their slices, the
 process groups are rebuilt under a new generation, replica groups that lost a rank leave
 whole, and warm actors (spares, the healthy remainder of a broken replica) refill or grow the
-mesh with state copied peer to peer from a surviving replica.
+mesh with state copied peer to peer from a surviving replica. docs/architecture.md follows a
+rank's death through these modules.
 
-When no replica survives, every rank loads the newest whole state: the ranks' peer-memory
-snapshots (``SnapshotBook``), else a committed checkpoint (``Restores``).
-
-The controller steps the states and carries out the policies' decisions; the ``Detector``
-finds losses, ``Replicas`` keeps the replica books, ``TransitionTimer`` times mesh changes and
-``DriverFaults`` fires injected driver and node faults.
+The controller owns the worker group and the objects it steps with: ``RankPolls`` (polls,
+progress), the ``Detector`` (losses), ``MeshChange`` and ``Restore`` (above), ``Replicas``
+(replica books), ``TransitionTimer`` (recovery timings) and ``DriverFaults`` (injected driver
+and node faults). They are built here, each handed what it uses.
 """
 
 from __future__ import annotations
@@ -28,28 +34,32 @@ from typing import Any
 
 from elastic.placement import RankResources
 from elastic.policy import FailurePolicy, Grow, Reshape, ScalingPolicy, StateSource
-from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
 from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
-from orchestrator.driver.checkpoint_commits import driver_checkpoints
+from orchestrator.driver.checkpoint_commits import CheckpointCommits, driver_checkpoints
 from orchestrator.driver.detector import Detector, DrainWatch, group_errors
 from orchestrator.driver.group import Calls, Slot, WorkerGroupProtocol
-from orchestrator.driver.peer_memory import RecoveryPoint, snapshot_book
-from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.mesh_change import MeshChange
+from orchestrator.driver.peer_memory import snapshot_book
+from orchestrator.driver.polling import RankPolls
+from orchestrator.driver.rank_reports import ReportRouter, RouterHooks
 from orchestrator.driver.replicas import Replicas, replicas_consistent
-from orchestrator.driver.restores import Restores
+from orchestrator.driver.restore import Restore
 from orchestrator.driver.sample_ledger import sample_ledger
 from orchestrator.driver.states import (
     AwaitingActors,
     Configuring,
     Finished,
+    Next,
+    NextGeneration,
     RunEnd,
     Running,
     SettlePurpose,
     Settling,
     Starting,
     State,
+    run_failed,
 )
 from orchestrator.driver.train_spec import data_bytes, train_spec
 from orchestrator.driver.transitions import TransitionTimer
@@ -76,7 +86,7 @@ HEARTBEAT_EVENT_INTERVAL_S = 5.0
 ENDED_BADLY = (RunStatus.FAILED, RunStatus.ABORTED, CallFailedKind.DIED)
 
 
-class Controller(Restores):
+class Controller:
     """Owns the worker group and carries the run from start to a terminal state (driver side)."""
 
     worker_group_class: type[WorkerGroupProtocol[Any]] = WorkerGroup
@@ -90,30 +100,21 @@ class Controller(Restores):
         faults: tuple[FaultSpec, ...] = (),
         node_fault: Callable[[str], None] | None = None,
         chaos_seed: int | None = None,
+        checkpoints: CheckpointCommits | None = None,
     ) -> None:
+        """Build the run's collaborators; nothing starts until the first ``step()``.
+        ``checkpoints``: the job's checkpoint commits (by default ``config.checkpoint``'s)."""
         self.config = config
         self.chaos_seed = chaos_seed
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
-        self.router = ReportRouter(
-            events, mesh=config.mesh, tokens_per_step=config.training.global_batch * config.training.seq_len
-        )
-        self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
-        self.router.ledger = sample_ledger(
-            events.path.parent if events.path else None,
-            record_samples=config.data.record_samples,
-            global_batch=config.training.global_batch,
-        )
-        self.checkpoints = driver_checkpoints(config, events)
-        self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
-        self.snapshots = snapshot_book(config, events, self.router)
+        self.checkpoints = checkpoints if checkpoints is not None else driver_checkpoints(config, events)
         runtime = config.runtime
         per_rank = RankResources(runtime.cpus_per_rank, runtime.gpus_per_rank, dict(runtime.resources_per_rank))
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(
-            spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=config.runtime.start_timeout_s
+            spec=self.spec, data=data_bytes(config), per_rank=per_rank, start_timeout_s=runtime.start_timeout_s
         )
-        self.snapshots.publish_interval = self.group.set_snapshot_interval
         self.replicas = Replicas(self.group, self.spec)
         self.failure_policy, self.scaling_policy = _policies(config)
         self.detector = Detector(
@@ -123,21 +124,58 @@ class Controller(Restores):
             dead_nodes=self.replicas.dead_nodes,
         )
         self.faults = DriverFaults(faults, node_of=self.replicas.node_of, remove_node=node_fault)
-        # Injected driver and node faults fire the moment their step is known, before the
-        # reports that came with it (a later step, a checkpoint's commit) are handled.
-        self.router.after_step = lambda: self.faults.fire(self.router.last_emitted_step)
-        self.router.after_eval = self.detector.evaluated  # an evaluation is progress for the hang check
+        self.router = _report_router(config, events, self.faults, self.detector)
+        self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
+        self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
+        self.snapshots = snapshot_book(config, events, self.router, publish_interval=self.group.set_snapshot_interval)
         self.transitions = TransitionTimer(events, self.router)
+        self.drains = DrainWatch(cluster.draining_nodes, lambda: cluster.hosts_for(per_rank))
+        self.polls = RankPolls(
+            self.group,
+            self.detector,
+            self.router,
+            self.transitions,
+            heartbeat_timeout_s=config.elastic.heartbeat_timeout_s,
+        )
+        self.restore = Restore(
+            group=self.group,
+            replicas=self.replicas,
+            polls=self.polls,
+            router=self.router,
+            snapshots=self.snapshots,
+            checkpoints=self.checkpoints,
+            failure_policy=self.failure_policy,
+            drains=self.drains,
+            transitions=self.transitions,
+            events=events,
+            start_timeout_s=runtime.start_timeout_s,
+            poll_interval_s=poll_interval_s,
+        )
+        self.mesh_change = MeshChange(
+            group=self.group,
+            replicas=self.replicas,
+            detector=self.detector,
+            drains=self.drains,
+            polls=self.polls,
+            router=self.router,
+            snapshots=self.snapshots,
+            checkpoints=self.checkpoints,
+            failure_policy=self.failure_policy,
+            scaling_policy=self.scaling_policy,
+            restore=self.restore,
+            transitions=self.transitions,
+            faults=self.faults,
+            events=events,
+            collective_timeout_s=config.elastic.collective_timeout_s,
+            poll_interval_s=poll_interval_s,
+        )
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()
-        self.last_step = 0
         self.generation = 0
-        self.drains = DrainWatch(cluster.draining_nodes, lambda: cluster.hosts_for(per_rank))
         self._next_housekeeping = 0.0
         self._next_heartbeat_event = 0.0
         # After a finished run with several replica groups: did they end identical?
         self.replicas_consistent: bool | None = None
-        self._corrupt_steps: set[int] = set()
         self._terminate_requested = False
         self._interrupt_requested = False
 
@@ -162,7 +200,7 @@ class Controller(Restores):
             self.events.emit(
                 "done",
                 status=final.status,
-                steps=self.last_step,
+                steps=self.polls.last_step,
                 elapsed_s=round(time.monotonic() - self.started_at, 3),
                 reason=final.reason,
                 replicas_consistent=self.replicas_consistent,
@@ -185,7 +223,7 @@ class Controller(Restores):
         self._interrupt_requested = True
 
     def step(self) -> None:
-        """One iteration of the state machine."""
+        """One iteration of the state machine: the current state's handler, then its next state."""
         self._emit_heartbeat()  # in every state: a long start-up or restore is not silence
         if self._terminate_requested and not self.done:
             self.state = self._preempt()
@@ -194,21 +232,33 @@ class Controller(Restores):
             self.state = self._interrupt()
             return
         state = self.state
-        if isinstance(state, Starting):
-            self.state = self._start(state)
-        elif isinstance(state, Configuring):
-            self.state = self._await_configuration(state)
-            if self.state is not state:  # configured or failed: no restore reads a stuck rank's snapshots now
-                self.group.remove(self.group.lingering())
-        elif isinstance(state, Running):
-            self.state = self._supervise(state)
-        elif isinstance(state, Settling):
-            self.state = self._settle(state)
-        elif isinstance(state, AwaitingActors):
-            self.state = self._await_actors(state)
+        following = self._handle(state)
+        next_state = self._configure(following) if isinstance(following, NextGeneration) else following
+        if isinstance(state, Configuring) and next_state is not state:
+            # Configured or failed: no restore reads a stuck rank's snapshots now.
+            self.group.remove(self.group.lingering())
+        self.state = next_state
+
+    def _handle(self, state: State) -> Next:
+        """The handler of ``state``: each does one bounded piece of work and says what comes next."""
+        match state:
+            case Starting():
+                return self._start(state)
+            case Configuring():
+                return self._await_configuration(state)
+            case Running():
+                return self._supervise(state)
+            case Settling():
+                return self.mesh_change.settle(state)
+            case AwaitingActors():
+                return self.restore.await_actors(state)
+            case Finished():
+                return state
 
     # ----------------------------------------------------------- start, configure
-    def _start(self, state: Starting) -> State:
+    def _start(self, state: Starting) -> NextGeneration:
+        """The ``Starting`` handler: announce the run, start the actors, and configure the first
+        generation: fresh, or resuming the newest intact checkpoint."""
         # Emitted before the actors start, so start-up counts against effective training time.
         self.events.emit(
             "start",
@@ -235,85 +285,87 @@ class Controller(Restores):
         spares = -(-self.config.elastic.spare_actors // state.mesh.replica_size)  # whole replica groups
         self.group.start(state.mesh, spare_replicas=spares)
         if resume is not None:
-            return self._restore(state.mesh, resume.step, from_mesh=resume.mesh)
-        starts = [StartFrom(StartMode.FRESH)] * state.mesh.world_size
-        return self._configure(state.mesh, starts, sync_replicas=False)
+            return self.restore.onto(state.mesh, resume.step, from_mesh=resume.mesh)
+        return NextGeneration(state.mesh, (StartFrom(StartMode.FRESH),) * state.mesh.world_size)
 
-    def _configure(
-        self,
-        mesh: MeshSpec,
-        starts: list[StartFrom],
-        *,
-        sync_replicas: bool,
-        restoring: int | None = None,
-        from_mesh: dict | None = None,
-        stateless: frozenset[int] = frozenset(),
-        memory: RecoveryPoint | None = None,
-        paused_after: int | None = None,
-        lost: frozenset[int] = frozenset(),
-    ) -> Configuring:
-        """Start generation ``mesh`` on the active actors. ``paused_after=S``: the previous
-        generation stopped after step S with every rank alive but ``lost`` (a whole replica
-        among the survivors), so the checkpoint uploads its ranks still have in flight (they no
-        longer wait for them) commit with its mesh."""
+    def _configure(self, generation: NextGeneration) -> Configuring:
+        """Start ``generation`` on the active actors (every step that returns a ``NextGeneration``
+        ends here): a new generation number, the router and the checkpoint commits on its mesh,
+        and each rank's ``configure`` call with its start, the faults still armed and its
+        peer-memory snapshot plan."""
+        mesh = generation.mesh
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
-        self.checkpoints.reset(mesh, generation=self.generation, paused_after=paused_after, lost=lost)
+        self.checkpoints.reset(
+            mesh, generation=self.generation, paused_after=generation.paused_after, lost=generation.lost
+        )
         calls = self.group.configure(
             generation=self.generation,
             mesh=mesh,
-            starts=starts,
-            sync_replicas=sync_replicas,
-            faults=self.faults.for_generation(restoring or self.last_step),
+            starts=list(generation.starts),
+            sync_replicas=generation.sync_replicas,
+            faults=self.faults.for_generation(generation.restoring or self.polls.last_step),
             snapshots=self.snapshots.plans(self.generation, mesh, self.group.active),
         )
         now = time.monotonic()
+        restoring = generation.restoring
         return Configuring(
             generation=self.generation,
             mesh=mesh,
             calls=calls,
             restoring=restoring,
-            from_mesh=from_mesh,
+            from_mesh=generation.from_mesh,
             started_at=now,
             deadline=now + self.config.runtime.start_timeout_s,
             recovering=recovering,
-            stateless=frozenset(range(mesh.world_size)) if restoring is not None else stateless,
-            memory=memory,
+            stateless=frozenset(range(mesh.world_size)) if restoring is not None else generation.stateless,
+            memory=generation.memory,
         )
 
-    def _await_configuration(self, state: Configuring) -> State:
+    def _await_configuration(self, state: Configuring) -> Next:
+        """The ``Configuring`` handler: wait a poll interval for the ranks' answers; once every
+        rank configured, the generation runs."""
         state.calls.collect(self.poll_interval_s, first=True)
         # Reports keep coming while the ranks configure (the last generation's checkpoint uploads
         # end in the background): take them now, or a rank that dies configuring takes them
         # along. A poll not answered yet is kept for the next tick, so nothing waits for it.
-        self._drain_reports(timeout=0.0)
+        self.polls.take_reports(timeout=0.0)
         failed = {rank: r for rank, r in state.calls.results.items() if isinstance(r, CallFailed)}
-        if state.memory is not None and any(f.failure_kind == FailureKind.STORAGE for f in failed.values()):
-            self.snapshots.unusable(state.memory)  # a holder did not answer: the recovery picks another
-        corrupt = [f for f in failed.values() if f.failure_kind == FailureKind.CORRUPT_CHECKPOINT]
-        if corrupt and state.restoring is not None:
-            return self._restore_around_corruption(state, state.restoring, corrupt[0])
-        out_of_memory = {rank: f for rank, f in failed.items() if f.failure_kind == FailureKind.OUT_OF_MEMORY}
-        if out_of_memory:
-            return self._replace_out_of_memory(state, out_of_memory)
-        if failed and state.recovering:
-            return self._configuration_failed(state)
         if failed:
-            return self._fail("configuration", group_errors({r: f.message for r, f in failed.items()}))
+            return self._configuration_failed(state, failed)
         if not state.calls.done:
             if time.monotonic() > state.deadline:
                 missing = len(state.calls.refs) - len(state.calls.results)
-                return self._fail(
+                return run_failed(
                     "configuration",
                     f"{missing} ranks did not finish configuring within "
                     f"runtime.start_timeout_s={self.config.runtime.start_timeout_s:g}",
                 )
             return state
-        self.last_step = max(state.calls.results.values())
+        return self._begin_running(state)
+
+    def _configuration_failed(self, state: Configuring, failed: dict[int, CallFailed]) -> Next:
+        """Ranks failed to configure: restore around a corrupt checkpoint, replace ranks out of
+        device memory, recover again when a running job's mesh change failed; else the run fails."""
+        if state.memory is not None and any(f.failure_kind == FailureKind.STORAGE for f in failed.values()):
+            self.snapshots.unusable(state.memory)  # a holder did not answer: the recovery picks another
+        corrupt = [f for f in failed.values() if f.failure_kind == FailureKind.CORRUPT_CHECKPOINT]
+        if corrupt and state.restoring is not None:
+            return self.restore.around_corruption(state, state.restoring, corrupt[0])
+        out_of_memory = {rank: f for rank, f in failed.items() if f.failure_kind == FailureKind.OUT_OF_MEMORY}
+        if out_of_memory:
+            return self.restore.replace_out_of_memory(state, out_of_memory)
+        if state.recovering:
+            return self.mesh_change.configuration_failed(state)
+        return run_failed("configuration", group_errors({r: f.message for r, f in failed.items()}))
+
+    def _begin_running(self, state: Configuring) -> Running:
+        """Every rank configured: report a restore, and start the generation's training loops."""
+        self.polls.last_step = max(state.calls.results.values())
         if state.restoring is not None:
             self.router.rewind(state.restoring)
-            self._drain_reports()  # the ranks' restore reports: bytes read
+            self.polls.take_reports()  # the ranks' restore reports: bytes read
             source = StateSource.PEER_MEMORY if state.memory is not None else StateSource.STORAGE
             self.events.emit(
                 "restored",
@@ -325,28 +377,31 @@ class Controller(Restores):
                 source=source,
                 **({"bytes_from_peers": self.snapshots.take_restore_bytes()} if state.memory is not None else {}),
             )
-        self.detector.reset(state.mesh.world_size, self.last_step)
+        self.detector.reset(state.mesh.world_size, self.polls.last_step)
         return Running(generation=state.generation, mesh=state.mesh, calls=self.group.run(last_step=self.spec.steps))
 
+    # ------------------------------------------------------------------ running
     def _supervise(self, state: Running) -> State:
+        """The ``Running`` handler: poll the ranks once; a loss (``Detector.losses``) or a rank's
+        loop ending badly settles the generation (``MeshChange.begin_settling``)."""
         # Wakes at once when a rank's loop returns (a death, an error, the end); the reports a
         # rank queued before returning are drained right after (at the end, until all are in).
         state.calls.collect(timeout=self.poll_interval_s, first=True)
-        self._drain_reports()
+        self.polls.take_reports()
         lost = self.detector.losses(state.calls.results, hangs=True)
         returned = state.calls.results
         if lost or any(run_status(r) in ENDED_BADLY for r in returned.values()):
-            return self._begin_settling(state, SettlePurpose.FAILURE, lost=lost)
+            return self.mesh_change.begin_settling(state, SettlePurpose.FAILURE, lost=lost)
         if state.calls.done:
             statuses = {run_status(r) for r in returned.values()}
             if statuses == {RunStatus.FINISHED}:
                 # A poll slower than the drain above holds the last steps' reports (on a loaded
                 # machine, every step of a short run): take them before the run ends.
                 last = max(outcome.last_step for outcome in returned.values() if isinstance(outcome, RunOutcome))
-                self._await_step_reports(last, range(state.mesh.world_size))
+                self.polls.await_step_reports(last, range(state.mesh.world_size))
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
-            return self._fail("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")
+            return run_failed("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")
         return self._housekeeping(state) or state
 
     def _housekeeping(self, state: Running) -> State | None:
@@ -357,13 +412,13 @@ class Controller(Restores):
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
         draining = self.replicas.leaving(self.drains.nodes(), self.drains.retiring)
         if draining:
-            return self._begin_settling(state, SettlePurpose.DRAIN, draining=draining)
+            return self.mesh_change.begin_settling(state, SettlePurpose.DRAIN, draining=draining)
         self.group.refresh()
         decision = self.scaling_policy.decide(
             state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
         )
         if isinstance(decision, Grow | Reshape):
-            return self._begin_settling(state, SettlePurpose.GROW)
+            return self.mesh_change.begin_settling(state, SettlePurpose.GROW)
         # Actors for replica groups the job wants and cannot form yet (or for the configured
         # mesh, to reshape back to), and the warm spares.
         wanted = self.scaling_policy.wanted_replicas(state.mesh) * state.mesh.replica_size
@@ -373,6 +428,8 @@ class Controller(Restores):
         return None
 
     def _on_drain_notice(self, report: DrainNoticeReport) -> None:
+        """A rank reports a notice (handler of ``DRAIN_NOTICE`` reports, called by the router while
+        the ranks are polled): the next housekeeping pauses the generation without its replica group."""
         rank = report.rank
         if rank is None or not 0 <= rank < len(self.group.active):
             return
@@ -389,17 +446,6 @@ class Controller(Restores):
             log.warning("rank %s reports a drain notice for node %s: %s", rank, node, report.reason)
             self.group.avoid_nodes.add(node)
 
-    # ---------------------------------------------------------------- reports
-    def _drain_reports(self, timeout: float = 1.0) -> None:
-        for rank, heartbeat in self.group.poll(min(timeout, self.config.elastic.heartbeat_timeout_s)).items():
-            if isinstance(heartbeat, CallFailed):
-                continue  # a dead actor: its run call says so
-            self.detector.heard(rank, heartbeat.waiting, heartbeat.where)
-            self.router.route(list(heartbeat.reports))
-        self.last_step = max(self.last_step, self.router.last_emitted_step)
-        self.detector.stepped(self.router.last_emitted_step, self.router.last_step_time_s)
-        self.transitions.report()
-
     def _emit_heartbeat(self) -> None:
         now = time.monotonic()
         if now >= self._next_heartbeat_event:
@@ -407,10 +453,6 @@ class Controller(Restores):
             self.events.emit("heartbeat", rank_age_s=self.detector.heartbeat_ages())
 
     # ---------------------------------------------------------------- endings
-    def _fail(self, kind: str, message: str) -> Finished:
-        log.error("run failed (%s): %s", kind, message)
-        return Finished.of(RunEnd.FAILED, reason=message)
-
     def _preempt(self, grace_s: float = 120.0) -> Finished:
         """SIGTERM on the driver: save at the next step boundary, commit, stop; a rerun resumes there."""
         if not isinstance(self.state, Running) or not self.checkpoints.enabled:
@@ -441,10 +483,30 @@ class Controller(Restores):
         try:
             while not calls.done and time.monotonic() < deadline:
                 calls.collect(timeout=0.2, first=True)
-                self._drain_reports()
-            self._drain_reports()
+                self.polls.take_reports()
+            self.polls.take_reports()
         except KeyboardInterrupt:
             log.warning("interrupted again: stopping now")
+
+
+def _report_router(config: JobConfig, events: EventLog, faults: DriverFaults, detector: Detector) -> ReportRouter:
+    """The run's report router, with its sample ledger and its hooks."""
+    return ReportRouter(
+        events,
+        mesh=config.mesh,
+        tokens_per_step=config.training.global_batch * config.training.seq_len,
+        ledger=sample_ledger(
+            events.path.parent if events.path else None,
+            record_samples=config.data.record_samples,
+            global_batch=config.training.global_batch,
+        ),
+        hooks=RouterHooks(
+            # Injected driver and node faults fire the moment their step is known, before the
+            # reports that came with it (a later step, a checkpoint's commit) are handled.
+            after_step=faults.fire,
+            after_eval=detector.evaluated,  # an evaluation is progress for the hang check
+        ),
+    )
 
 
 def _policies(config: JobConfig) -> tuple[FailurePolicy, ScalingPolicy]:

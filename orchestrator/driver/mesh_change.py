@@ -1,10 +1,12 @@
-"""Changing the mesh: how the controller settles a generation that ends and starts the next.
+"""Changing the mesh: settling a generation that ends, and carrying out what the policy decides.
 
-Runs on the driver, as part of ``Controller`` (a mixin: these are its methods, kept here so the
-controller module holds the loop and this one the recovery, drain and grow path). A generation
-ends on a failure (abort issued), a drain or a grow (a pause at the step boundary); once every
-surviving rank has left, the failure or scaling policy decides, and the decision is carried out:
-shrink or refill in place, grow, restore from a checkpoint, or fail.
+Runs on the driver; the controller holds one ``MeshChange``. A generation ends on a failure
+(``MeshChange.begin_settling`` aborts the step in flight), a drain or a grow (it asks for a
+pause at the step boundary), or a failure while it is configured (``configuration_failed``).
+``MeshChange.settle`` is the ``Settling`` state's handler: once every surviving rank has left
+(or is found lost), ``_decide`` asks the failure or scaling policy (``elastic/policy.py``) and
+``_carry_out`` carries the decision out: shrink or refill in place, grow (``_change_mesh``:
+the next generation, which the controller configures), restore or reshape (``Restore``), or fail.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 
 from elastic.policy import (
@@ -28,14 +29,15 @@ from elastic.policy import (
     Shrink,
 )
 from elastic.spec import MeshSpec
-from orchestrator.config import JobConfig
-from orchestrator.driver.checkpoint_commits import DriverCheckpoints, NoCheckpoints
+from orchestrator.driver.checkpoint_commits import CheckpointCommits
 from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, failure_fields, stuck_ranks
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.peer_memory import RecoveryPoint, SnapshotBook
+from orchestrator.driver.polling import RankPolls
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.replicas import Replicas, replicas_of
-from orchestrator.driver.states import Configuring, Finished, Running, SettlePurpose, Settling, State
+from orchestrator.driver.restore import Restore
+from orchestrator.driver.states import Configuring, Next, NextGeneration, Running, SettlePurpose, Settling, run_failed
 from orchestrator.driver.transitions import TransitionKind, TransitionTimer
 from orchestrator.observe.events import EventLog
 from workers.faults import DriverFaults
@@ -50,69 +52,48 @@ CAUSE_GRACE_S = 5.0
 KILLED_ON_FAILURE = (LossKind.HANG, LossKind.UNRESPONSIVE)
 
 
-class MeshChanges:
-    """The controller's settling and mesh-change steps (see ``Controller``, which mixes them in)."""
+class MeshChange:
+    """Settles ending generations and carries out the policies' decisions (driver side)."""
 
-    # What these steps use of the controller (set in ``Controller.__init__``).
-    config: JobConfig
-    events: EventLog
-    group: WorkerGroupProtocol[Slot]
-    replicas: Replicas
-    detector: Detector
-    router: ReportRouter
-    checkpoints: DriverCheckpoints | NoCheckpoints
-    failure_policy: FailurePolicy
-    scaling_policy: ScalingPolicy
-    transitions: TransitionTimer
-    faults: DriverFaults
-    drains: DrainWatch
-    snapshots: SnapshotBook
-    poll_interval_s: float
-    last_step: int
-
-    # The controller's own steps these call.
-    def _drain_reports(self, timeout: float = 1.0) -> None:
-        raise NotImplementedError
-
-    def _fail(self, kind: str, message: str) -> Finished:
-        raise NotImplementedError
-
-    def _configure(
+    def __init__(
         self,
-        mesh: MeshSpec,
-        starts: list[StartFrom],
         *,
-        sync_replicas: bool,
-        restoring: int | None = None,
-        from_mesh: dict | None = None,
-        stateless: frozenset[int] = frozenset(),
-        memory: RecoveryPoint | None = None,
-        paused_after: int | None = None,
-        lost: frozenset[int] = frozenset(),
-    ) -> Configuring:
-        raise NotImplementedError
+        group: WorkerGroupProtocol[Slot],
+        replicas: Replicas,
+        detector: Detector,
+        drains: DrainWatch,
+        polls: RankPolls,
+        router: ReportRouter,
+        snapshots: SnapshotBook,
+        checkpoints: CheckpointCommits,
+        failure_policy: FailurePolicy,
+        scaling_policy: ScalingPolicy,
+        restore: Restore,
+        transitions: TransitionTimer,
+        faults: DriverFaults,
+        events: EventLog,
+        collective_timeout_s: float,
+        poll_interval_s: float,
+    ) -> None:
+        self.group = group
+        self.replicas = replicas
+        self.detector = detector
+        self.drains = drains
+        self.polls = polls
+        self.router = router
+        self.snapshots = snapshots
+        self.checkpoints = checkpoints
+        self.failure_policy = failure_policy
+        self.scaling_policy = scaling_policy
+        self.restore = restore
+        self.transitions = transitions
+        self.faults = faults
+        self.events = events
+        self.collective_timeout_s = collective_timeout_s
+        self.poll_interval_s = poll_interval_s
 
-    def _restore(
-        self,
-        mesh: MeshSpec,
-        step: int,
-        *,
-        from_mesh: dict | None = None,
-        memory: RecoveryPoint | None = None,
-        paused_after: int | None = None,
-    ) -> Configuring:
-        raise NotImplementedError
-
-    # The restore steps (``orchestrator.driver.restores``).
-    def _begin_restore(
-        self, decision: RestoreFromCheckpoint, state: Settling, lost: dict[int, Lost], resume_step: int
-    ) -> State:
-        raise NotImplementedError
-
-    def _reshape(self, state: Settling, new_mesh: MeshSpec, resume_step: int) -> State:
-        raise NotImplementedError
-
-    def _begin_settling(
+    # ------------------------------------------------------------ a generation ends
+    def begin_settling(
         self,
         state: Running,
         purpose: SettlePurpose,
@@ -120,6 +101,9 @@ class MeshChanges:
         lost: dict[int, Lost] | None = None,
         draining: frozenset[int] = frozenset(),
     ) -> Settling:
+        """End the running generation (called by the controller while supervising it): on a
+        failure abort the step in flight everywhere, for a drain or a grow pause at the step
+        boundary. ``Settling`` waits until every surviving rank has left."""
         now = time.monotonic()
         lost = dict(lost or {})
         if purpose == SettlePurpose.FAILURE:
@@ -137,32 +121,19 @@ class MeshChanges:
             deadline=self._settle_deadline(purpose, now),
         )
 
-    def _settle_deadline(self, purpose: SettlePurpose, now: float, *, configuring: bool = False) -> float:
-        """When ranks still out of the settling generation count as stuck. A pause has no
-        deadline: its ranks finish the step they are in (and a drain's save), and a hang or
-        silence there is caught as while running (``_settle``), by the configured timeouts."""
-        return now + self._unwind_s(configuring) if purpose == SettlePurpose.FAILURE else math.inf
-
-    def _unwind_s(self, configuring: bool) -> float:
-        """How long survivors of an aborted generation may take to leave it: the configured hang
-        threshold; while configuring, at least the collective timeout, since a rank inside torch's
-        rendezvous (a peer died after the join barrier) cannot be interrupted."""
-        threshold = self.detector.hang_threshold_s()
-        return max(threshold, self.config.elastic.collective_timeout_s + 5.0) if configuring else threshold
-
-    def _configuration_failed(self, state: Configuring) -> Settling:
-        """A rank failed while a running job's new mesh was configured (a fault during a
-        recovery, a grow or a restore): the configuring generation fails like a running one, and
-        the recovery starts again from what is left. Ranks that kept their state still hold it;
-        joiners and restoring ranks hold none (``stateless``), so their replica groups are not
-        kept. Survivors may wait in the new groups' rendezvous for a rank that will never come:
-        they are given the collective timeout to come back before counting as stuck (``_unwind_s``),
-        or only the hang threshold when the peer-memory snapshot is whole without them
-        (``_held_elsewhere``)."""
+    def configuration_failed(self, state: Configuring) -> Settling:
+        """A rank failed while a running job's new mesh was configured (called by the controller:
+        a fault during a recovery, a grow or a restore): the configuring generation fails like a
+        running one, and the recovery starts again from what is left. Ranks that kept their state
+        still hold it; joiners and restoring ranks hold none (``stateless``), so their replica
+        groups are not kept. Survivors may wait in the new groups' rendezvous for a rank that
+        will never come: they are given the collective timeout to come back before counting as
+        stuck (``_unwind_s``), or only the hang threshold when the peer-memory snapshot is whole
+        without them (``_held_elsewhere``)."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
         # The detector still knows the last running generation's ranks: this one's are judged now.
-        self.detector.reset(state.mesh.world_size, self.last_step)
+        self.detector.reset(state.mesh.world_size, self.polls.last_step)
         settling = Settling(
             generation=state.generation,
             mesh=state.mesh,
@@ -175,6 +146,19 @@ class MeshChanges:
         )
         self._abort_generation(settling, {})
         return settling
+
+    def _settle_deadline(self, purpose: SettlePurpose, now: float, *, configuring: bool = False) -> float:
+        """When ranks still out of the settling generation count as stuck. A pause has no
+        deadline: its ranks finish the step they are in (and a drain's save), and a hang or
+        silence there is caught as while running (``settle``), by the configured timeouts."""
+        return now + self._unwind_s(configuring) if purpose == SettlePurpose.FAILURE else math.inf
+
+    def _unwind_s(self, configuring: bool) -> float:
+        """How long survivors of an aborted generation may take to leave it: the configured hang
+        threshold; while configuring, at least the collective timeout, since a rank inside torch's
+        rendezvous (a peer died after the join barrier) cannot be interrupted."""
+        threshold = self.detector.hang_threshold_s()
+        return max(threshold, self.collective_timeout_s + 5.0) if configuring else threshold
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
         """Every rank stops after the step it is in; with every replica draining, saves first."""
@@ -204,11 +188,14 @@ class MeshChanges:
         and abort the survivors' process groups."""
         self.group.kill([self.group.active[rank] for rank, loss in lost.items() if loss.kind in KILLED_ON_FAILURE])
         survivors = [rank for rank in range(state.mesh.world_size) if rank not in lost]
-        self.group.abort_step(state.generation, self.last_step + 1, survivors)
+        self.group.abort_step(state.generation, self.polls.last_step + 1, survivors)
 
-    def _settle(self, state: Settling) -> State:
+    # ------------------------------------------------------------------ settling
+    def settle(self, state: Settling) -> Next:
+        """The ``Settling`` handler: wait (one poll per call) until every surviving rank has left
+        the generation or is found lost, then decide and carry the decision out."""
         state.calls.collect(timeout=self.poll_interval_s, first=True)
-        self._drain_reports()
+        self.polls.take_reports()
         # The first diagnosis stands (a hung rank, then killed, is still hung). During a pause
         # the ranks still train their last step: a hang there is found as while running.
         pausing = state.purpose != SettlePurpose.FAILURE
@@ -246,15 +233,6 @@ class MeshChanges:
                 return state
         return self._decide(state, lost)
 
-    def _await_step_reports(self, resume_step: int, survivors: Iterable[int]) -> None:
-        """Drain until the survivors' reports of every step up to ``resume_step`` are in, or the
-        heartbeat timeout passed. On a loaded machine a rank can answer a poll after one drain
-        gave up on it; a step of the old mesh left without an event would hold back every later
-        one (the router emits steps in order)."""
-        deadline = time.monotonic() + self.config.elastic.heartbeat_timeout_s
-        while not self.router.reported(resume_step, survivors) and time.monotonic() < deadline:
-            self._drain_reports(timeout=1.0)
-
     def _held_elsewhere(self, state: Settling, lost: dict[int, Lost], now: float) -> bool:
         """Whether the ranks still inside a failed configuration need not be waited for any more.
 
@@ -265,7 +243,7 @@ class MeshChanges:
         if not state.configuring or now < state.started_at + self.detector.hang_threshold_s():
             return False
         memory = self._memory_without(lost, state.draining)
-        return memory is not None and memory.step >= self.last_step
+        return memory is not None and memory.step >= self.polls.last_step
 
     def _memory_without(self, lost: dict[int, Lost], draining: frozenset[int]) -> RecoveryPoint | None:
         """The newest whole peer-memory snapshot once ``lost`` and ``draining`` ranks are gone; a
@@ -273,19 +251,10 @@ class MeshChanges:
         holders_leaving = (set(lost) - stuck_ranks(lost)) | draining
         return self.snapshots.recoverable(self.replicas.gone_besides(holders_leaving))
 
-    def _decide(self, state: Settling, lost: dict[int, Lost]) -> State:
-        self._drain_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
-        survivors = {
-            rank: outcome.last_step
-            for rank, outcome in state.calls.results.items()
-            if rank not in lost and isinstance(outcome, RunOutcome)
-        }
-        applied = list(survivors.values())
-        resume_step = min(applied) if applied else self.last_step
-        self._await_step_reports(resume_step, survivors)
-        self.snapshots.applied(state.generation, max(applied, default=0))
-        self.router.flush(resume_step)
-        self.last_step = max(self.last_step, resume_step)
+    # ------------------------------------------------------------------ deciding
+    def _decide(self, state: Settling, lost: dict[int, Lost]) -> Next:
+        """Every surviving rank has left: close the generation's books, ask the policy, carry out."""
+        resume_step = self._close_generation(state, lost)
         if state.purpose == SettlePurpose.FAILURE and not lost:
             # Every rank left without a cause being found (all echoes): the whole generation
             # counts as lost rather than retrying blindly.
@@ -294,13 +263,40 @@ class MeshChanges:
                 for rank in range(state.mesh.world_size)
             }
         if lost:
-            self.events.emit("failure", **failure_fields(lost))
-            # Warm and starting actors on a lost node died with it: none may be picked to join.
-            self.replicas.leaving(
-                {loss.node for loss in lost.values() if loss.kind == LossKind.NODE_LOST and loss.node}
+            self._record_losses(state, lost)
+        return self._carry_out(self._policy_decision(state, lost), state, lost, resume_step)
+
+    def _close_generation(self, state: Settling, lost: dict[int, Lost]) -> int:
+        """Take the last reports of the survivors and emit every step they all applied; returns
+        the step the next generation resumes after (the fewest steps any survivor applied)."""
+        self.polls.take_reports(timeout=5.0)  # last reports of ranks about to leave, on a slow machine too
+        survivors = {
+            rank: outcome.last_step
+            for rank, outcome in state.calls.results.items()
+            if rank not in lost and isinstance(outcome, RunOutcome)
+        }
+        applied = list(survivors.values())
+        resume_step = min(applied) if applied else self.polls.last_step
+        self.polls.await_step_reports(resume_step, survivors)
+        self.snapshots.applied(state.generation, max(applied, default=0))
+        self.router.flush(resume_step)
+        self.polls.last_step = max(self.polls.last_step, resume_step)
+        return resume_step
+
+    def _record_losses(self, state: Settling, lost: dict[int, Lost]) -> None:
+        """The ``failure`` event, and what the losses take with them."""
+        self.events.emit("failure", **failure_fields(lost))
+        # Warm and starting actors on a lost node died with it: none may be picked to join.
+        self.replicas.leaving({loss.node for loss in lost.values() if loss.kind == LossKind.NODE_LOST and loss.node})
+        # Faults fired in this generation are consumed: a redo of the step must not fire them again.
+        self.faults.consume_after_failure(self.router.last_emitted_step, configuring=state.configuring)
+
+    def _policy_decision(self, state: Settling, lost: dict[int, Lost]) -> Decision:
+        """The scaling policy's decision for a grow, the failure policy's otherwise."""
+        if state.purpose == SettlePurpose.GROW:
+            return self.scaling_policy.decide(
+                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
             )
-            # Faults fired in this generation are consumed: a redo of the step must not fire them again.
-            self.faults.consume_after_failure(self.router.last_emitted_step, configuring=state.configuring)
         # Stateless ranks (a failed configuration's joiners) are healthy but cannot be kept: to
         # the policy their replica groups leave as if draining; the actors go warm.
         leaving = state.draining | (state.stateless - set(lost))
@@ -318,22 +314,18 @@ class MeshChanges:
             time=time.monotonic(),
             completed_step=self.router.steps_emitted,
         )
-        if state.purpose == SettlePurpose.GROW:
-            decision = self.scaling_policy.decide(
-                state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
-            )
-        else:
-            # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
-            decision = self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
-        return self._carry_out(decision, state, lost, resume_step)
+        # Whatever the restore lands on is decided once actors are at hand (AwaitingActors).
+        return self.failure_policy.decide(status, fits=self.replicas.fits, restore_mesh=lambda: state.mesh)
 
-    def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> State:
+    # ------------------------------------------------------------ carrying it out
+    def _carry_out(self, decision: Decision, state: Settling, lost: dict[int, Lost], resume_step: int) -> Next:
         if isinstance(decision, Fail):
-            return self._fail("policy", decision.reason)
+            return run_failed("policy", decision.reason)
         if isinstance(decision, RestoreFromCheckpoint):
-            return self._begin_restore(decision, state, lost, resume_step)
+            return self.restore.begin(decision, state, lost, resume_step)
         if isinstance(decision, Reshape):
-            return self._reshape(state, decision.new_mesh, resume_step)
+            reshaped = self.restore.reshape(state, decision.new_mesh, resume_step)
+            return reshaped or self._carry_out(Continue(), state, {}, resume_step)
         if isinstance(decision, Continue):
             decision = Shrink(state.mesh, drop=(), refill=0)  # a pause nobody needs any more: same mesh
         if isinstance(decision, Shrink):
@@ -345,7 +337,7 @@ class MeshChanges:
             kept, joining = self.replicas.grow(state.mesh, add=decision.add)
             kind = TransitionKind.GROW
         else:
-            return self._fail("policy", f"cannot carry out {decision!r}")
+            return run_failed("policy", f"cannot carry out {decision!r}")
         return self._change_mesh(
             state, decision.new_mesh, kept, joining, kind=kind, resume_step=resume_step, lost=frozenset(lost)
         )
@@ -360,14 +352,14 @@ class MeshChanges:
         kind: TransitionKind,
         resume_step: int,
         lost: frozenset[int],
-    ) -> Configuring:
-        """``kept`` ranks rebind the slices they hold; ``joining`` ones receive theirs from a
-        surviving replica (every rank then syncs replicas). The old mesh's checkpoint uploads
-        still in flight go on and commit without the ``lost`` ranks (a pause loses none) while
-        a whole replica survived: a save the lost ranks took part in needs only the slices
-        written by the survivors (copies of other replicas are not written)."""
+    ) -> NextGeneration:
+        """The next generation in place: ``kept`` ranks rebind the slices they hold; ``joining``
+        ones receive theirs from a surviving replica (every rank then syncs replicas). The old
+        mesh's checkpoint uploads still in flight go on and commit without the ``lost`` ranks (a
+        pause loses none) while a whole replica survived: a save the lost ranks took part in
+        needs only the slices written by the survivors (copies of other replicas are not written)."""
         self.group.set_active(kept + joining)
-        starts = [StartFrom(StartMode.KEPT)] * len(kept) + [StartFrom(StartMode.PEER, resume_step)] * len(joining)
+        starts = (StartFrom(StartMode.KEPT),) * len(kept) + (StartFrom(StartMode.PEER, resume_step),) * len(joining)
         self.transitions.begin(
             kind,
             began_at=state.started_at,
@@ -379,12 +371,11 @@ class MeshChanges:
             cause=state.purpose,
         )
         self.drains.clear()
-        joined = frozenset(range(len(kept), len(kept) + len(joining)))
-        return self._configure(
+        return NextGeneration(
             new_mesh,
             starts,
             sync_replicas=len(joining) > 0,
-            stateless=joined,
+            stateless=frozenset(range(len(kept), len(kept) + len(joining))),
             paused_after=resume_step if _a_replica_survived(state.mesh, lost) else None,
             lost=lost,
         )

@@ -10,7 +10,8 @@ index the checkpoint reader reads, and the actors holding each object).
 
 How often snapshots are taken is the cadence's (``elastic/snapshot_cadence.py``): the book feeds
 it each report's cost and, when the interval changes, publishes it to the current generation's
-ranks (``publish_interval``, the worker group's store) and plans the next generations with it.
+ranks (``publish_interval``, given to the constructor: the worker group's store) and plans the
+next generations with it.
 
 A snapshot is complete when every rank reported it, or when some rank of its generation applied
 a later step: a rank starts a step only once its previous snapshot reached its buddy, and no
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from checkpointing.manifest import build_manifest
 from checkpointing.spec import ShardReport
@@ -60,6 +61,17 @@ class _Generation:
     memory_bytes_emitted: bool = False
 
 
+class PublishInterval(Protocol):
+    """Tells the ranks of ``generation`` to snapshot every ``interval_steps`` steps (driver side;
+    ``WorkerGroup.set_snapshot_interval``)."""
+
+    def __call__(self, generation: int, interval_steps: int) -> None: ...
+
+
+def _publish_nowhere(generation: int, interval_steps: int) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class RecoveryPoint:
     """A snapshot a recovery can load: its generation and step."""
@@ -72,13 +84,17 @@ class SnapshotBook:
     """Peer-memory snapshots of the run (driver side); see the module docstring."""
 
     def __init__(
-        self, events: EventLog, *, cadence: SnapshotCadence, memory_limit_bytes: int | None, model: dict[str, Any]
+        self,
+        events: EventLog,
+        *,
+        cadence: SnapshotCadence,
+        memory_limit_bytes: int | None,
+        model: dict[str, Any],
+        publish_interval: PublishInterval = _publish_nowhere,
     ) -> None:
         self.events = events
         self.cadence = cadence
-        # (generation, interval): tell that generation's ranks the new interval (the controller
-        # sets it to the worker group's once the group exists).
-        self.publish_interval: Callable[[int, int], None] = lambda generation, interval: None
+        self.publish_interval = publish_interval
         self.memory_limit_bytes = memory_limit_bytes
         self.model = model
         self._generations: dict[int, _Generation] = {}
@@ -233,13 +249,17 @@ class SnapshotBook:
         )
 
 
-def snapshot_book(config: JobConfig, events: EventLog, router: ReportRouter) -> SnapshotBook:
-    """The job's book, fed by the ranks' snapshot reports through ``router``."""
+def snapshot_book(
+    config: JobConfig, events: EventLog, router: ReportRouter, *, publish_interval: PublishInterval
+) -> SnapshotBook:
+    """The job's book, fed by the ranks' snapshot reports through ``router``; a new interval goes
+    to the ranks through ``publish_interval``."""
     book = SnapshotBook(
         events,
         cadence=SnapshotCadence(config.elastic.snapshot_interval_steps, config.elastic.snapshot_overhead_limit),
         memory_limit_bytes=None if (limit := config.elastic.snapshot_memory_limit_mb) is None else limit << 20,
         model=config.model_spec.to_dict(),
+        publish_interval=publish_interval,
     )
     router.on(ReportKind.SNAPSHOT_LAYOUT, book.on_layout)
     router.on(ReportKind.SNAPSHOT, book.on_snapshot)

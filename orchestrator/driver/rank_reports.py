@@ -10,11 +10,16 @@ and handed to the sample ledger (``sample_ledger.py``, a null one unless ``data.
 resumes there is dropped).
 Other kinds are handed to the handlers registered for them (checkpoint coordination registers
 its own for ``CHECKPOINT_UPLOAD``, the controller one for ``DRAIN_NOTICE``).
+
+What else must happen when a step or an evaluation is known is given to the constructor as
+``RouterHooks`` (the controller fires injected driver faults after a step, and counts an
+evaluation as progress for the hang check).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from elastic.spec import MeshSpec
@@ -25,8 +30,32 @@ from workers.spec.messages import EvalReport, LogReport, PretrainedLoadReport, R
 Handler = Callable[[Any], None]  # called with the report of the kind it was registered for
 
 
+def _nothing(*_: object) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class RouterHooks:
+    """What the router calls, on the driver, as it emits events."""
+
+    # After each step event, with the step (``last_emitted_step`` is already that step).
+    after_step: Callable[[int], None] = _nothing
+    # After each eval event.
+    after_eval: Callable[[], None] = _nothing
+
+
 class ReportRouter:
-    def __init__(self, events: EventLog, *, mesh: MeshSpec, tokens_per_step: int) -> None:
+    """The ranks' reports -> the run's events (driver side); see the module docstring."""
+
+    def __init__(
+        self,
+        events: EventLog,
+        *,
+        mesh: MeshSpec,
+        tokens_per_step: int,
+        ledger: SampleLedger | NoLedger | None = None,
+        hooks: RouterHooks | None = None,
+    ) -> None:
         self.events = events
         self.tokens_per_step = tokens_per_step
         self.mesh = mesh
@@ -44,11 +73,8 @@ class ReportRouter:
         self.last_step_time_s: float | None = None
         # step -> when its slowest rank finished it (the ranks' clocks), for recovery timings.
         self.completed_at: dict[int, float] = {}
-        self.ledger: SampleLedger | NoLedger = NoLedger()
-        # Called after each step event, with ``last_emitted_step`` already updated.
-        self.after_step: Callable[[], None] | None = None
-        # Called after each eval event.
-        self.after_eval: Callable[[], None] | None = None
+        self.ledger: SampleLedger | NoLedger = ledger if ledger is not None else NoLedger()
+        self.hooks = hooks if hooks is not None else RouterHooks()
 
     def on(self, kind: ReportKind | str, handler: Handler) -> None:
         self.handlers[ReportKind(kind)] = handler
@@ -101,8 +127,7 @@ class ReportRouter:
         self.events.emit(
             "eval", step=report.step, loss=report.loss, tokens=report.tokens, eval_s=round(report.eval_s, 6)
         )
-        if self.after_eval is not None:
-            self.after_eval()
+        self.hooks.after_eval()
 
     def _on_step(self, report: StepReport) -> None:
         step = report.step
@@ -151,8 +176,7 @@ class ReportRouter:
         if stalls:
             # The loop waits for its slowest rank: that rank's staging time is the run's stall.
             self.events.emit("checkpoint_staged", step=step, stall_s=round(max(stalls), 6))
-        if self.after_step is not None:
-            self.after_step()
+        self.hooks.after_step(step)
 
     def rewind(self, step: int) -> None:
         """Training goes back to ``step`` (a restore from a checkpoint): later steps run again."""

@@ -1,9 +1,13 @@
 """The controller's states: frozen values carrying all their data, and how a run ends.
 
 Runs on the driver. The controller (``orchestrator.driver.controller``) holds one of these and
-replaces it on every ``step()``; a state is never mutated, only rebuilt with
-``dataclasses.replace``. The calls a state holds (``calls``) are the ranks' in-flight remote
-calls of that generation, which fill in as they return.
+replaces it on every ``step()`` with what the state's handler returned; a state is never
+mutated, only rebuilt with ``dataclasses.replace``. The calls a state holds (``calls``) are the
+ranks' in-flight remote calls of that generation, which fill in as they return.
+
+A handler that wants a new generation configured (a start, a mesh change, a restore) returns a
+``NextGeneration`` instead of a state: what the ranks start from, not how. The controller
+configures it in the same ``step()`` (``Controller._configure``), which makes it ``Configuring``.
 
     Starting -> Configuring -> Running -----------------------------> Finished
                      ^            | failure, drain notice, grow
@@ -20,6 +24,7 @@ Any state ends in ``Finished`` when the run fails, is interrupted (Ctrl-C) or pr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -27,6 +32,9 @@ from elastic.spec import MeshSpec
 from orchestrator.driver.detector import Lost
 from orchestrator.driver.group import Calls
 from orchestrator.driver.peer_memory import RecoveryPoint
+from workers.spec.messages import StartFrom
+
+log = logging.getLogger("meshpilot")
 
 
 class SettlePurpose(StrEnum):
@@ -146,4 +154,37 @@ class Finished:
         return cls(status, EXIT_CODES[status], reason=reason)
 
 
+def run_failed(kind: str, message: str) -> Finished:
+    """The terminal state of a run that failed (``kind``: at what, for the log), logged as an error."""
+    log.error("run failed (%s): %s", kind, message)
+    return Finished.of(RunEnd.FAILED, reason=message)
+
+
 State = Starting | Configuring | Running | Settling | AwaitingActors | Finished
+
+
+@dataclass(frozen=True)
+class NextGeneration:
+    """A generation to configure on the active actors: ``mesh``, and what each rank starts from.
+
+    Not a state: a handler returns it and the controller configures it in the same step.
+    ``restoring``/``from_mesh``: every rank loads that step (written from that mesh); with
+    ``memory``, from that peer-memory snapshot. ``stateless``: ranks that hold no state until
+    this configuration fills them (joiners). ``paused_after=S``: the previous generation stopped
+    after step S with every rank alive but ``lost`` (a whole replica among the survivors), so
+    its checkpoint uploads still in flight commit with its mesh.
+    """
+
+    mesh: MeshSpec
+    starts: tuple[StartFrom, ...]
+    sync_replicas: bool = False
+    restoring: int | None = None
+    from_mesh: dict | None = None
+    stateless: frozenset[int] = frozenset()
+    memory: RecoveryPoint | None = None
+    paused_after: int | None = None
+    lost: frozenset[int] = frozenset()
+
+
+# What a state's handler returns: the next state, or a generation to configure.
+Next = State | NextGeneration

@@ -201,13 +201,24 @@ def fake_group(controller: Controller) -> FakeGroup:
 
 
 @pytest.fixture
-def controller(tmp_path, monkeypatch):
+def make_controller(tmp_path, monkeypatch):
+    """A controller over the fake group; ``committed_steps``: checkpoints it finds committed."""
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
     FakeGroup.script = {}
     config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1"])
     events = EventLog(tmp_path / "events.jsonl")
-    return Controller(config, events, poll_interval_s=0.0)
+
+    def make(*, committed_steps: list[int] | None = None) -> Controller:
+        checkpoints = None if committed_steps is None else FakeCheckpoints(committed_steps, config.mesh)
+        return Controller(config, events, poll_interval_s=0.0, checkpoints=checkpoints)
+
+    return make
+
+
+@pytest.fixture
+def controller(make_controller):
+    return make_controller()
 
 
 def test_happy_path_state_by_state(controller, tmp_path):
@@ -326,8 +337,8 @@ def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch
             "parallelism.dp_shard=2",
         ],
     )
-    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
-    controller.checkpoints = checkpoints = FakeCheckpoints([], config.mesh)
+    checkpoints = FakeCheckpoints([], config.mesh)
+    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0, checkpoints=checkpoints)
     final = controller.run()
     assert final.status == "finished"
     # The old mesh's saves up to step 2 still commit without rank 2: replica 0 survived whole.
@@ -375,6 +386,9 @@ class FakeCheckpoints:
     def check_access(self) -> None:
         pass
 
+    def on_report(self, report: object) -> None:
+        pass
+
     def reset(
         self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
     ) -> None:
@@ -388,8 +402,8 @@ class FakeCheckpoints:
         return intact[-1] if intact else None
 
 
-def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(controller, monkeypatch, tmp_path):
-    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([2, 3], controller.config.mesh))
+def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(make_controller, tmp_path):
+    controller = make_controller(committed_steps=[2, 3])
     FakeGroup.script = {"corrupt": {3}}
     final = controller.run()
     assert final.status == "finished"
@@ -400,15 +414,15 @@ def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(co
     assert [e["step"] for e in events if e["event"] == "step"] == [3, 4]
 
 
-def test_a_corrupt_checkpoint_with_nothing_older_ends_the_run(controller, monkeypatch):
-    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([3], controller.config.mesh))
+def test_a_corrupt_checkpoint_with_nothing_older_ends_the_run(make_controller):
+    controller = make_controller(committed_steps=[3])
     FakeGroup.script = {"corrupt": {3}}
     final = controller.run()
     assert final.status == "failed" and "no intact checkpoint left to restore" in final.reason
 
 
-def test_only_the_failure_kind_marks_a_checkpoint_corrupt_not_the_message(controller, monkeypatch):
-    monkeypatch.setattr(controller, "checkpoints", FakeCheckpoints([2, 3], controller.config.mesh))
+def test_only_the_failure_kind_marks_a_checkpoint_corrupt_not_the_message(make_controller):
+    controller = make_controller(committed_steps=[2, 3])
     FakeGroup.script = {"corrupt": {3}, "corrupt_kind": FailureKind.OWN_ERROR}
     final = controller.run()
     assert final.status == "failed" and len(fake_group(controller).configured) == 1
@@ -575,13 +589,13 @@ def test_a_hang_while_a_grow_is_pending_is_found_by_the_hang_threshold_not_a_fix
         for rank in range(4)
     }
     running = Running(generation=1, mesh=mesh, calls=FakeCalls({r: None for r in range(4)}, after=10**6))
-    settling = controller._begin_settling(running, SettlePurpose.GROW)
+    settling = controller.mesh_change.begin_settling(running, SettlePurpose.GROW)
     assert settling.deadline == float("inf")  # a pause waits for the step in flight, however long
-    assert controller._settle(settling).purpose == SettlePurpose.GROW  # within the hang threshold: no loss
+    assert controller.mesh_change.settle(settling).purpose == SettlePurpose.GROW  # within the hang threshold: no loss
     threshold = controller.detector.hang_threshold_s()
     assert threshold == controller.config.elastic.hang_timeout_s
     controller.detector.progress = (5, controller.detector.progress[1] - threshold - 0.1)
-    failing = controller._settle(settling)
+    failing = controller.mesh_change.settle(settling)
     assert isinstance(failing, Settling) and failing.purpose == SettlePurpose.FAILURE
     assert {rank: loss.kind for rank, loss in failing.lost.items()} == {2: LossKind.HANG}
     assert group.killed == [2] and group.aborted == [(1, 1)]

@@ -15,7 +15,7 @@ from elastic.spec import MeshSpec
 from orchestrator.analysis.timeline_plot import EVAL_COLOUR, render_timeline
 from orchestrator.config import config_from_dict
 from orchestrator.driver.detector import Detector
-from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.rank_reports import ReportRouter, RouterHooks
 from orchestrator.errors import UserError
 from orchestrator.observe.events import EventLog, read_events
 from orchestrator.observe.logs import ConsoleEventPrinter
@@ -59,8 +59,9 @@ def test_an_evaluation_is_progress_for_the_hang_check():
     now = [0.0]
     found = Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, clock=lambda: now[0])
     found.reset(2, step=5)
-    router = ReportRouter(EventLog(None), mesh=MeshSpec(dp_shard=2), tokens_per_step=1)
-    router.after_eval = found.evaluated
+    router = ReportRouter(
+        EventLog(None), mesh=MeshSpec(dp_shard=2), tokens_per_step=1, hooks=RouterHooks(after_eval=found.evaluated)
+    )
     channel = ReportChannel(rank=0)
     now[0] = 50.0  # boundary 5's evaluation took 50 s
     channel.evaluated(step=5, loss=3.0, tokens=64, eval_s=50.0)

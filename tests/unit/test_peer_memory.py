@@ -129,9 +129,14 @@ def test_a_later_applied_step_proves_a_snapshot_whole_and_an_unconfirmed_copy_is
 
 def test_snapshots_costing_more_than_the_limit_are_taken_less_often_from_the_current_generation_on(tmp_path):
     events = EventLog(tmp_path / "events.jsonl")
-    book = SnapshotBook(events, cadence=SnapshotCadence(1, 0.05), memory_limit_bytes=None, model={"preset": "debug"})
     published: list[tuple[int, int]] = []
-    book.publish_interval = lambda generation, interval: published.append((generation, interval))
+    book = SnapshotBook(
+        events,
+        cadence=SnapshotCadence(1, 0.05),
+        memory_limit_bytes=None,
+        model={"preset": "debug"},
+        publish_interval=lambda generation, interval_steps: published.append((generation, interval_steps)),
+    )
     book.plans(1, ONE_REPLICA, [Slot(rank) for rank in range(4)])
     book.plans(2, ONE_REPLICA, [Slot(rank) for rank in range(4)])
     for rank in range(4):  # a snapshot costing a fifth of a step on its slowest rank
