@@ -17,11 +17,18 @@ import torch.multiprocessing as mp
 
 from elastic.spec import MeshSpec
 
+# What every rank imports before its function runs: loaded once in the fork server, so a rank
+# starts in milliseconds instead of importing torch anew (~2-3 s of a core each).
+PRELOADED = ("torch", "torch.distributed", "torch.distributed.tensor", "workers.trainer")
+
 
 def spawn_ranks(
     run_rank: Callable[[int, str, Any], None], *, world_size: int, store_path: str, timeout_s: float = 180.0
 ) -> dict[int, tuple[Any, ...]]:
-    context = mp.get_context("spawn")
+    # A fork server, not fork: the server is a fresh single-threaded process (this one may hold
+    # Ray's and torch's threads), and each rank is forked from it with the imports already done.
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
     results = context.Queue()
     processes = [
         context.Process(target=run_rank, args=(rank, store_path, results), daemon=True) for rank in range(world_size)
