@@ -13,7 +13,7 @@ import torch
 
 from tests.hf_models import ARCHITECTURES, reference_logits, save_random_model
 from workers.models import LlamaFamily
-from workers.spec.hf_config import HfConfigError, llama_spec_from_hf
+from workers.spec.families.llama_hf import HfConfigError, llama_spec_from_hf
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
