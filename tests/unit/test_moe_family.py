@@ -277,6 +277,15 @@ def test_debug_moe_preset_selects_the_moe_family(monkeypatch):
     assert config.model_spec.family == "moe" and config.model_spec.n_experts == 8
 
 
+def test_the_moe_family_on_a_dense_preset_takes_its_experts_from_the_keys(monkeypatch):
+    """``family: moe`` gives a dense preset's width and depth to MoeArgs, and the keys set its experts."""
+    monkeypatch.chdir(REPO)
+    keys = ["model.family=moe", "model.n_experts=4", "model.top_k_experts=1", "parallelism.tp=1"]
+    spec = load_config(DEMO_CONFIG, keys).model_spec
+    assert isinstance(spec, MoeArgs) and spec.family == "moe"
+    assert (spec.dim, spec.n_layers, spec.n_experts, spec.expert_ffn_dim) == (64, 4, 4, spec.ffn_dim)
+
+
 def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tmp_path, capsys):
     source = save_random_model("qwen2_moe", tmp_path / "hf")
     checkpoints = tmp_path / "ckpt"

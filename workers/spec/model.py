@@ -234,21 +234,15 @@ class ModelSpec:
         """Fields whose recorded form is not their value (a nested dataclass); none here."""
         return values
 
-    @classmethod
-    def shape_keys(cls) -> list[str]:
-        """The ``model:`` config keys this family's args take (``head_dim`` for ``attention_head_dim``)."""
-        key_of = {field: key for key, field in FIELD_OF_KEY.items()}
-        return [key_of.get(f.name, f.name) for f in dataclasses.fields(cls) if f.name != "family"]
-
     def with_shape_keys(self: Spec, keys: Mapping[str, Any]) -> Spec:
         """This shape with ``model:`` config keys applied (under their config names); a key the
-        family does not have is refused by name, with the keys it has."""
+        family's args do not have is refused by name (on the driver, resolving the config)."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(key for key in keys if FIELD_OF_KEY.get(key, key) not in names)
         if unknown:
             raise ValueError(
-                f"model.{unknown[0]} is not a shape key of model family {self.family} "
-                f"(its keys: {', '.join(self.shape_keys())}); leave it unset, or choose the family that has it"
+                f"model.{unknown[0]} is not a shape key of model family {self.family}: leave it unset, or name "
+                "a model.family (or model.preset) whose model has it"
             )
         return dataclasses.replace(self, **{FIELD_OF_KEY.get(key, key): value for key, value in keys.items()})
 
