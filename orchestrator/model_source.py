@@ -52,13 +52,15 @@ def resolve_model(config: JobConfig) -> list[str]:
             section.resolved = user_family_spec(config, section.family, where)
     except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
         return [str(error)]
-    if section.init_from is not None and section.resolved.init_from_problems():
-        return section.resolved.init_from_problems()
-    if section.init_from is not None:
-        try:
-            check_released_weights(config, section.resolved, section.init_from)
-        except (CheckpointError, OSError) as error:
-            return [f"model.init_from: {error}"]
+    if section.init_from is None:
+        return []
+    problems = section.resolved.init_from_problems()  # a shape released weights cannot start (a routing bias)
+    if problems:
+        return problems
+    try:
+        check_released_weights(config, section.resolved, section.init_from)
+    except (CheckpointError, OSError) as error:
+        return [f"model.init_from: {error}"]
     return []
 
 

@@ -161,7 +161,7 @@ class ModelFamily(Generic[SpecT]):
         whose block differs (no grouped-query attention, a two-matrix MLP) returns their width and
         depth with its own block."""
         base = PRESETS[name]
-        return base if isinstance(base, self.args_class) else recast(base, self.args_class)
+        return base if type(base) is self.args_class else recast(base, self.args_class)
 
     def build(self, spec: SpecT) -> StageModel:
         """The whole model, constructed under ``torch.device("meta")`` by the caller."""

@@ -249,7 +249,8 @@ class ModelSpec:
 
 def recast(spec: ModelSpec, args_class: type[Spec], **changes: Any) -> Spec:
     """``spec``'s values of the fields ``args_class`` has, as that class, with ``changes`` on top:
-    a preset's width and depth given to another family's args (on the driver)."""
-    names = {f.name for f in dataclasses.fields(args_class)}
+    a preset's width and depth given to another family's args (on the driver). ``family`` is not
+    carried over: it is the new class's default unless ``changes`` names one."""
+    names = {f.name for f in dataclasses.fields(args_class)} - {"family"}
     values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name in names}
     return args_class(**{**values, **changes})
