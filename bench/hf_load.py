@@ -104,7 +104,7 @@ def _rank_main(rank: int, args: dict[str, Any], commands, results) -> None:
     from workers.pretrained import load_pretrained
     from workers.runtime import init_generation
     from workers.spec import TrainSpec
-    from workers.spec.hf_config import llama_spec_from_hf
+    from workers.spec.families.llama_hf import llama_spec_from_hf
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,7 +45,7 @@ from elastic.pipeline_cost import pipeline_bubble  # noqa: E402
 from elastic.spec import MeshSpec  # noqa: E402
 from workers.data import SyntheticSource  # noqa: E402
 from workers.runtime import init_generation  # noqa: E402
-from workers.spec import TrainSpec, model_spec  # noqa: E402
+from workers.spec import MoeArgs, TrainSpec, model_spec  # noqa: E402
 from workers.spec.pipeline import RULES, PipelineSchedule  # noqa: E402
 from workers.trainer import Trainer  # noqa: E402
 
@@ -55,8 +55,11 @@ MODEL = model_spec("debug", dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_di
 STAGE_CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 # 16 experts of width 512, top-2, on dim 256: the experts hold most of the parameters, as in the
 # mixtures people train, so ep=2 halves what each rank gathers.
-MOE_MODEL = model_spec(
-    "debug-moe", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, n_experts=16, moe_ffn_dim=512
+MOE_MODEL = cast(
+    MoeArgs,
+    model_spec(
+        "debug-moe", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, n_experts=16, moe_ffn_dim=512
+    ),
 )
 
 

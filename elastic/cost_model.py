@@ -60,7 +60,6 @@ from elastic.memory_model import (
     REDUCE_BYTES,
     activation_bytes_per_token,
     fsdp_buffer_bytes,
-    routed_expert_params_per_layer,
 )
 from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
 from elastic.spec import BatchPlan, MeshSpec
@@ -189,8 +188,8 @@ class Estimate:
 
 # ---------------------------------------------------------------------------- pieces
 def layer_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Forward + backward FLOPs of one decoder layer per token (6·active params + attention scores)."""
-    return 6.0 * model.active_params_per_layer + 12.0 * model.n_heads * model.head_dim * seq_len
+    """Forward + backward FLOPs of one decoder layer per token (the family's count)."""
+    return model.layer_flops_per_token(seq_len)
 
 
 def chunk_layers(n_layers: int, chunks: int) -> int:
@@ -313,14 +312,14 @@ def _layer_seconds(
 
 def _fsdp_peer_params(layout: Layout, model: ModelSpec, params_on_rank: float, layers_on_rank: int) -> float:
     """Parameters a rank receives in one all-gather of its stage (and sends in one reduce-scatter):
-    ``(n - 1)/n`` of each FSDP group's unsharded size. Attention and the rest are sharded over
-    ``dp_shard x cp`` (``params_on_rank`` holds their 1/tp); a mixture of experts' block stays
-    whole under tp and is sharded over tp too: its router and shared experts over
-    ``dp_shard x cp x tp``, its routed experts, ``1 / ep`` of them on the rank, over
+    ``(n - 1)/n`` of each FSDP group's unsharded size. What tp splits is sharded over
+    ``dp_shard x cp`` (``params_on_rank`` holds its 1/tp); what tp leaves whole (a mixture of
+    experts' block: ``tp_whole_params_per_layer``) is sharded over tp too: its router and shared
+    experts over ``dp_shard x cp x tp``, its routed experts, ``1 / ep`` of them on the rank, over
     ``dp_shard / ep x cp x tp``."""
     shard, tp, ep = layout.mesh.fsdp_shards, layout.mesh.tp, layout.ep
-    block = layers_on_rank * model.feed_forward_params_per_layer / tp if model.is_moe else 0.0
-    routed = layers_on_rank * routed_expert_params_per_layer(model) / tp
+    block = layers_on_rank * model.tp_whole_params_per_layer / tp
+    routed = layers_on_rank * model.expert_params_per_layer / tp
     others, rest = block - routed, params_on_rank - block
     routed_shard = shard // ep * tp
     return (
@@ -337,13 +336,13 @@ def _memory(
     model, mesh = workload.model, layout.mesh
     tp, pp, shard = mesh.tp, mesh.pp, mesh.fsdp_shards  # FSDP shards over dp_shard x cp
     embedding = model.embedding_params
-    output = model.embedding_params + model.dim  # untied output projection and final norm
+    output = model.head_params  # the last stage's own: final norm and output projection
     per_token_layer = activation_bytes_per_token(model) / tp
     kept_per_token_layer = ACTIVATION_BYTES * model.dim / tp if layout.activation_checkpointing else per_token_layer
     # FSDP gathers one layer at a time; under expert parallelism only this rank's experts of it;
-    # under tp 1/tp of attention, but a mixture of experts' block whole.
-    not_gathered_experts = (1 - 1 / layout.ep) * routed_expert_params_per_layer(model)
-    whole = model.feed_forward_params_per_layer - not_gathered_experts if model.is_moe else 0.0
+    # under tp 1/tp of what tp splits, and whole what it does not (the routed experts are part of that).
+    not_gathered_experts = (1 - 1 / layout.ep) * model.expert_params_per_layer
+    whole = model.tp_whole_params_per_layer - not_gathered_experts
     gathered_layer = (model.params_per_layer - not_gathered_experts - whole) / tp + whole
     # The V schedules put the first and the last stage on rank 0.
     v_shaped = layout.schedule in V_SCHEDULES

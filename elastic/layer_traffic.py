@@ -44,12 +44,13 @@ def tp_per_layer(
     """Tensor-parallel traffic of one layer and microbatch: (link, bytes, seconds).
 
     Sequence parallelism gathers and scatters the activations around attention and the MLP; a
-    mixture of experts takes its rank's tokens as they are (whole weights), so around attention only.
+    family whose MLP tp leaves whole (``tp_split_ffn_dim`` None: a mixture of experts takes its
+    rank's tokens as they are) around attention only.
     """
     tp = layout.mesh.tp
     tp_link, tp_bw = link(layout.mesh, "tp", cluster, assumptions)
     collectives = 8 + (4 if layout.activation_checkpointing else 0)
-    if workload.model.is_moe:
+    if workload.model.tp_split_ffn_dim is None:
         collectives //= 2
     tp_bytes_layer = collectives * (tp - 1) / tp * ACTIVATION_BYTES * tokens * workload.model.dim
     return tp_link, tp_bytes_layer, tp_bytes_layer / tp_bw if tp > 1 else 0.0
@@ -90,20 +91,20 @@ def expert_parallel(
     ``compute_layer_s`` the layer's compute, which a V schedule hides it behind when
     ``assumptions.overlap_expert_all_to_all``."""
     model, ep = workload.model, layout.ep
-    if not model.is_moe or ep == 1:
+    if ep == 1:  # the only degree a model without routed experts runs (``ModelSpec.splits_experts``)
         return 0.0, None
     ep_link, ep_bw = link(layout.mesh, "ep", cluster, assumptions, degree=ep)
     collectives = 4 + (2 if layout.activation_checkpointing else 0)  # dispatch and combine, each way
     # One copy of each of this rank's tokens (1/tp of the cp rank's under sequence parallelism), every exchange.
     copies = collectives * ACTIVATION_BYTES * tokens / layout.mesh.tp * model.dim
-    layer_bytes = (ep - 1) / ep * model.top_k_experts * copies
+    layer_bytes = (ep - 1) / ep * model.experts_per_token * copies
     layer_s = layer_bytes / ep_bw
     nodes = -(-layout.mesh.stride("dp_shard") * ep // cluster.gpus_per_node)
     if nodes > 1 and assumptions.expert_routing_nodes is not None:
         # Once per destination node over the network, then k copies over NVLink inside the nodes.
         remote = min(assumptions.expert_routing_nodes, nodes) * (nodes - 1) / nodes
         network_bytes = remote * copies
-        nvlink_s = model.top_k_experts * copies / (cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency)
+        nvlink_s = model.experts_per_token * copies / (cluster.gpu.nvlink_bytes_per_s * assumptions.link_efficiency)
         layer_bytes, layer_s = network_bytes, max(network_bytes / ep_bw, nvlink_s)
     step_layers = layers_on_rank * layout.microbatches
     busy_s = layer_s * step_layers

@@ -48,27 +48,9 @@ def zero_memory_per_gpu(
 
 
 def activation_bytes_per_token(model: ModelSpec) -> float:
-    """Bytes one token leaves behind in one layer for the backward pass (bf16, flash attention).
-
-    Attention: RMSNorm input and output (2h), q (h), k and v (2·kv), the attention output that
-    also feeds wo (h). Feed-forward: RMSNorm input and output (2h), w1 and w3 outputs, silu(w1)
-    and the product feeding w2 (4·ffn). A mixture of experts keeps that for each of its top-k
-    experts and the shared ones (4·(k·expert_ffn + shared_ffn)), plus the k copies of the token
-    sent to the experts and the k outputs combined (2·k·h). Each value is 2 bytes.
-    """
-    kv_dim = model.n_kv_heads * model.head_dim
-    if model.is_moe:
-        k = model.top_k_experts
-        feed_forward = 4 * (k * model.expert_ffn_dim + model.shared_ffn_dim) + 2 * k * model.dim
-    else:
-        feed_forward = 4 * model.ffn_dim
-    elements = 2 * model.dim + model.dim + 2 * kv_dim + model.dim + 2 * model.dim + feed_forward
-    return ACTIVATION_BYTES * elements
-
-
-def routed_expert_params_per_layer(model: ModelSpec) -> int:
-    """Parameters of one layer's routed experts (0 for a dense model): what ``ep`` splits."""
-    return model.n_experts * 3 * model.dim * model.expert_ffn_dim
+    """Bytes one token leaves behind in one layer for the backward pass: the values the family
+    counts (``ModelSpec.saved_activations_per_token``, flash attention), 2 bytes each."""
+    return ACTIVATION_BYTES * model.saved_activations_per_token()
 
 
 def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) -> float:

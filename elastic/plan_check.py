@@ -32,11 +32,9 @@ def check_layout(
     if tp_reason:
         problems.append(f"tp={mesh.tp}: {tp_reason}")
     problems.extend(schedule_problems(layout))
-    if layout.ep not in expert_degrees(model, mesh):  # [1] for a dense model
+    if layout.ep not in expert_degrees(model, mesh):
         problems.append(
-            f"ep={layout.ep} must divide dp_shard={mesh.dp_shard} and model.n_experts={model.n_experts}"
-            if model.is_moe
-            else f"ep={layout.ep} needs a mixture of experts (model.n_experts is 0)"
+            model.expert_parallel_problem(layout.ep, "ep") or f"ep={layout.ep} must divide dp_shard={mesh.dp_shard}"
         )
     problems.extend(
         mesh.check_divides(

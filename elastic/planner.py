@@ -205,11 +205,9 @@ def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> I
 
 
 def expert_degrees(model: ModelSpec, mesh: MeshSpec, fixed: int | None = None) -> list[int]:
-    """The expert-parallel degrees ``mesh`` can run ``model`` with: 1 for a dense model, else the
-    divisors of ``dp_shard`` that divide the expert count (only ``fixed`` when given)."""
-    if not model.is_moe:
-        return [1]
-    degrees = [ep for ep in _divisors(mesh.dp_shard) if model.n_experts % ep == 0]
+    """The expert-parallel degrees ``mesh`` can run ``model`` with: the divisors of ``dp_shard``
+    that split its routed experts evenly (1 alone without experts; only ``fixed`` when given)."""
+    degrees = [ep for ep in _divisors(mesh.dp_shard) if model.splits_experts(ep)]
     return [ep for ep in degrees if ep == fixed] if fixed is not None else degrees
 
 

@@ -26,8 +26,8 @@ import yaml
 from elastic.spec import MeshSpec
 from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
-from orchestrator.model_source import resolve_model
-from workers.spec import PRESETS, ModelSpec, model_spec
+from orchestrator.model_source import resolve_model, shipped_preset_spec
+from workers.spec import PRESETS, ModelSpec
 from workers.spec.pipeline import RULES, PipelineSchedule
 from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
@@ -68,7 +68,7 @@ class ModelConfig:
     head_dim: int | None = None
     qkv_bias: bool | None = None
     tie_embeddings: bool | None = None
-    # Mixture of experts (family moe, preset debug-moe): see ModelSpec.
+    # Mixture of experts (family moe, preset debug-moe): see workers.spec.families.moe.MoeArgs.
     n_experts: int | None = None
     top_k_experts: int | None = None
     moe_ffn_dim: int | None = None
@@ -81,18 +81,22 @@ class ModelConfig:
     resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
 
     def overrides(self) -> dict[str, Any]:
-        """Shape fields set explicitly, under ModelSpec's names."""
-        shape_keys = {f.name for f in dataclasses.fields(ModelSpec)} | {"head_dim"}
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in shape_keys}
-        values["attention_head_dim"] = values.pop("head_dim")
-        return {key: value for key, value in values.items() if value is not None and key != "family"}
+        """Shape keys set explicitly, under their config names (``ModelSpec.with_shape_keys`` takes them)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NOT_SHAPE_KEYS and not f.metadata.get("internal") and getattr(self, f.name) is not None
+        }
 
     def spec(self) -> ModelSpec:
+        """The shape ``orchestrator.model_source`` resolved (or, before it ran, the preset's with the keys)."""
         if self.resolved is not None:
             return self.resolved
-        base = model_spec(self.preset, **self.overrides())
-        # A preset names its family (debug-moe: moe) unless the config names one of its own.
-        return base if self.family == "llama" else dataclasses.replace(base, family=self.family)
+        return shipped_preset_spec(self.preset, self.family).with_shape_keys(self.overrides())
+
+
+# The model section's keys that say where the shape comes from rather than give part of it.
+_NOT_SHAPE_KEYS = ("family", "preset", "hf_config", "init_from")
 
 
 @dataclass

@@ -114,14 +114,7 @@ def _gpus_per_rank_problems(config: JobConfig) -> list[str]:
 def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str]:
     """The sequence and schedule against the model, and the data source against the vocabulary and disk."""
     train = config.training
-    problems: list[str] = []
-    if train.seq_len > model.max_seq_len:
-        problems.append(f"training.seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-    if model.sliding_window is not None and train.seq_len > model.sliding_window:
-        problems.append(
-            f"training.seq_len={train.seq_len} exceeds the model's sliding_window={model.sliding_window}: meshpilot "
-            "attends to every earlier position, the same model only within the window; lower training.seq_len"
-        )
+    problems = model.sequence_problems(train.seq_len)
     if not 0.0 <= train.min_lr_ratio <= 1.0:
         problems.append(f"training.min_lr_ratio={train.min_lr_ratio} must lie in [0, 1]")
     if config.data.source == "text":
@@ -273,24 +266,17 @@ def _non_negative(problems: list[str], config: JobConfig, keys: tuple[str, ...])
 
 
 def _expert_parallel_problems(config: JobConfig, model: ModelSpec) -> list[str]:
-    """``parallelism.ep`` splits a mixture of experts' experts over ranks borrowed from dp_shard."""
+    """``parallelism.ep`` splits a model's routed experts over ranks borrowed from dp_shard: the
+    model says whether it has experts to split that many ways, the mesh whether dp_shard does."""
     ep, dp_shard = config.parallelism.ep, config.parallelism.dp_shard
     if ep == 1:
         return []
-    if not model.is_moe:
-        return [
-            f"parallelism.ep={ep} needs a mixture-of-experts model (model.n_experts is not set): set "
-            "parallelism.ep=1, or train a moe model (model.preset=debug-moe)"
-        ]
     problems = []
-    if dp_shard % ep:
+    # A model without experts has no split to fit into dp_shard: its own problem says so.
+    if dp_shard % ep and model.expert_params_per_layer:
         problems.append(
             f"parallelism.ep={ep} must divide parallelism.dp_shard={dp_shard}: the experts are split over ranks "
             "of dp_shard; choose an ep that divides it"
         )
-    if model.n_experts % ep:
-        problems.append(
-            f"parallelism.ep={ep} must divide model.n_experts={model.n_experts} so that every rank holds as many "
-            "experts; choose an ep that divides it"
-        )
-    return problems
+    model_problem = model.expert_parallel_problem(ep, "parallelism.ep")
+    return problems + ([model_problem] if model_problem else [])

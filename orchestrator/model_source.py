@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
-from workers.spec import ModelSpec, model_spec
-from workers.spec.hf_config import LLAMA_COMPATIBLE, HfConfigError, architecture_of, llama_spec_from_hf
-from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_spec_from_hf
+from workers.spec import PRESETS, ModelSpec
+from workers.spec.families import SHIPPED, HfConfigError, spec_from_hf_config
+from workers.spec.model import recast
 
 if TYPE_CHECKING:
     from orchestrator.config import JobConfig
     from workers.models import ModelFamily
 
-# The shipped family, resolved without importing torch (config checks run on a laptop too).
+# The default family: a shipped one, whichever the preset or the config.json's architecture names.
 SHIPPED_FAMILY = "llama"
 
 
@@ -46,24 +46,21 @@ def resolve_model(config: JobConfig) -> list[str]:
     section = config.model
     where = section.hf_config or section.init_from
     try:
-        if section.family == SHIPPED_FAMILY:
-            base = llama_spec(config, where)
+        if section.family in SHIPPED:
+            section.resolved = shipped_spec(config, where).with_shape_keys(section.overrides())
         else:
-            base = user_family_spec(config, section.family, where)
+            section.resolved = user_family_spec(config, section.family, where)
     except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
         return [str(error)]
-    section.resolved = dataclasses.replace(base, **section.overrides())
-    if section.init_from is not None and section.resolved.router_bias_update_rate > 0:
-        return [
-            f"model.router_bias_update_rate={section.resolved.router_bias_update_rate} with model.init_from: "
-            "released Hugging Face MoE weights hold no routing bias to start it from; set "
-            "model.router_bias_update_rate=0 (and balance with model.router_aux_loss_coef)"
-        ]
-    if section.init_from is not None:
-        try:
-            check_released_weights(config, section.resolved, section.init_from)
-        except (CheckpointError, OSError) as error:
-            return [f"model.init_from: {error}"]
+    if section.init_from is None:
+        return []
+    problems = section.resolved.init_from_problems()  # a shape released weights cannot start (a routing bias)
+    if problems:
+        return problems
+    try:
+        check_released_weights(config, section.resolved, section.init_from)
+    except (CheckpointError, OSError) as error:
+        return [f"model.init_from: {error}"]
     return []
 
 
@@ -78,34 +75,43 @@ def check_released_weights(config: JobConfig, spec: ModelSpec, where: str) -> No
         storage.close()
 
 
-def llama_spec(config: JobConfig, where: str | None) -> ModelSpec:
-    """The shipped families' shape: the preset (which names its family: ``debug-moe`` is ``moe``), or
-    what a config.json of a supported architecture says (``Qwen2MoeForCausalLM``: the ``moe`` family)."""
+def shipped_spec(config: JobConfig, where: str | None) -> ModelSpec:
+    """A shipped family's shape, without torch: the preset, or what a config.json says. With the
+    default family the preset or the architecture picks it (``debug-moe`` and ``Qwen2MoeForCausalLM``
+    are ``moe``); a family named explicitly reads the config.json as its own."""
+    family = config.model.family
     if where is None:
-        return model_spec(config.model.preset)
+        return shipped_preset_spec(config.model.preset, family)
     location = locate(where, config.source_dir)
     hf_config = read_json(location, config)
-    architecture = architecture_of(hf_config, location.describe())
-    if architecture == MOE_ARCHITECTURE:
-        return moe_spec_from_hf(hf_config, location.describe())
-    if architecture not in LLAMA_COMPATIBLE:
-        raise HfConfigError(
-            f"{location.describe()}: architecture {architecture} is not supported; supported: "
-            f"{', '.join(sorted([*LLAMA_COMPATIBLE, MOE_ARCHITECTURE]))} "
-            "(or bring your own family: model.family: package.module:Class)"
-        )
-    return llama_spec_from_hf(hf_config, location.describe(), family=SHIPPED_FAMILY)
+    if family == SHIPPED_FAMILY:
+        return spec_from_hf_config(hf_config, location.describe())
+    return SHIPPED[family].from_hf_config(hf_config, location.describe())
+
+
+def shipped_preset_spec(preset: str, family: str) -> ModelSpec:
+    """``model.preset``'s shape for ``family``: the preset's own family for the default, another
+    shipped family's args with the preset's width and depth (``family: moe, preset: debug`` then sets
+    its experts by key), or, for a family the user brings, the preset under its name until the
+    family itself resolves it (``user_family_spec``)."""
+    base = PRESETS[preset]
+    if family in (SHIPPED_FAMILY, base.family):
+        return base
+    if family in SHIPPED:
+        return recast(base, SHIPPED[family].args, family=family)
+    return dataclasses.replace(base, family=family)
 
 
 def user_family_spec(config: JobConfig, name: str, where: str | None) -> ModelSpec:
-    """A family the user brings: imported (with torch) to read its config or check its preset shape."""
+    """A family the user brings: imported (with torch) to read its config or check its preset shape,
+    with the config's shape keys applied to its own args."""
     family = load_family(name)
     if where is None:
         base = family.preset(config.model.preset)
     else:
         location = locate(where, config.source_dir)
         base = family.spec_from_hf_config(read_json(location, config), location.describe())
-    spec = dataclasses.replace(base, family=name, **config.model.overrides())
+    spec = dataclasses.replace(base, family=name).with_shape_keys(config.model.overrides())
     problems = family.problems(spec)
     if problems:
         raise HfConfigError("; ".join(problems))

@@ -27,7 +27,7 @@ from checkpointing.hf_format import HfCheckpoint, HfName, check_hf_shape, find_h
 from checkpointing.storage import StorageBackend
 from workers.models import FamilyError, ModelFamily, family_for_architecture, registered_families, resolve_family
 from workers.spec import ModelSpec
-from workers.spec.hf_config import HfConfigError, architecture_of
+from workers.spec.families.llama_hf import HfConfigError, architecture_of
 
 DEFAULT_FAMILY = "llama"  # manifests written before model families record none
 
@@ -100,7 +100,7 @@ class FamilyNaming:
         self.family_name = str(model.get("family") or DEFAULT_FAMILY)
         with _as_user_errors():
             self.family = resolve_family(self.family_name)
-        self.spec = _spec_of(model, self.family_name)
+        self.spec = _spec_of(model, self.family_name, self.family.args_class)
         self.parameters = parameter_shapes(self.family, self.spec)
 
     def hf_name(self, fqn: str) -> HfName | None:
@@ -134,8 +134,9 @@ def export_family(
     return export_hf(storage, out_dir, step=manifest.step, naming=naming, **options), naming
 
 
-def _spec_of(model: Mapping[str, Any], family: str) -> ModelSpec:
-    required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
+def _spec_of(model: Mapping[str, Any], family: str, args_class: type[ModelSpec]) -> ModelSpec:
+    """The family's args from a checkpoint's model description (refused when it lacks a field they need)."""
+    required = [f.name for f in dataclasses.fields(args_class) if f.default is dataclasses.MISSING]
     missing = [name for name in required if name not in model]
     if missing:
         kind = "Llama-style" if family == DEFAULT_FAMILY else family
@@ -143,7 +144,7 @@ def _spec_of(model: Mapping[str, Any], family: str) -> ModelSpec:
             f"the checkpoint's model description lacks {', '.join(missing)}: it is not a meshpilot {kind} model "
             "and cannot be exported"
         )
-    return ModelSpec.from_dict({**model, "family": family})
+    return args_class.from_dict({**model, "family": family})
 
 
 @contextmanager

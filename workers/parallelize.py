@@ -32,7 +32,7 @@ from checkpointing.torch_compat import (
 from elastic.spec import DIM_ORDER, MeshSpec
 from workers.context_parallel import SequenceShard
 from workers.models import ModelFamily, StageModel
-from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
+from workers.models.moe.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
 from workers.spec import ModelSpec
 from workers.spec.pipeline import stage_ids
 from workers.spec.train import ReshardAfterForward

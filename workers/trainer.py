@@ -153,10 +153,10 @@ class Trainer(TrainerState):
         return ep, par.expert_meshes(self.world_mesh, self.mesh, ep) if ep > 1 else None
 
     def _whole_weight_mesh(self) -> DeviceMesh | None:
-        """Collective when it builds one: a mixture of experts under tp runs each rank's tokens
-        through whole weights, sharded by FSDP over data x tensor ranks (every rank decides alike,
-        from the spec)."""
-        if self.mesh.tp > 1 and self.spec.model.is_moe:
+        """Collective when it builds one: a family whose layers tp leaves partly whole (a mixture of
+        experts' block) runs each rank's tokens through those weights, sharded by FSDP over data x
+        tensor ranks (every rank decides alike, from the spec)."""
+        if self.mesh.tp > 1 and self.spec.model.tp_whole_params_per_layer:
             return par.whole_weight_mesh(self.world_mesh, self.mesh)
         return None
 

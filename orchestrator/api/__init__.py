@@ -4,7 +4,8 @@
     print(result.exit_code, result.losses[20])
 
 The same run as ``meshpilot train`` (the CLI is a layer over ``train``), plus the names a user
-needs to bring a model architecture (``ModelFamily`` and what it returns). Every name here is
+needs to bring a model architecture (``ModelFamily``, what it returns, and the args its shape
+subclasses: ``ModelSpec``, or ``LlamaArgs`` for a llama-style block). Every name here is
 re-exported from the module that defines it, so ``meshpilot.X is orchestrator...X``.
 
 The model-family names come from ``workers.models``, which imports torch; they are loaded on
@@ -18,8 +19,8 @@ from orchestrator.api.training import build_config, train
 from orchestrator.config import JobConfig, load_config
 from orchestrator.driver.run import RunResult
 from orchestrator.errors import ConfigError, UserError
-from workers.spec import ModelSpec
-from workers.spec.model import RopeScaling
+from workers.spec import LlamaArgs, ModelSpec, MoeArgs
+from workers.spec.families import RopeScaling
 
 if TYPE_CHECKING:
     from workers.models import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
@@ -39,8 +40,10 @@ __all__ = [
     "ConfigError",
     "InitRule",
     "JobConfig",
+    "LlamaArgs",
     "ModelFamily",
     "ModelSpec",
+    "MoeArgs",
     "RopeScaling",
     "RunResult",
     "StageModel",

@@ -336,10 +336,9 @@ def _check_expert_flags(args: argparse.Namespace, model: ModelSpec) -> None:
     for flag, value in (("--ep", args.ep), ("--expert-routing-nodes", args.expert_routing_nodes)):
         if value is not None and value < 1:
             raise UserError(f"{flag}={value} must be >= 1")
-    if args.ep is not None and args.ep > 1 and not model.is_moe:
-        raise UserError(f"--ep={args.ep} needs a mixture of experts (model.n_experts >= 1); drop --ep")
-    if args.ep is not None and model.is_moe and model.n_experts % args.ep:
-        raise UserError(f"--ep={args.ep} must divide model.n_experts={model.n_experts}; pick a divisor of it")
+    problem = model.expert_parallel_problem(args.ep, "--ep") if args.ep is not None else None
+    if problem:
+        raise UserError(problem)
 
 
 def _no_layout_message(name: str, result: PlanResult) -> str:

@@ -13,14 +13,14 @@ embeddings and LayerNorms stay whole on every TP rank (sharded by FSDP only). Th
 projection returns logits sharded over the vocabulary, the layout the trainer's
 ``loss_parallel`` reads.
 
-The planner counts ``ModelSpec``'s Llama-style decoder with this family's MLP width, matrix
-count and q/k/v biases; it leaves out the position embedding (``max_seq_len x dim``) and the
-biases of ``out``, ``fc``, ``proj`` and the LayerNorms.
+Its shape is ``Gpt2Args``, a ``ModelSpec`` of its own: the planner counts this block (position
+embedding, every bias, LayerNorms with their biases, a two-matrix MLP), and the config checks
+refuse the keys it has no use for.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,54 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan
 from workers.spec import PRESETS, ModelSpec
 
+FAMILY_NAME = "gpt2-test"
+
+
+@dataclass(frozen=True)
+class Gpt2Args(ModelSpec):
+    """A GPT-2-style decoder's shape and counts (torch-free, as the planner reads it). No field of
+    its own: ``ffn_dim`` is the MLP's width and ``n_kv_heads`` must equal ``n_heads``."""
+
+    @property
+    def attention_width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        """Two LayerNorms, q/k/v and ``out`` with their biases, ``fc`` and ``proj`` with theirs."""
+        width = self.attention_width
+        norms = 2 * 2 * self.dim
+        attention = 3 * (self.dim * width + width) + width * self.dim + self.dim
+        mlp = self.dim * self.ffn_dim + self.ffn_dim + self.ffn_dim * self.dim + self.dim
+        return norms + attention + mlp
+
+    @property
+    def embedding_params(self) -> int:
+        """Token and position embeddings."""
+        return (self.vocab_size + self.max_seq_len) * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """The final LayerNorm (weight and bias) and the untied output projection."""
+        return 2 * self.dim + self.vocab_size * self.dim
+
+    def saved_activations_per_token(self) -> int:
+        """LayerNorm inputs and outputs (4h), q, k, v and the attention output (4 x width), the
+        MLP's ``fc`` output and its GELU (2 x ffn)."""
+        return 4 * self.dim + 4 * self.attention_width + 2 * self.ffn_dim
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if not found and self.n_kv_heads != self.n_heads:
+            found.append(
+                f"model.n_kv_heads={self.n_kv_heads} must equal model.n_heads={self.n_heads}: "
+                f"{FAMILY_NAME} has no grouped-query attention (leave model.n_kv_heads unset)"
+            )
+        return found
+
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: Gpt2Args) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         width = spec.n_heads * spec.head_dim
@@ -51,7 +96,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: Gpt2Args) -> None:
         super().__init__()
         self.fc = nn.Linear(spec.dim, spec.ffn_dim)
         self.proj = nn.Linear(spec.ffn_dim, spec.dim)
@@ -61,7 +106,7 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: Gpt2Args) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(spec.dim, eps=spec.norm_eps)
         self.attn = CausalSelfAttention(spec)
@@ -79,7 +124,7 @@ class Gpt2(StageModel):
     first_stage_modules = ("wte", "wpe")
     last_stage_modules = ("ln_f", "lm_head")
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: Gpt2Args) -> None:
         super().__init__()
         self.wte: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
         self.wpe: nn.Embedding | None = nn.Embedding(spec.max_seq_len, spec.dim)
@@ -112,24 +157,34 @@ _LAYER_PLAN: dict[str, ParallelStyle] = {
 }
 
 
-class Gpt2Family(ModelFamily):
+class Gpt2Family(ModelFamily[Gpt2Args]):
     """GPT-2-style decoders (see the module docstring); no Hugging Face import or export."""
 
-    name = "gpt2-test"
+    name = FAMILY_NAME
+    args_class = Gpt2Args
 
-    def preset(self, name: str) -> ModelSpec:
+    def preset(self, name: str) -> Gpt2Args:
         """The preset's width and depth with GPT-2's block: as many k/v heads as query heads,
         a 4 x dim two-matrix MLP, biases everywhere, learned positions."""
         base = PRESETS[name]
-        return dataclasses.replace(base, n_kv_heads=base.n_heads, ffn_dim=4 * base.dim, qkv_bias=True, mlp_matrices=2)
+        return Gpt2Args(
+            dim=base.dim,
+            n_layers=base.n_layers,
+            n_heads=base.n_heads,
+            n_kv_heads=base.n_heads,
+            vocab_size=base.vocab_size,
+            ffn_dim=4 * base.dim,
+            norm_eps=base.norm_eps,
+            max_seq_len=base.max_seq_len,
+        )
 
-    def build(self, spec: ModelSpec) -> Gpt2:
+    def build(self, spec: Gpt2Args) -> Gpt2:
         return Gpt2(spec)
 
-    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
+    def tensor_parallel_plan(self, spec: Gpt2Args) -> TensorParallelPlan:
         return TensorParallelPlan(top=_TOP_PLAN, layer=_LAYER_PLAN)
 
-    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+    def init_rule(self, fqn: str, spec: Gpt2Args) -> InitRule:
         """GPT-2's: weights normal(0.02), the residual branches' last projections scaled down
         by sqrt(2 * n_layers), LayerNorms at weight 1 and bias 0, every bias 0."""
         if fqn.endswith(".bias"):
@@ -139,14 +194,3 @@ class Gpt2Family(ModelFamily):
         if fqn.endswith(("attn.out.weight", "mlp.proj.weight")):
             return InitRule.normal(0.02 / (2 * spec.n_layers) ** 0.5)
         return InitRule.normal(0.02)
-
-    def problems(self, spec: ModelSpec) -> list[str]:
-        found = super().problems(spec)
-        if spec.n_kv_heads != spec.n_heads:
-            found.append(
-                f"model.n_kv_heads={spec.n_kv_heads} must equal model.n_heads={spec.n_heads}: "
-                f"{self.name} has no grouped-query attention (leave model.n_kv_heads unset)"
-            )
-        if not spec.qkv_bias or spec.mlp_matrices != 2:
-            found.append(f"{self.name} always has q/k/v biases and a two-matrix MLP (leave model.qkv_bias unset)")
-        return found

@@ -6,6 +6,7 @@ One process (world size 1, plain tensors); the multi-rank layouts are in test_ck
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 import torch
@@ -19,9 +20,9 @@ from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from orchestrator.cli import main
 from workers.models import Transformer
-from workers.spec import PRESETS
+from workers.spec import PRESETS, LlamaArgs
 
-SPEC = PRESETS["debug"]
+SPEC = cast(LlamaArgs, PRESETS["debug"])
 MODEL = SPEC.to_dict()
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from elastic.spec import MeshSpec
 from tests.unit.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
-from workers.models.grouped_experts import GroupedExperts
+from workers.models.moe.grouped_experts import GroupedExperts
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
 

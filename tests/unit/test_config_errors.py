@@ -125,6 +125,16 @@ CASES = [
         ["--set", "model.preset=debug-moe", "--set", "parallelism.tp=1", "--set", "model.router_bias_update_rate=-0.1"],
         "model.router_bias_update_rate=-0.1 must be >= 0 (0: no bias)",
     ),
+    # A family's args hold its own fields: the llama family has no experts to set.
+    (
+        ["--set", "model.n_experts=8"],
+        "model.n_experts is not a shape key of model family llama: leave it unset, or name a model.family "
+        "(or model.preset) whose model has it",
+    ),
+    (
+        ["--set", "model.family=moe", "--set", "parallelism.tp=1"],
+        "model.n_experts must be >= 1 for model.family=moe (or use model.family=llama)",
+    ),
     (["--set", "parallelism.cp=0"], "parallelism.cp=0 must be >= 1"),
     (
         ["--set", "parallelism.cp=3"],

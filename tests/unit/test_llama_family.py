@@ -6,6 +6,7 @@ here is in the model or the config mapping, not in the reading of files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,25 @@ import torch
 
 from tests.hf_models import ARCHITECTURES, reference_logits, save_random_model
 from workers.models import LlamaFamily
-from workers.spec.hf_config import HfConfigError, llama_spec_from_hf
+from workers.spec import PRESETS
+from workers.spec.families.llama_hf import HfConfigError, llama_spec_from_hf
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"qkv_bias": True}, {"attention_head_dim": 32, "n_kv_heads": 4}],
+    ids=["debug", "qwen2-biases", "wide-heads"],
+)
+def test_the_args_count_the_parameters_the_family_builds(changes):
+    """What the planner counts is what a rank holds: the args' counts against the model on meta."""
+    spec = dataclasses.replace(PRESETS["debug"], **changes)
+    with torch.device("meta"):
+        model = LlamaFamily().build(spec)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec.num_active_params == spec.num_params  # every parameter computes every token
+    layer = sum(p.numel() for p in model.layers["0"].parameters())
+    assert spec.params_per_layer == layer
+    assert spec.head_params == sum(p.numel() for name in ("norm", "lm_head") for p in getattr(model, name).parameters())
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

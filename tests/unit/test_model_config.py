@@ -174,3 +174,14 @@ def test_checkpoints_written_before_model_families_still_match():
     assert qwen.to_dict()["qkv_bias"] is True
     assert ModelSpec.from_dict(qwen.to_dict()) == qwen
     assert ModelSpec.from_dict(PRESETS["debug"].to_dict()) == PRESETS["debug"]
+
+
+def test_a_moe_description_names_its_family_and_reads_back_as_its_args():
+    """A checkpoint of the moe family records ``family`` and its set expert fields, and loads as MoeArgs."""
+    from workers.spec import PRESETS, ModelSpec, MoeArgs
+
+    described = PRESETS["debug-moe"].to_dict()
+    assert described["family"] == "moe" and described["n_experts"] == 8
+    assert "router_score" not in described and "normalize_top_k" not in described  # still their defaults
+    loaded = ModelSpec.from_dict(described)
+    assert isinstance(loaded, MoeArgs) and loaded == PRESETS["debug-moe"]

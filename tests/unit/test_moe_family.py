@@ -27,10 +27,10 @@ from tests.jobs import DEMO_CONFIG, REPO
 from tests.unit import moe_checkpoint_ranks, moe_ranks, pretrained_ranks
 from tests.unit.spawned_ranks import spawn_ranks
 from workers.models import resolve_family
-from workers.models.moe import AttachAuxiliaryLoss, MixtureOfExperts
-from workers.spec import PRESETS
-from workers.spec.hf_config import HfConfigError
-from workers.spec.moe_hf_config import moe_hf_config, moe_spec_from_hf
+from workers.models.moe.model import AttachAuxiliaryLoss, MixtureOfExperts
+from workers.spec import PRESETS, MoeArgs
+from workers.spec.families.llama_hf import HfConfigError
+from workers.spec.families.moe_hf import moe_hf_config, moe_spec_from_hf
 
 HF_LAYOUTS = {
     "1-rank": (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
@@ -194,7 +194,9 @@ def test_a_routing_bias_has_no_hugging_face_equivalent():
 
 
 def _moe_block(coef: float) -> MixtureOfExperts:
-    spec = dataclasses.replace(PRESETS["debug-moe"], router_aux_loss_coef=coef)
+    spec = PRESETS["debug-moe"]
+    assert isinstance(spec, MoeArgs)
+    spec = dataclasses.replace(spec, router_aux_loss_coef=coef)
     torch.manual_seed(0)
     block = MixtureOfExperts(spec)
     for param in block.parameters():
@@ -273,6 +275,15 @@ def test_debug_moe_preset_selects_the_moe_family(monkeypatch):
     monkeypatch.chdir(REPO)
     config = load_config(DEMO_CONFIG, ["model.preset=debug-moe", "parallelism.tp=1"])
     assert config.model_spec.family == "moe" and config.model_spec.n_experts == 8
+
+
+def test_the_moe_family_on_a_dense_preset_takes_its_experts_from_the_keys(monkeypatch):
+    """``family: moe`` gives a dense preset's width and depth to MoeArgs, and the keys set its experts."""
+    monkeypatch.chdir(REPO)
+    keys = ["model.family=moe", "model.n_experts=4", "model.top_k_experts=1", "parallelism.tp=1"]
+    spec = load_config(DEMO_CONFIG, keys).model_spec
+    assert isinstance(spec, MoeArgs) and spec.family == "moe"
+    assert (spec.dim, spec.n_layers, spec.n_experts, spec.expert_ffn_dim) == (64, 4, 4, spec.ffn_dim)
 
 
 def test_qwen2_moe_import_then_export_loads_in_transformers_with_equal_logits(tmp_path, capsys):

@@ -17,7 +17,7 @@ from elastic.memory_model import fsdp_buffer_bytes, zero_memory_per_gpu
 from elastic.plan_check import check_layout
 from elastic.planner import Constraints, best_mesh, plan_layouts
 from elastic.spec import MeshSpec
-from workers.spec import PRESETS, ModelSpec
+from workers.spec import PRESETS, MoeArgs
 
 H100 = GPU_KINDS["h100-80g"]
 
@@ -440,7 +440,7 @@ def test_a_long_context_is_planned_with_context_parallelism():
 # 61 layers, hidden 7168, 128 heads, 256 routed experts of width 2048 and one shared, top-8, a
 # 129K vocabulary. Its multi-head latent attention is priced as plain attention and its first
 # three dense layers as MoE ones: 705B parameters (37.6B active) for the reported 671B (37B).
-DEEPSEEK_V3 = ModelSpec(
+DEEPSEEK_V3 = MoeArgs(
     dim=7168,
     n_layers=61,
     n_heads=128,
@@ -514,6 +514,11 @@ def test_the_planner_searches_and_checks_the_expert_parallel_degree():
     fixed = plan_layouts(workload, cluster, constraints=Constraints(ep=2))
     assert {plan.layout.ep for plan in fixed.plans} == {2}
     _, problems = check_layout(workload, cluster, Layout(MeshSpec(dp_shard=8), "none", ep=8))
-    assert problems == ["ep=8 must divide dp_shard=8 and model.n_experts=4"]
+    assert problems == [
+        "ep=8 must divide model.n_experts=4 so that every rank holds as many experts; choose an ep that divides it"
+    ]
     _, problems = check_layout(Workload(PRESETS["debug"], 512, 16), cluster, Layout(MeshSpec(dp_shard=8), "none", ep=2))
-    assert problems == ["ep=2 needs a mixture of experts (model.n_experts is 0)"]
+    assert problems == [
+        "ep=2 needs a mixture-of-experts model (model.n_experts is not set): set ep=1, or train a moe model "
+        "(model.preset=debug-moe)"
+    ]

@@ -147,11 +147,13 @@ def test_custom_gpu_flags_override_the_kind(capsys):
         ),
         (
             ["--model", "llama3-8b", "--gpus", "8", "--ep", "2"],
-            "meshpilot: --ep=2 needs a mixture of experts (model.n_experts >= 1); drop --ep\n",
+            "meshpilot: --ep=2 needs a mixture-of-experts model (model.n_experts is not set): set --ep=1, or train "
+            "a moe model (model.preset=debug-moe)\n",
         ),
         (
             ["--model", "debug-moe", "--gpus", "8", "--ep", "3"],
-            "meshpilot: --ep=3 must divide model.n_experts=8; pick a divisor of it\n",
+            "meshpilot: --ep=3 must divide model.n_experts=8 so that every rank holds as many experts; choose an ep "
+            "that divides it\n",
         ),
         (
             ["--model", "debug-moe", "--gpus", "8", "--expert-routing-nodes", "0"],

@@ -36,6 +36,22 @@ def test_a_logit_depends_only_on_its_token_and_earlier_ones():
         assert (changed_logits[:, position] - logits[:, position]).abs().max() > 1e-4, position
 
 
+def test_its_args_count_the_parameters_it_builds():
+    """The planner counts this family's own block: position embedding, biases, two-matrix MLP."""
+    family = Gpt2Family()
+    spec = family.preset("debug")
+    with torch.device("meta"):
+        model = family.build(spec)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec.embedding_params == sum(p.numel() for name in ("wte", "wpe") for p in getattr(model, name).parameters())
+
+
+def test_a_shape_key_of_another_family_is_refused_by_name():
+    with pytest.raises(ConfigError) as raised:
+        load_config(DEMO_CONFIG, [FAMILY, "model.rope_theta=10000"])
+    assert "model.rope_theta is not a shape key of model family tests.families.gpt2:Gpt2Family" in str(raised.value)
+
+
 def test_the_family_names_a_shape_key_it_cannot_build():
     with pytest.raises(ConfigError) as raised:
         load_config(DEMO_CONFIG, [FAMILY, "model.n_kv_heads=2"])

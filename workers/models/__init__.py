@@ -2,9 +2,11 @@
 
     family.py  ModelFamily (what a family provides), StageModel (what a built model must be),
                InitRule, TensorParallelPlan, and the registry (resolve_family)
-    llama.py   the ``llama`` family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM
-    moe.py     the ``moe`` family: a mixture-of-experts MLP on llama's attention (Qwen2-MoE)
+    llama/     the ``llama`` family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM
+    moe/       the ``moe`` family: a mixture-of-experts MLP on llama's attention (Qwen2-MoE)
 
+Each family folder holds its model, tensor-parallel plan and ``ModelFamily`` (init rules,
+Hugging Face names); its torch-free args and config.json reader are ``workers.spec.families``.
 Importing this package registers the shipped families.
 """
 

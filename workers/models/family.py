@@ -1,9 +1,12 @@
 """What a model family is, and how a family is found by name.
 
-A family is the code that turns a ``ModelSpec`` (shapes, torch-free) into modules every rank
-can split, shard and initialise, and that knows its Hugging Face names. meshpilot ships
-``llama`` (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM); a user brings an architecture by writing a
-``ModelFamily`` subclass in their own package and naming it in the config::
+A family is the code that turns its args (a ``ModelSpec`` subclass: shapes, counts and
+validation, torch-free) into modules every rank can split, shard and initialise, and that knows
+its Hugging Face names. meshpilot ships ``llama`` (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM) and
+``moe`` (Qwen2-MoE), one folder each (``workers.models.<family>``, their args in
+``workers.spec.families``); a user brings an architecture by writing a ``ModelFamily`` subclass
+(and, for a block other than llama's, its args class) in their own package and naming it in the
+config::
 
     model:
       family: my_pkg.models:MyFamily
@@ -28,7 +31,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +39,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from checkpointing.hf_format import HfName
 from workers.spec import PRESETS, ModelSpec
+from workers.spec.families import LlamaArgs
+from workers.spec.model import recast
+
+SpecT = TypeVar("SpecT", bound=ModelSpec)
 
 
 class StageModel(nn.Module):
@@ -132,38 +139,44 @@ class TensorParallelPlan:
     layer: Mapping[str, ParallelStyle]
 
 
-class ModelFamily:
+class ModelFamily(Generic[SpecT]):
     """A model architecture meshpilot can build, shard, initialise, import and export.
 
-    Subclass it, set ``name`` and implement ``build``, ``tensor_parallel_plan`` and
-    ``init_rule``; override ``preset`` where the shipped presets' block is not yours; add
-    ``spec_from_hf_config`` / ``hf_config`` / ``hf_name`` for Hugging Face import and export.
-    Methods run on the driver and on every rank and must not keep state.
+    Subclass it, set ``name`` and ``args_class`` (its shape: ``LlamaArgs`` when the block counts
+    as llama's, else your own ``ModelSpec`` subclass) and implement ``build``,
+    ``tensor_parallel_plan`` and ``init_rule``; override ``preset`` where the shipped presets'
+    block is not yours; add ``spec_from_hf_config`` / ``hf_config`` / ``hf_name`` for Hugging Face
+    import and export. Methods run on the driver and on every rank and must not keep state.
     """
 
     name: ClassVar[str] = ""
+    # The family's args: what the planner counts and the config's shape keys fill.
+    args_class: ClassVar[type[ModelSpec]] = LlamaArgs
     # Hugging Face ``architectures`` entries whose weights this family loads.
     hf_architectures: ClassVar[tuple[str, ...]] = ()
 
     def preset(self, name: str) -> ModelSpec:
         """The shape ``model.preset: <name>`` gives this family before the config's own keys (on the
-        driver). Defaults to the shipped presets; a family whose block differs (no grouped-query
-        attention, a two-matrix MLP) returns their width and depth with its own block."""
-        return PRESETS[name]
+        driver). Defaults to the shipped preset's values of the fields ``args_class`` has; a family
+        whose block differs (no grouped-query attention, a two-matrix MLP) returns their width and
+        depth with its own block."""
+        base = PRESETS[name]
+        return base if type(base) is self.args_class else recast(base, self.args_class)
 
-    def build(self, spec: ModelSpec) -> StageModel:
+    def build(self, spec: SpecT) -> StageModel:
         """The whole model, constructed under ``torch.device("meta")`` by the caller."""
         raise NotImplementedError
 
-    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
+    def tensor_parallel_plan(self, spec: SpecT) -> TensorParallelPlan:
         raise NotImplementedError
 
-    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
+    def init_rule(self, fqn: str, spec: SpecT) -> InitRule:
         """Initial values of parameter ``fqn``: identical whatever the mesh (drawn in full per name)."""
         raise NotImplementedError
 
-    def problems(self, spec: ModelSpec) -> list[str]:
-        """Shapes this family cannot build, as sentences naming the keys (on the driver)."""
+    def problems(self, spec: SpecT) -> list[str]:
+        """Shapes this family cannot build, as sentences naming the keys (on the driver); the
+        args' own ``problems`` unless the family adds to them."""
         return spec.problems()
 
     # ------------------------------------------------------------ Hugging Face
@@ -171,7 +184,7 @@ class ModelFamily:
         """The shape a Hugging Face ``config.json`` describes (on the driver; no torch needed)."""
         raise NotImplementedError(f"model family {self.name!r} does not read Hugging Face configs")
 
-    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+    def hf_config(self, spec: SpecT, *, dtype: str) -> dict[str, Any]:
         """``config.json`` for an export of this shape."""
         raise NotImplementedError(f"model family {self.name!r} does not export to Hugging Face")
 
@@ -179,12 +192,12 @@ class ModelFamily:
         """The Hugging Face tensor name of parameter ``fqn`` (export, and import by default)."""
         raise NotImplementedError(f"model family {self.name!r} has no Hugging Face names")
 
-    def hf_names(self, spec: ModelSpec, fqn: str) -> HfName:
+    def hf_names(self, spec: SpecT, fqn: str) -> HfName:
         """The Hugging Face tensor(s) parameter ``fqn`` is exported as: ``hf_name``, or (a family with
         stacked parameters) a tuple of names, one per slice along the first dimension."""
         return self.hf_name(fqn)
 
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
+    def hf_source_names(self, spec: SpecT, fqns: list[str], available: set[str]) -> dict[str, HfName]:
         """Which Hugging Face tensor(s) each parameter is loaded from (``available``: the file's names).
 
         Defaults to ``hf_names``; a family overrides it where one tensor feeds two parameters

@@ -1,7 +1,7 @@
-"""The ``moe`` family: the llama decoder with a routed mixture of experts as its feed-forward.
+"""The ``moe`` family's modules: the llama decoder with a routed mixture of experts as its feed-forward.
 
-Builds Qwen2-MoE (``Qwen2MoeForCausalLM``) and the ``debug-moe`` preset. Runs on every rank
-(and on the driver for names and configs).
+Builds Qwen2-MoE (``Qwen2MoeForCausalLM``) and the ``debug-moe`` preset from ``MoeArgs``. Runs on
+every rank (and on the driver on the meta device, to learn parameter names and shapes).
 
 Each layer's MLP is a router (``mlp.gate``, one logit per expert), ``n_experts`` SwiGLU experts
 (``mlp.experts``, stacked: ``GroupedExperts``) and, optionally, a shared SwiGLU expert every
@@ -52,17 +52,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput
+from torch.distributed.tensor import DTensor
 
-from checkpointing.hf_format import HfName
 from checkpointing.torch_compat import local_shape_and_offset
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
-from workers.models.family import InitRule, ModelFamily, TensorParallelPlan, register_family
-from workers.models.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
-from workers.models.llama import LAYER_PLAN, TOP_PLAN, LlamaFamily, Transformer
-from workers.spec import ModelSpec
-from workers.spec.moe_hf_config import MOE_ARCHITECTURE, moe_hf_config, moe_spec_from_hf
+from workers.models.llama.model import Transformer
+from workers.models.moe.grouped_experts import GroupedExperts
+from workers.spec.families import MoeArgs
 
 
 class SwiGLU(nn.Module):
@@ -100,7 +96,7 @@ class AttachAuxiliaryLoss(torch.autograd.Function):
 class MixtureOfExperts(nn.Module):
     """Router, routed experts and the optional gated shared expert of one layer (dropless top-k)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: MoeArgs) -> None:
         super().__init__()
         self.spec = spec
         self.gate = nn.Linear(spec.dim, spec.n_experts, bias=False)
@@ -223,8 +219,8 @@ class MoeTransformer(Transformer):
     """The llama decoder with a mixture of experts as every layer's MLP (the whole model, or one
     pipeline stage of it)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(spec, make_mlp=MixtureOfExperts)
+    def __init__(self, spec: MoeArgs) -> None:
+        super().__init__(spec, make_mlp=lambda _: MixtureOfExperts(spec))
 
     def scale_auxiliary_losses(self, scale: float) -> None:
         for module in self.modules():
@@ -278,72 +274,3 @@ class MoeTransformer(Transformer):
             if counts.sum() > 0:
                 load[f"layer{layer_id}"] = round(float(counts.max() / counts.mean()), 4)
         return load
-
-
-# Initialisation and Hugging Face names are the llama family's.
-_LLAMA = LlamaFamily()
-
-
-def _stacked_expert(fqn: str) -> bool:
-    """Whether ``fqn`` is one of a layer's stacked expert parameters (``layers.<l>.mlp.experts.gate_proj``)."""
-    parts = fqn.split(".")
-    return len(parts) >= 3 and parts[-2] == "experts" and parts[-1] in EXPERT_WEIGHTS
-
-
-class MoeFamily(ModelFamily):
-    """Qwen2-MoE-style decoders: llama attention, a mixture-of-experts MLP (see the module docstring).
-
-    Initialisation, Hugging Face names and tied embeddings are ``llama``'s: each expert's
-    ``down_proj`` is a residual branch's output projection (scaled down by sqrt(2 * n_layers)),
-    the router and the shared expert's gate draw N(0, 0.02).
-    """
-
-    name = "moe"
-    hf_architectures = (MOE_ARCHITECTURE,)
-
-    def build(self, spec: ModelSpec) -> MoeTransformer:
-        return MoeTransformer(spec)
-
-    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
-        """llama's attention plan; the MoE block takes its sequence-parallel tokens as they are
-        (a plain tensor of 1/tp of each sequence) and returns them so: its weights stay whole."""
-        layer = {name: style for name, style in LAYER_PLAN.items() if not name.startswith("mlp")}
-        layer["mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-        return TensorParallelPlan(top=TOP_PLAN, layer=layer)
-
-    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
-        if fqn.endswith("mlp.expert_bias"):
-            return InitRule.fill(0.0)  # balancing starts from the router's own choice
-        # The stacked experts' down_proj is every expert's output projection (llama's rule by name).
-        return _LLAMA.init_rule(fqn + ".weight" if _stacked_expert(fqn) else fqn, spec)
-
-    def hf_name(self, fqn: str) -> str:
-        return _LLAMA.hf_name(fqn)
-
-    def hf_names(self, spec: ModelSpec, fqn: str) -> HfName:
-        """A stacked expert parameter is ``n_experts`` Hugging Face tensors, expert ``e``'s slice ``[e]``."""
-        if not _stacked_expert(fqn):
-            return self.hf_name(fqn)
-        experts, weight = fqn.rsplit(".", 1)
-        return tuple(f"model.{experts}.{expert}.{weight}.weight" for expert in range(spec.n_experts))
-
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
-        names = _LLAMA.hf_source_names(spec, fqns, available)  # a tied embedding's source
-        return {fqn: self.hf_names(spec, fqn) if _stacked_expert(fqn) else name for fqn, name in names.items()}
-
-    def problems(self, spec: ModelSpec) -> list[str]:
-        found = spec.problems()
-        if not spec.is_moe:
-            found.append("model.n_experts must be >= 1 for model.family=moe (or use model.family=llama)")
-        return found
-
-    def spec_from_hf_config(self, config: dict[str, Any], source: str) -> ModelSpec:
-        return moe_spec_from_hf(config, source, family=self.name)
-
-    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
-        return moe_hf_config(spec, dtype=dtype)
-
-
-register_family(MoeFamily)

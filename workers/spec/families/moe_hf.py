@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.spec.hf_config import HfConfigError, _int, architecture_of, decoder_config, decoder_fields
-from workers.spec.model import ModelSpec
+from workers.spec.families.llama_hf import HfConfigError, _int, architecture_of, decoder_config, decoder_fields
+from workers.spec.families.moe import MoeArgs
 
 MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
 
 
-def moe_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "moe") -> ModelSpec:
+def moe_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "moe") -> MoeArgs:
     """The shape of a Qwen2-MoE decoder; refuses what the family does not build."""
     architecture = architecture_of(config, source)
     if architecture != MOE_ARCHITECTURE:
@@ -24,7 +24,7 @@ def moe_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "moe"
         )
     _refuse_dense_layers(config, source)
     shared_width = int(config.get("shared_expert_intermediate_size") or 0)
-    return ModelSpec(
+    return MoeArgs(
         **decoder_fields(config, source),
         family=family,
         # Configs written before transformers 5 have no such key: Qwen2-MoE always had the biases.
@@ -53,7 +53,7 @@ def _refuse_dense_layers(config: dict[str, Any], source: str) -> None:
         raise HfConfigError(f"{source}: use_sliding_window=true is not built by the moe family; set it to false")
 
 
-def moe_hf_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+def moe_hf_config(spec: MoeArgs, *, dtype: str) -> dict[str, Any]:
     """``config.json`` of the matching ``Qwen2MoeForCausalLM`` (the inverse of ``moe_spec_from_hf``).
 
     The shared experts are exported as Qwen2-MoE's one gated shared expert of their joint width.

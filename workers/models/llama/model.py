@@ -1,8 +1,8 @@
-"""The ``llama`` family: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+"""The ``llama`` family's modules: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 
 Builds Llama 2/3.x (with ``rope_scaling`` of type ``llama3``), Mistral (within its sliding
-window), Qwen2/2.5 (q/k/v biases) and the SmolLM-class models, whose weights load from their
-Hugging Face directories. Runs on every rank (and on the driver for names and configs).
+window), Qwen2/2.5 (q/k/v biases) and the SmolLM-class models from ``LlamaArgs``. Runs on every
+rank (and on the driver on the meta device, to learn parameter names and shapes).
 
 Parameter names are those of Hugging Face's ``LlamaForCausalLM`` without its ``model.`` prefix,
 and rotary embeddings use the same rotate-half convention, so import and export are a rename
@@ -15,25 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
-from checkpointing.hf_format import HfName
 from workers.context_parallel import WHOLE_SEQUENCE, SequenceShard
-from workers.models.family import InitRule, ModelFamily, StageModel, TensorParallelPlan, register_family
-from workers.spec import ModelSpec
-from workers.spec.hf_config import LLAMA_COMPATIBLE, llama_hf_config, llama_spec_from_hf
+from workers.models.family import StageModel
+from workers.spec.families import LlamaArgs
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +37,7 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
-def rotary_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
+def rotary_inv_freq(spec: LlamaArgs, device: torch.device) -> torch.Tensor:
     """Rotary frequencies, with Llama 3.1's scaling when the spec has it (as Hugging Face computes them)."""
     head_dim = spec.head_dim
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(torch.float32) / head_dim
@@ -69,7 +58,7 @@ def rotary_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
 
 
 def rotary_cos_sin(
-    spec: ModelSpec, seq_len: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None = None
+    spec: LlamaArgs, seq_len: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary cos/sin [seq, head_dim] at ``positions`` (global token positions; ``0 .. seq_len - 1``
     when None, or when the sequence is split over cp ranks, the positions of this rank's tokens)."""
@@ -100,7 +89,7 @@ class Attention(nn.Module):
     and values are all-gathered over the cp group and the mask is causal in global positions.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: LlamaArgs) -> None:
         super().__init__()
         self.spec = spec
         self.sequence_shard: SequenceShard = WHOLE_SEQUENCE
@@ -129,7 +118,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: LlamaArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
         self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
@@ -143,7 +132,7 @@ class TransformerBlock(nn.Module):
     """Pre-norm attention then pre-norm MLP, each residual; ``make_mlp`` builds the MLP (a
     family with another feed-forward, such as a mixture of experts, passes its own)."""
 
-    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec], nn.Module] = FeedForward) -> None:
+    def __init__(self, spec: LlamaArgs, make_mlp: Callable[[LlamaArgs], nn.Module] = FeedForward) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.dim, spec.norm_eps)
         self.self_attn = Attention(spec)
@@ -161,7 +150,7 @@ class Transformer(StageModel):
     first_stage_modules = ("embed_tokens",)
     last_stage_modules = ("norm", "lm_head")
 
-    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec], nn.Module] = FeedForward) -> None:
+    def __init__(self, spec: LlamaArgs, make_mlp: Callable[[LlamaArgs], nn.Module] = FeedForward) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
@@ -176,73 +165,3 @@ class Transformer(StageModel):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.norm is not None and self.lm_head is not None, "only the last stage has the head"
         return self.lm_head(self.norm(hidden))
-
-
-# Megatron-style TP with sequence parallelism: norms and residuals see 1/tp of the sequence.
-# The last stage's logits stay sharded over the vocabulary: ``lm_head`` returns a DTensor
-# placed ``Shard(-1)`` (each rank holds vocab/tp columns), and the trainer computes the loss
-# on the shards under ``loss_parallel``; gathering them would hold the whole (tokens x vocab)
-# logits, and their float32 upcast, on every TP rank.
-TOP_PLAN: dict[str, ParallelStyle] = {
-    "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-    "norm": SequenceParallel(),
-    "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-}
-LAYER_PLAN: dict[str, ParallelStyle] = {
-    "input_layernorm": SequenceParallel(),
-    "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-    "post_attention_layernorm": SequenceParallel(),
-    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-}
-
-
-class LlamaFamily(ModelFamily):
-    """Llama 2/3.x, Mistral, Qwen2/2.5 and SmolLM-class decoders (see the module docstring)."""
-
-    name = "llama"
-    hf_architectures = tuple(LLAMA_COMPATIBLE)
-
-    def build(self, spec: ModelSpec) -> Transformer:
-        return Transformer(spec)
-
-    def tensor_parallel_plan(self, spec: ModelSpec) -> TensorParallelPlan:
-        return TensorParallelPlan(top=TOP_PLAN, layer=LAYER_PLAN)
-
-    def init_rule(self, fqn: str, spec: ModelSpec) -> InitRule:
-        """Norm weights start at one and biases at zero. Output projections of each residual
-        branch are scaled down by sqrt(2 * n_layers), as in GPT-2 and Llama's reference
-        training code, so the residual stream does not grow with depth."""
-        if fqn.endswith("layernorm.weight") or fqn == "norm.weight":
-            return InitRule.fill(1.0)
-        if fqn.endswith(".bias"):
-            return InitRule.fill(0.0)
-        if fqn.endswith(("o_proj.weight", "down_proj.weight")):
-            return InitRule.normal(0.02 / (2 * spec.n_layers) ** 0.5)
-        return InitRule.normal(0.02)
-
-    def spec_from_hf_config(self, config: dict[str, Any], source: str) -> ModelSpec:
-        return llama_spec_from_hf(config, source, family=self.name)
-
-    def hf_config(self, spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
-        return llama_hf_config(spec, dtype=dtype)
-
-    def hf_name(self, fqn: str) -> str:
-        return fqn if fqn == "lm_head.weight" else f"model.{fqn}"
-
-    def hf_source_names(self, spec: ModelSpec, fqns: list[str], available: set[str]) -> dict[str, HfName]:
-        """A checkpoint with tied embeddings stores the embedding once: the output projection
-        (trained untied here) starts from it."""
-        names: dict[str, HfName] = {fqn: self.hf_name(fqn) for fqn in fqns}
-        if "lm_head.weight" in names and "lm_head.weight" not in available and spec.tie_embeddings:
-            names["lm_head.weight"] = self.hf_name("embed_tokens.weight")
-        return names
-
-
-register_family(LlamaFamily)

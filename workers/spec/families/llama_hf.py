@@ -1,4 +1,4 @@
-"""Read a Hugging Face ``config.json`` of a Llama-compatible decoder into a ``ModelSpec``.
+"""Read a Hugging Face ``config.json`` of a Llama-compatible decoder into ``LlamaArgs``, and write one.
 
 No torch here: the driver reads the config while it validates a job, before any worker starts.
 Covers the architectures the ``llama`` family builds (Llama 2/3.x, Mistral, Qwen2/2.5, and the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.spec.model import ModelSpec, RopeScaling
+from workers.spec.families.llama import LlamaArgs, RopeScaling
 
 # Hugging Face architecture -> whether its q/k/v projections carry biases.
 LLAMA_COMPATIBLE = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
@@ -31,7 +31,7 @@ def architecture_of(config: dict[str, Any], source: str) -> str:
     return str(names[0])
 
 
-def llama_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "llama") -> ModelSpec:
+def llama_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "llama") -> LlamaArgs:
     """The shape of a Llama-compatible decoder; refuses what the family does not build."""
     architecture = architecture_of(config, source)
     if architecture not in LLAMA_COMPATIBLE:
@@ -41,7 +41,7 @@ def llama_spec_from_hf(config: dict[str, Any], source: str, *, family: str = "ll
         )
     _refuse_unbuilt_features(config, source)
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    return ModelSpec(
+    return LlamaArgs(
         **decoder_fields(config, source),
         family=family,
         qkv_bias=LLAMA_COMPATIBLE[architecture],
@@ -112,7 +112,7 @@ def _rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
     )
 
 
-def llama_hf_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
+def llama_hf_config(spec: LlamaArgs, *, dtype: str) -> dict[str, Any]:
     """``config.json`` of the matching Hugging Face model (the inverse of ``llama_spec_from_hf``).
 
     Written as ``Qwen2ForCausalLM`` when the q/k/v projections have biases, else as
@@ -148,7 +148,7 @@ def _scaling_dict(scaling: RopeScaling) -> dict[str, Any]:
     }
 
 
-def decoder_config(spec: ModelSpec) -> dict[str, Any]:
+def decoder_config(spec: LlamaArgs) -> dict[str, Any]:
     """The config.json keys every decoder of ours writes alike (the inverse of ``decoder_fields``)."""
     return {
         "hidden_size": spec.dim,
