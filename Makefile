@@ -3,6 +3,7 @@
 #   make test   install if needed, then lint (ruff, mypy) and the tests not marked slow (under 30 min on 2 cores)
 #   make test-all   the same with the long scenarios marked slow too: what CI runs (.ci/run)
 #   make lint   ruff check, ruff format --check, mypy
+#   make coverage   the whole suite under coverage.py, the ranks' processes included; prints line coverage
 #   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with CUDA GPUs (install a CUDA torch first:
 #                   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
 SHELL := /bin/bash
@@ -14,7 +15,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.meshpilot-installed
 
-.PHONY: setup demo lint test test-all test-gpu bench clean
+.PHONY: setup demo lint test test-all test-gpu coverage bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +42,14 @@ test: setup lint
 test-all: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Every process the suite starts measures itself (COVERAGE_PROCESS_START; coverage's own .pth
+# starts it), writing .coverage.* files here, combined at the end.
+coverage: setup
+	rm -f .coverage .coverage.*
+	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report | tail -1
+
 # tests/gpu needs a CUDA GPU (two for its replica-group tests): without one `make test` does not
 # collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` and
 # `make test-all` run it too.
@@ -49,4 +58,4 @@ test-gpu: setup
 	$(PY) bench/gpu.py --quick
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*
