@@ -24,6 +24,8 @@ ranks do is a script (``FakeGroup.script``, set before the controller is built),
                snapshot step) and report the bytes they restore from peers
     nodes: the node of each slot ``start`` makes, in order (spares too); ``replicas_on(...)`` builds it
     digests: {rank: state digest} of finished runs (default: all equal)
+    start_error: what ``start`` raises (a cluster that cannot place the mesh)
+    saves_to: the ``FakeCheckpoints`` a pause that asks for a checkpoint commits to
     unanswered_polls: polls nobody answers (a loaded machine)
 
 ``FakeCluster`` stands in for what Ray says of the cluster (dead, draining nodes, hosts, room to
@@ -204,6 +206,7 @@ class FakeGroup:
         self.generation_runs = 0
         self.avoid_nodes: set[str] = set()
         self.applied = 0  # the last step the ranks applied (what a kept rank resumes after)
+        self.snapshot_interval = 0  # the current generation's, from its snapshot plans
         self.run_call: _Run | None = None
         self.configure_call: tuple[FakeCalls, list[FakeSlot]] | None = None
         self._batches = 0
@@ -222,6 +225,8 @@ class FakeGroup:
         return made
 
     def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
+        if (error := self.script.get("start_error")) is not None:
+            raise error
         nodes: list[str | None] = list(self.script.get("nodes", []))
         for replica in range(mesh.dp_replicate + spare_replicas):
             first = replica * mesh.replica_size
@@ -359,6 +364,7 @@ class FakeGroup:
                 f"CorruptCheckpointError: step {starts[0].step}: checksum mismatch",
                 failure_kind=self.script.get("corrupt_kind", FailureKind.CORRUPT_CHECKPOINT),
             )
+        self.snapshot_interval = next((plan.interval_steps for plan in snapshots if plan is not None), 0)
         if self.script.get("snapshots"):
             self._queue_snapshot_layouts(generation, mesh, snapshots)
             self._queue_memory_restores(starts)
@@ -400,7 +406,7 @@ class FakeGroup:
         first = self._resumed_after() + 1
         steps = plan.get("steps_done", last_step)
         world = len(self.active)
-        interval = self.script.get("snapshot_interval", 1) if self.script.get("snapshots") else 0
+        interval = self.snapshot_interval if self.script.get("snapshots") else 0
         uncopied = set(plan.get("uncopied", ()))
         for rank in range(world):
             queue = self.queued.setdefault(rank, [])
@@ -539,13 +545,33 @@ ONE_REPLICA = ("parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallel
 MakeController = Callable[..., Controller]
 
 
+class EventTimes:
+    """An event subscriber noting the fake clock's time of every event, in order."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        self.times.append((event["event"], fake_time.now))
+
+    def of(self, kind: str) -> list[float]:
+        return [at for name, at in self.times if name == kind]
+
+
 @pytest.fixture
-def make_controller(tmp_path, monkeypatch) -> MakeController:
+def event_times() -> EventTimes:
+    """When (on the fake clock) each event of the controller ``make_controller`` builds was emitted."""
+    return EventTimes()
+
+
+@pytest.fixture
+def make_controller(tmp_path, monkeypatch, event_times) -> MakeController:
     """A controller over the fake group, on the fake cluster and the fake clock.
 
-    ``make(*overrides, committed_steps=None, faults=(), chaos_seed=None, script=None)``:
-    ``committed_steps``: checkpoints it finds committed (``FakeCheckpoints``, also on
-    ``controller.checkpoints``); ``script``: ``FakeGroup.script``."""
+    ``make(*overrides, committed_steps=None, faults=(), chaos_seed=None, script=None, written_by=None)``:
+    ``committed_steps``: checkpoints it finds committed (``FakeCheckpoints``, on
+    ``controller.checkpoints``), written from ``written_by`` (default: the job's mesh);
+    ``faults``: injected faults as ``--inject`` spells them; ``script``: ``FakeGroup.script``."""
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
     fake = FakeCluster()
@@ -556,7 +582,7 @@ def make_controller(tmp_path, monkeypatch) -> MakeController:
     monkeypatch.setattr(cluster, "draining_nodes", fake.draining_nodes)
     monkeypatch.setattr(cluster, "hosts_for", fake.hosts_for)
     monkeypatch.setattr(cluster, "dead_nodes", fake.dead_nodes)
-    events = EventLog(tmp_path / "events.jsonl")
+    events = EventLog(tmp_path / "events.jsonl", [event_times])
 
     def make(
         *overrides: str,
@@ -564,11 +590,14 @@ def make_controller(tmp_path, monkeypatch) -> MakeController:
         faults: tuple[str, ...] = (),
         chaos_seed: int | None = None,
         script: dict[str, Any] | None = None,
+        written_by: MeshSpec | None = None,
     ) -> Controller:
         config = load_config(DEMO_CONFIG, [*BASE_OVERRIDES, *overrides])
         if script is not None:
             FakeGroup.script = script
-        checkpoints = None if committed_steps is None else FakeCheckpoints(committed_steps, config.mesh)
+        checkpoints = None
+        if committed_steps is not None:
+            checkpoints = FakeCheckpoints(committed_steps, written_by or config.mesh)
         built = Controller(
             config,
             events,
