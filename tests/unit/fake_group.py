@@ -15,6 +15,7 @@ ranks do is a script (``FakeGroup.script``, set before the controller is built),
         "reports": {rank: [...]}, # reports queued after the step reports (drain notices, evals)
         "draining": {nodes},      # nodes Ray marks draining when the run starts
         "uncopied": {(step, rank)},  # snapshots whose copy to the buddy never completed
+        "commits": [steps],       # checkpoints of these steps commit (to ``saves_to``) as the run goes
     }}
     configure_failures: {generation: {rank: CallFailed}}
     configure_held: {generation: {ranks}}  # configure calls that never return (torch's rendezvous)
@@ -87,12 +88,13 @@ class FakeTime:
 
     def __init__(self) -> None:
         self.now = 1000.0
+        self.wall_offset = time.time() - self.now
 
     def monotonic(self) -> float:
         return self.now
 
     def time(self) -> float:
-        return time.time()
+        return self.wall_offset + self.now
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
@@ -210,6 +212,7 @@ class FakeGroup:
         self.run_call: _Run | None = None
         self.configure_call: tuple[FakeCalls, list[FakeSlot]] | None = None
         self._batches = 0
+        self._made = 0
         self.cluster.group = self
 
     # ------------------------------------------------------------------ membership
@@ -218,7 +221,8 @@ class FakeGroup:
     ) -> list[FakeSlot]:
         made = []
         for offset in range(count):
-            slot = FakeSlot(len(self.slots), batch_id=batch_id, node_id=nodes[offset] if offset < len(nodes) else None)
+            self._made += 1
+            slot = FakeSlot(self._made - 1, batch_id=batch_id, node_id=nodes[offset] if offset < len(nodes) else None)
             slot.state = state
             self.slots.append(slot)
             made.append(slot)
@@ -416,6 +420,8 @@ class FakeGroup:
                     queue.append(SnapshotReport(rank, 0.0, generation, step, copied=(step, rank) not in uncopied))
             queue.extend(plan.get("reports", {}).get(rank, ()))
         self.cluster.draining |= set(plan.get("draining", ()))
+        for step in plan.get("commits", ()):
+            self.script["saves_to"].commit(step)
         held = set(range(world)) if plan.get("held") == "all" else set(plan.get("held", ()))
         held |= set(plan.get("stuck", ()))
         digests = self.script.get("digests", {})
@@ -467,7 +473,7 @@ class FakeGroup:
 def _step_report(rank: int, step: int) -> StepReport:
     return StepReport(
         rank=rank,
-        time=1000.0 + step,
+        time=fake_time.time(),
         step=step,
         loss=5.0 - step * 0.1 if rank == 0 else None,
         dp_rank=0,

@@ -18,7 +18,17 @@ from typing import Any
 import pytest
 
 from orchestrator.driver.calls import CallFailed, CallFailedKind
-from tests.unit.fake_group import DIED, ELASTIC, events_of, fake_group, finish, replicas_on, starts_of
+from tests.unit.fake_group import (
+    DIED,
+    ELASTIC,
+    ONE_REPLICA,
+    FakeGroup,
+    events_of,
+    fake_group,
+    finish,
+    replicas_on,
+    starts_of,
+)
 from workers.spec.messages import DrainNoticeReport, FailureKind, NoticeScope, RunOutcome, RunStatus
 
 # tests/faults/harness.py's ELASTIC_LAYOUT as the driver sees it.
@@ -269,3 +279,173 @@ def test_a_drain_notice_leaves_at_a_step_boundary_with_zero_lost_steps(notice, m
     assert group.pauses == [(1, False)] and group.aborted == []
     assert group.configured[1]["slots"] == [0, 1] and starts_of(group.configured[1]) == [("kept", None)] * 2
     assert group.avoid_nodes == ({"n1"} if notice == "cloud-notice" else set())  # never placed on again
+
+
+# ------------------------------------------------------------------ tests/faults/test_peer_memory.py
+def peer_memory_job(make_controller, *overrides: str, runs: dict[int, dict[str, Any]], **make: Any):
+    """One replica of four ranks taking a snapshot every step, no checkpoint URI unless ``make`` says."""
+    return make_controller(
+        *ONE_REPLICA,
+        "elastic.hang_timeout_s=8",
+        "training.steps=10",
+        *overrides,
+        script={"snapshots": True, "runs": runs},
+        **make,
+    )
+
+
+def test_a_killed_rank_is_rebuilt_from_peer_memory_onto_a_warm_spare(make_controller, tmp_path):
+    controller = peer_memory_job(
+        make_controller, "elastic.spare_actors=4", runs={1: {"steps_done": 3, "held": "all", "outcomes": {3: DIED}}}
+    )
+    assert_finished(finish(controller), tmp_path, 10)
+    failure = only(events_of(tmp_path, "failure"))
+    assert (failure["kind"], failure["ranks"]) == ("rank_died", [3])
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "peer_memory" and restored["step"] == 3 and restored["uri"] == "peer-memory"
+    assert restored["to_mesh"] == restored["from_mesh"]  # the spare took rank 3's place
+    assert restored["bytes_from_peers"] > 0  # the driver adds up what the ranks say they read
+    recovered = only(events_of(tmp_path, "recovered"))
+    assert (recovered["lost_steps"], recovered["source"], recovered["cause"]) == (0, "peer_memory", "restore")
+    assert steps(tmp_path) == list(range(1, 11))
+    restore = fake_group(controller).configured[1]
+    assert starts_of(restore) == [("memory", 3)] * 4
+    assert restore["slots"] == [0, 1, 2, 4]  # the three survivors, then the first spare
+    memory = events_of(tmp_path, "snapshot_memory")[0]  # at start: 2 own + 2 of the buddy's
+    assert memory["max_bytes"] == max(memory["bytes_per_rank"].values()) > 0 and memory["limit_bytes"] is None
+
+
+def test_without_a_spare_the_survivors_restore_peer_memory_onto_fewer_ranks(make_controller, tmp_path):
+    controller = peer_memory_job(make_controller, runs={1: {"steps_done": 5, "held": "all", "outcomes": {1: DIED}}})
+    assert_finished(finish(controller), tmp_path, 10)
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "peer_memory" and restored["step"] == 5 and restored["to_mesh"]["dp_shard"] < 4
+    assert only(events_of(tmp_path, "recovered"))["lost_steps"] == 0
+    assert steps(tmp_path) == list(range(1, 11))
+    assert fake_group(controller).configured[1]["slots"] == [0, 2, 3][: restored["to_mesh"]["dp_shard"]]
+
+
+def test_snapshots_every_third_step_restore_the_newest_one_every_rank_took(make_controller, tmp_path):
+    controller = peer_memory_job(
+        make_controller,
+        "elastic.spare_actors=4",
+        "elastic.snapshot_interval_steps=3",
+        runs={1: {"steps_done": 7, "held": "all", "outcomes": {3: DIED}}},
+    )
+    assert_finished(finish(controller), tmp_path, 10)
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "peer_memory" and restored["step"] == 6
+    assert only(events_of(tmp_path, "recovered"))["lost_steps"] == 1  # step 7, redone
+    assert steps(tmp_path) == [*range(1, 8), *range(7, 11)]
+
+
+def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(make_controller, tmp_path):
+    """kill@4:3/snapshot: rank 3 dies while its snapshot of step 4 goes to its buddy; only step 3 is whole."""
+    controller = peer_memory_job(
+        make_controller, runs={1: {"steps_done": 4, "held": "all", "outcomes": {3: DIED}, "uncopied": {(4, 3)}}}
+    )
+    assert_finished(finish(controller), tmp_path, 10)
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "peer_memory" and restored["step"] == 3
+    assert only(events_of(tmp_path, "recovered"))["lost_steps"] == 1
+    assert steps(tmp_path) == [*range(1, 5), *range(4, 11)]
+
+
+def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(make_controller, fake_cluster, tmp_path):
+    fake_cluster.capacity = [None]  # room for the replacement actors the storage restore waits for
+    controller = peer_memory_job(
+        make_controller,
+        committed_steps=[],
+        # rank 2 holds rank 1's copy
+        runs={1: {"steps_done": 6, "held": "all", "outcomes": {1: DIED, 2: DIED}, "commits": [2, 4, 6]}},
+    )
+    FakeGroup.script["saves_to"] = controller.checkpoints
+    assert_finished(finish(controller), tmp_path, 10)
+    failure = only(events_of(tmp_path, "failure"))
+    assert failure["ranks"] == [1, 2]
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "storage" and restored["step"] == 6 and restored["uri"] == "file:///fake"
+    assert starts_of(fake_group(controller).configured[1]) == [("checkpoint", 6)] * 4
+    assert steps(tmp_path) == list(range(1, 11))
+
+
+def test_a_stuck_buddy_serves_the_snapshots_it_holds_before_it_is_killed(make_controller, tmp_path):
+    """Rank 1 dies in step 7; rank 2, which holds the copy of its snapshot, never leaves the aborted
+    generation. Past the hang threshold it is stuck: its actor lingers (not killed, not warm) until
+    the restore onto the other two has read its copies, then it is removed."""
+    controller = peer_memory_job(
+        make_controller, runs={1: {"steps_done": 6, "held": "all", "outcomes": {1: DIED}, "stuck": {2}}}
+    )
+    assert_finished(finish(controller), tmp_path, 10)
+    failure = only(events_of(tmp_path, "failure"))
+    assert failure["ranks"] == [1, 2] and failure["kind"] == "rank_died,stuck"
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["source"] == "peer_memory" and restored["step"] == 6 and restored["to_mesh"]["dp_shard"] == 2
+    recovered = only(events_of(tmp_path, "recovered"))
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    group = fake_group(controller)
+    assert group.configured[1]["slots"] == [0, 3] and 2 not in group.killed
+    assert group.removed[-1] == 2  # removed once the restore configured, not before
+    assert steps(tmp_path) == list(range(1, 11))
+
+
+def test_a_lost_node_shrinks_dp_shard_from_peer_memory_then_reshapes_back(make_controller, fake_cluster, tmp_path):
+    """tp=2 x dp_shard=2, one tensor-parallel pair per node: node@5:2 takes one dp_shard slice. The
+    survivors restore the snapshot onto tp=2 alone; once a new node's actors are warm the job
+    reshapes back at a step boundary, every rank loading that boundary's snapshot."""
+    fake_cluster.hosts = {"n0", "n1"}
+    fake_cluster.capacity = ["n2"]
+    controller = make_controller(
+        "parallelism.dp_replicate=1",
+        "parallelism.dp_shard=2",
+        "parallelism.tp=2",
+        "parallelism.pp=1",
+        "training.steps=20",
+        faults=("node@5:2",),
+        script={
+            "snapshots": True,
+            "nodes": ["n0", "n0", "n1", "n1"],
+            "runs": {1: {"steps_done": 5, "held": "all"}, 2: {"steps_done": 9, "held": "all"}},
+        },
+    )
+    assert_finished(finish(controller), tmp_path, 20)
+    failure = only(events_of(tmp_path, "failure"))
+    assert (failure["kind"], failure["ranks"]) == ("node_lost", [2, 3])
+    shrunk, grown = events_of(tmp_path, "restored")
+    assert shrunk["source"] == grown["source"] == "peer_memory" and (shrunk["step"], grown["step"]) == (5, 9)
+    assert shrunk["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+    assert grown["to_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    recovered = only(events_of(tmp_path, "recovered"))
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    grow = only(events_of(tmp_path, "grow"))
+    assert grow["source"] == "peer_memory" and grow["added_ranks"] == [2, 3]
+    group = fake_group(controller)
+    assert group.pauses == [(2, False)] and starts_of(group.configured[2]) == [("memory", 9)] * 4
+    assert steps(tmp_path) == list(range(1, 21))
+
+
+def test_a_rank_lost_while_the_restore_builds_its_groups_is_not_waited_for_the_collective_timeout(
+    make_controller, tmp_path, event_times
+):
+    """kill@6:1, then kill@6:3/join: the spare that took rank 3 dies as the restored mesh builds its
+    process groups, and the others sit in torch's rendezvous (no configure answer, out of the
+    abort's reach) until the collective timeout, 120 s. The snapshot of step 5 is whole without
+    them: past the hang threshold they count as stuck, linger to serve their copies, and the
+    restore goes on onto the remaining spares."""
+    controller = peer_memory_job(
+        make_controller, "elastic.spare_actors=4", runs={1: {"steps_done": 5, "held": "all", "outcomes": {1: DIED}}}
+    )
+    FakeGroup.script |= {"configure_failures": {2: {3: DIED}}, "configure_held": {2: {0, 1, 2}}}
+    assert_finished(finish(controller), tmp_path, 10)
+    first, second = events_of(tmp_path, "failure")
+    assert first["kind"] == "rank_died" and second["ranks"] == [0, 1, 2, 3]
+    assert second["kind"] == "rank_died,stuck"
+    restored = events_of(tmp_path, "restored")
+    assert [r["source"] for r in restored] == ["peer_memory"] and restored[-1]["step"] == 5
+    assert events_of(tmp_path, "recovered")[-1]["lost_steps"] == 0
+    assert steps(tmp_path) == list(range(1, 11))
+    first_at, second_at = event_times.of("failure")
+    assert second_at - first_at < 8.0 + 10  # the hang threshold and a few polls, not the collective timeout
+    configured = fake_group(controller).configured
+    assert starts_of(configured[2]) == [("memory", 5)] * len(configured[2]["starts"])
+    assert set(configured[2]["slots"]).isdisjoint(configured[1]["slots"])  # onto the remaining spares
