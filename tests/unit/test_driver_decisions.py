@@ -17,12 +17,17 @@ from typing import Any
 
 import pytest
 
+from elastic.spec import MeshSpec
 from orchestrator.driver.calls import CallFailed, CallFailedKind
+from orchestrator.driver.chaos import chaos_kinds, chaos_schedule
+from orchestrator.driver.states import Running
+from orchestrator.errors import ConfigError
 from tests.unit.fake_group import (
     DIED,
     ELASTIC,
     ONE_REPLICA,
     FakeGroup,
+    eval_report,
     events_of,
     fake_group,
     finish,
@@ -449,3 +454,358 @@ def test_a_rank_lost_while_the_restore_builds_its_groups_is_not_waited_for_the_c
     configured = fake_group(controller).configured
     assert starts_of(configured[2]) == [("memory", 5)] * len(configured[2]["starts"])
     assert set(configured[2]["slots"]).isdisjoint(configured[1]["slots"])  # onto the remaining spares
+
+
+# -------------------------------------------------------------- tests/faults/test_checkpoint_faults.py
+def checkpointed_job(make_controller, *overrides: str, runs: dict[int, dict[str, Any]], **make: Any):
+    """One replica of two ranks saving to (fake) storage, no peer-memory snapshots; ``runs[n]["commits"]``
+    are the checkpoints that commit as run n goes."""
+    controller = make_controller(
+        *SINGLE_REPLICA,
+        "training.steps=14",
+        "elastic.snapshot_interval_steps=0",
+        *overrides,
+        committed_steps=make.pop("committed_steps", []),
+        script={"runs": runs},
+        **make,
+    )
+    FakeGroup.script["saves_to"] = controller.checkpoints
+    return controller
+
+
+def test_no_surviving_replica_without_snapshots_restores_the_latest_checkpoint(make_controller, fake_cluster, tmp_path):
+    fake_cluster.capacity = [None]  # a replica group's worth of new actors can start
+    controller = checkpointed_job(
+        make_controller, runs={1: {"steps_done": 11, "held": "all", "outcomes": {1: DIED}, "commits": [2, 4, 6, 8, 10]}}
+    )
+    assert_finished(finish(controller), tmp_path, 14)
+    failure = only(events_of(tmp_path, "failure"))
+    assert (failure["kind"], failure["ranks"]) == ("rank_died", [1])
+    restored = only(events_of(tmp_path, "restored"))
+    assert (restored["step"], restored["source"], restored["uri"]) == (10, "storage", "file:///fake")
+    recovered = only(events_of(tmp_path, "recovered"))
+    assert recovered["cause"] == "restore" and recovered["lost_steps"] == 1 and recovered["source"] == "storage"
+    assert steps(tmp_path) == [*range(1, 12), *range(11, 15)]  # step 11 redone from checkpoint 10
+    restore = fake_group(controller).configured[1]
+    # the survivor and one newly started actor, not a restore onto the one rank at hand
+    assert starts_of(restore) == [("checkpoint", 10)] * 2 and restore["slots"] == [0, 2]
+
+
+def test_the_only_rank_killed_fires_its_fault_once(make_controller, fake_cluster, tmp_path):
+    """A failure spends the fault of the step it interrupted: the redo of step 10 is not killed again."""
+    fake_cluster.capacity = [None]
+    controller = checkpointed_job(
+        make_controller,
+        "parallelism.dp_shard=1",
+        faults=("kill@10:0",),
+        runs={1: {"steps_done": 9, "held": "all", "outcomes": {0: DIED}, "commits": [3, 6, 9]}},
+    )
+    assert_finished(finish(controller), tmp_path, 14)
+    failure = only(events_of(tmp_path, "failure"))
+    assert (failure["kind"], failure["ranks"]) == ("rank_died", [0])
+    assert max(step for step in steps(tmp_path)[:9]) == 9 and only(events_of(tmp_path, "restored"))["step"] == 9
+    assert [configured["faults"] for configured in fake_group(controller).configured] == [["kill@10:0"], []]
+
+
+@pytest.mark.parametrize("written_by", ["same mesh", "another mesh"])
+def test_a_rerun_resumes_from_the_newest_committed_checkpoint(written_by, make_controller, tmp_path):
+    """test_driver_killed_and_restarted (and test_submit's resume, and test_token_data's resume onto
+    another data-parallel degree): a run that finds committed checkpoints starts every rank from
+    the newest, resharded from the mesh that wrote it, and trains only the steps after it."""
+    other = MeshSpec(dp_replicate=2, dp_shard=2, tp=1, pp=1)
+    controller = make_controller(
+        *SINGLE_REPLICA,
+        "training.steps=14",
+        committed_steps=[2, 4, 6],
+        written_by=other if written_by == "another mesh" else None,
+    )
+    assert_finished(finish(controller), tmp_path, 14)
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["step"] == 6 and restored["source"] == "storage"
+    assert restored["from_mesh"] == (other if written_by == "another mesh" else controller.config.mesh).as_dict()
+    assert restored["to_mesh"]["dp_shard"] == 2 and restored["to_mesh"]["dp_replicate"] == 1
+    assert starts_of(fake_group(controller).configured[0]) == [("checkpoint", 6)] * 2
+    assert steps(tmp_path) == list(range(7, 15))
+    assert not events_of(tmp_path, "failure") and not events_of(tmp_path, "recovered")
+
+
+def test_checkpoint_resume_false_starts_fresh_although_checkpoints_exist(make_controller, tmp_path):
+    controller = make_controller("checkpoint.resume=false", committed_steps=[2])
+    assert_finished(finish(controller), tmp_path, 4)
+    assert starts_of(fake_group(controller).configured[0]) == [("fresh", None)] * 2
+    assert not events_of(tmp_path, "restored") and steps(tmp_path) == [1, 2, 3, 4]
+
+
+def run_until_step(controller, step: int) -> None:
+    """Step the controller until the run has emitted ``step`` (it is running)."""
+    for _ in range(100):
+        controller.step()
+        if controller.router.last_emitted_step >= step:
+            assert isinstance(controller.state, Running)
+            return
+    raise AssertionError(f"no step {step}")
+
+
+def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(make_controller, tmp_path):
+    controller = checkpointed_job(make_controller, runs={1: {"steps_done": 4, "held": "all"}})
+    run_until_step(controller, 4)
+    controller.request_termination()
+    final = finish(controller)
+    assert (final.status, final.exit_code) == ("preempted", 143)
+    assert final.reason == "terminated; checkpoint step 4 is the place to resume from"
+    group = fake_group(controller)
+    assert group.pauses == [(1, True)] and group.stops == 0  # a pause that saves, not a stop
+    done = events_of(tmp_path)[-1]
+    assert (done["status"], done["steps"]) == ("preempted", 4)
+    assert controller.checkpoints.latest_step() == 4  # the emergency checkpoint: nothing to redo
+
+
+def test_sigterm_on_the_driver_without_checkpoints_stops_like_ctrl_c(make_controller, tmp_path):
+    controller = make_controller(*SINGLE_REPLICA, script={"runs": {1: {"steps_done": 2, "held": "all"}}})
+    run_until_step(controller, 2)
+    controller.request_termination()
+    final = finish(controller)
+    assert (final.status, final.exit_code) == ("interrupted", 130)
+    assert fake_group(controller).pauses == [] and fake_group(controller).stops == 1
+
+
+def test_ctrl_c_stops_every_rank_after_the_step_in_flight_and_exits_130(make_controller, tmp_path):
+    controller = make_controller(
+        *SINGLE_REPLICA, "training.steps=1000", script={"runs": {1: {"steps_done": 3, "held": "all"}}}
+    )
+    run_until_step(controller, 3)
+    controller.request_interrupt()
+    final = finish(controller)
+    assert (final.status, final.exit_code, final.reason) == ("interrupted", 130, "interrupted by the user")
+    group = fake_group(controller)
+    assert group.stops == 1 and group.shut_down
+    done = events_of(tmp_path)[-1]
+    assert done["event"] == "done" and done["status"] == "interrupted" and done["steps"] == 3
+
+
+def test_a_second_ctrl_c_stops_at_once(make_controller):
+    controller = make_controller(*SINGLE_REPLICA)
+    controller.request_interrupt()
+    with pytest.raises(KeyboardInterrupt):  # raised in the signal handler, caught by run()
+        controller.request_interrupt()
+
+
+def test_draining_the_only_replica_saves_first_and_restores_elsewhere(make_controller, fake_cluster, tmp_path):
+    """drain@5:0: the node of the only replica group drains. Its ranks pause at the step boundary
+    and save first; the checkpoint of that step is restored onto actors started on another node:
+    no failure, no step lost or repeated."""
+    fake_cluster.hosts = {"n1", "n2"}
+    fake_cluster.capacity = ["n2"]
+    controller = make_controller(
+        *SINGLE_REPLICA,
+        "training.steps=14",
+        committed_steps=[],
+        script={"nodes": ["n1", "n1"], "runs": {1: {"steps_done": 5, "held": "all", "draining": {"n1"}}}},
+    )
+    FakeGroup.script["saves_to"] = controller.checkpoints
+    assert_finished(finish(controller), tmp_path, 14)
+    assert not events_of(tmp_path, "failure")
+    drain = only(events_of(tmp_path, "drain"))
+    assert (drain["node"], drain["ranks"]) == ("n1", [0, 1])
+    assert fake_group(controller).pauses == [(1, True)]  # every replica leaves: save at the boundary first
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["step"] == 5 and restored["source"] == "storage"
+    assert only(events_of(tmp_path, "recovered"))["lost_steps"] == 0
+    assert steps(tmp_path) == list(range(1, 15))  # each step exactly once
+    assert {slot.node_id for slot in fake_group(controller).active} == {"n2"}
+
+
+def test_draining_every_node_that_can_hold_a_rank_stops_with_the_place_to_resume_from(
+    make_controller, fake_cluster, tmp_path
+):
+    fake_cluster.hosts = {"n1"}
+    controller = make_controller(
+        *SINGLE_REPLICA,
+        "training.steps=14",
+        committed_steps=[],
+        script={"nodes": ["n1", "n1"], "runs": {1: {"steps_done": 5, "held": "all", "draining": {"n1"}}}},
+    )
+    FakeGroup.script["saves_to"] = controller.checkpoints
+    final = finish(controller)
+    assert (final.status, final.exit_code) == ("preempted", 143)
+    assert final.reason == (
+        "every node that can hold a rank is draining (n1); checkpoint step 5 is the place to resume from"
+    )
+
+
+def test_a_save_in_flight_when_a_replicas_node_is_lost_commits_and_is_restored_after_a_second_fault(
+    make_controller, fake_cluster, tmp_path
+):
+    """node@3:2 then kill@4:0/configure: replica 1's node goes right after step 3 was saved; the
+    driver tells the commit book that the old mesh's saves up to step 3 complete without ranks 2
+    and 3 (replica 0 survived whole and writes every slice). Rank 0 then dies while the shrunk mesh
+    configures: no replica is whole, and the run restores step 3 from storage."""
+    fake_cluster.hosts = {"n0", "n1"}
+    fake_cluster.capacity = ["n2"]
+    controller = checkpointed_job(
+        make_controller,
+        *ELASTIC_LAYOUT,
+        faults=("node@3:2", "kill@4:0/configure"),
+        runs={1: {"steps_done": 3, "held": "all", "commits": [3]}},  # the save the reset completes
+    )
+    FakeGroup.script |= {"nodes": TWO_NODES, "configure_failures": {2: {0: DIED}}}
+    assert_finished(finish(controller), tmp_path, 14)
+    assert controller.checkpoints.resets[1] == (2, 3, frozenset({2, 3}))
+    node_lost, second = events_of(tmp_path, "failure")
+    assert (node_lost["kind"], node_lost["ranks"]) == ("node_lost", [2, 3])
+    assert (second["kind"], second["ranks"]) == ("rank_died", [0])
+    restored = only(events_of(tmp_path, "restored"))
+    assert restored["step"] == 3 and restored["source"] == "storage"
+    assert fake_group(controller).configured[1]["faults"] == ["kill@4:0/configure"]
+    assert steps(tmp_path) == list(range(1, 15))
+
+
+def test_a_lost_node_with_a_stuck_survivor_restores_from_peer_memory_and_grows_back_in_two_steps(
+    make_controller, fake_cluster, tmp_path
+):
+    """test_nodes' other branch (a loaded machine): node@5:2, and rank 1 of the surviving replica
+    never leaves the aborted generation. Both replica groups are hit: the stuck rank's actor
+    lingers and serves its snapshot copies, the job restores step 5 from peer memory onto the one
+    actor at hand, grows a replica group back (peer to peer), then reshapes to the configured mesh
+    from the boundary's snapshot as new actors come: ranks 1, 2 and 3 added, no step lost."""
+    fake_cluster.hosts = {"n0", "n1"}
+    fake_cluster.capacity = ["n2", "n3", "n3"]
+    controller = make_controller(
+        *ELASTIC_LAYOUT,
+        "training.steps=30",
+        faults=("node@5:2",),
+        script={
+            "snapshots": True,
+            "nodes": TWO_NODES,
+            "runs": {
+                1: {"steps_done": 5, "held": "all", "stuck": {1}},
+                2: {"steps_done": 9, "held": "all"},
+                3: {"steps_done": 13, "held": "all"},
+            },
+        },
+    )
+    assert_finished(finish(controller), tmp_path, 30)
+    assert steps(tmp_path) == list(range(1, 31))
+    failure = only(events_of(tmp_path, "failure"))
+    assert (failure["kind"], failure["ranks"]) == ("node_lost,stuck", [1, 2, 3])
+    restored = events_of(tmp_path, "restored")
+    assert [(r["source"], r["step"]) for r in restored] == [("peer_memory", 5), ("peer_memory", 13)]
+    recovered = only(events_of(tmp_path, "recovered"))
+    assert recovered["lost_steps"] == 0 and recovered["source"] == "peer_memory"
+    grows = events_of(tmp_path, "grow")
+    assert sorted(rank for grow in grows for rank in grow["added_ranks"]) == [1, 2, 3]
+    assert grows[-1]["new_mesh"] == recovered["old_mesh"]
+    assert events_of(tmp_path)[-1]["replicas_consistent"] is True
+
+
+# ---------------------------------------------------------------------------- tests/faults/test_chaos.py
+def test_a_chaos_schedule_is_recorded_and_handed_to_the_ranks(make_controller, tmp_path):
+    """The run records its seed's schedule (the ``fault_schedule`` event a failing seed is replayed
+    from) and hands every rank fault to the first generation's ranks."""
+    schedule = chaos_schedule(
+        7, 6, steps=30, world_size=4, replica_size=2, kinds=chaos_kinds(storage=True, nodes=False)
+    )
+    described = [fault.describe() for fault in schedule]
+    controller = make_controller(*ELASTIC_LAYOUT, "training.steps=30", faults=tuple(described), chaos_seed=7)
+    controller.step()
+    recorded = only(events_of(tmp_path, "fault_schedule"))
+    assert recorded["seed"] == 7 and recorded["faults"] == described
+    assert fake_group(controller).configured[0]["faults"] == described
+
+
+def test_overlapping_faults_each_recover_and_are_each_spent_once(make_controller, fake_cluster, tmp_path):
+    """A chaos-like run on the fake group: rank 3 killed in step 4 (its replica group refilled from
+    the spares), a SIGTERM to rank 0 at step 8 (its replica group leaves at the boundary, refilled
+    from the warm actors left), rank 0 raising in step 12 (no warm actors left: the job shrinks).
+    One failure or drain per fault, each spent once, each step once, no step lost."""
+    fake_cluster.hosts = {"n0"}
+    sigterm = DrainNoticeReport(rank=0, time=0.0, reason="SIGTERM", scope=NoticeScope.PROCESS)
+    raised = RunOutcome(RunStatus.FAILED, 11, error="InjectedFault: raise@12:0", failure_kind=FailureKind.INJECTED)
+    controller = make_controller(
+        *ELASTIC_LAYOUT,
+        "training.steps=16",
+        "elastic.spare_actors=2",
+        faults=("kill@4:3", "sigterm@8:0", "raise@12:0"),
+        script={
+            "snapshots": True,
+            "nodes": ["n0"] * 6,
+            "runs": {
+                1: {"steps_done": 3, "held": "all", "outcomes": {3: DIED}},
+                2: {"steps_done": 8, "held": "all", "reports": {0: [sigterm]}},
+                3: {"steps_done": 11, "held": "all", "outcomes": {0: raised}},
+            },
+        },
+    )
+    assert_finished(finish(controller), tmp_path, 16)
+    assert steps(tmp_path) == list(range(1, 17))
+    assert [(e["kind"], e["ranks"]) for e in events_of(tmp_path, "failure")] == [
+        ("rank_died", [3]),
+        ("rank_error", [0]),
+    ]
+    assert only(events_of(tmp_path, "drain"))["ranks"] == [0]
+    recoveries = events_of(tmp_path, "recovered")
+    assert [(e["cause"], e["new_mesh"]["dp_replicate"], e["refilled_ranks"]) for e in recoveries] == [
+        ("failure", 2, [2, 3]),
+        ("drain", 2, [2, 3]),
+        ("failure", 1, []),
+    ]
+    assert all(e["lost_steps"] == 0 for e in recoveries) and not events_of(tmp_path, "restored")
+    configured = fake_group(controller).configured
+    assert [c["faults"] for c in configured][-1] == []  # every fault spent once
+
+
+# ----------------------------------------------------------------------------- tests/integration/*
+def test_a_rank_lost_after_an_evaluation_leaves_one_eval_event_per_boundary(make_controller, tmp_path):
+    """test_eval: rank 3 dies at the start of step 6; the survivors resume at boundary 5 and evaluate
+    it again; the driver keeps the first event."""
+    controller = make_controller(
+        *ELASTIC_LAYOUT,
+        "training.steps=12",
+        "eval.interval_steps=5",
+        script={
+            "runs": {
+                1: {"steps_done": 5, "held": "all", "outcomes": {3: DIED}, "reports": {0: [eval_report(5)]}},
+                2: {"reports": {0: [eval_report(5), eval_report(10), eval_report(12)]}},
+            }
+        },
+    )
+    assert_finished(finish(controller), tmp_path, 12)
+    assert only(events_of(tmp_path, "failure"))["ranks"] == [3]
+    assert [e["step"] for e in events_of(tmp_path, "eval")] == [5, 10, 12]
+    assert steps(tmp_path) == list(range(1, 13))
+
+
+def test_a_mesh_the_cluster_cannot_place_ends_the_run_failed_with_the_error(make_controller, tmp_path):
+    """test_train_cli: the group's start raises (too many ranks, actors that cannot start); the run
+    raises that error and its record ends with a failed ``done``."""
+    error = ConfigError("parallelism: dp_replicate=1 x pp=1 x dp_shard=2 x tp=1 cannot be placed: 2 ranks need 8 CPUs")
+    controller = make_controller(*SINGLE_REPLICA, script={"start_error": error})
+    with pytest.raises(ConfigError, match="cannot be placed"):
+        controller.run()
+    done = events_of(tmp_path)[-1]
+    assert done["event"] == "done" and done["status"] == "failed" and "cannot be placed" in done["reason"]
+    assert fake_group(controller).shut_down
+
+
+def test_a_second_incident_past_the_failure_budget_ends_the_run(make_controller, tmp_path):
+    """Incidents, not attempts, count against elastic.max_failures: two ranks lost at steps apart
+    are two incidents, and with max_failures=1 the second ends the run, saying why."""
+    controller = make_controller(
+        "parallelism.dp_replicate=4",
+        "parallelism.dp_shard=1",
+        "training.steps=10",
+        "elastic.max_failures=1",
+        script={
+            "runs": {
+                1: {"steps_done": 2, "held": "all", "outcomes": {3: DIED}},
+                2: {"steps_done": 5, "held": "all", "outcomes": {1: DIED}},
+            }
+        },
+    )
+    final = finish(controller)
+    assert (final.status, final.exit_code) == ("failed", 1)
+    assert final.reason == (
+        "2 failures within 3600 s exceed the failure budget (elastic.max_failures=1, elastic.failure_window_s=3600)"
+    )
+    assert [e["ranks"] for e in events_of(tmp_path, "failure")] == [[3], [1]]
+    assert events_of(tmp_path)[-1]["status"] == "failed"
