@@ -88,6 +88,8 @@ def test_a_lost_rank_shrinks_in_place_keeping_the_other_replica(fault, make_cont
     recovered = only(events_of(tmp_path, "recovered"))
     assert recovered["lost_steps"] == 0 and recovered["cause"] == "failure" and recovered["source"] == "replica"
     assert recovered["old_mesh"]["dp_replicate"] == 2 and recovered["new_mesh"] == MESH_DP1
+    if fault != "hang":  # a hang costs elastic.hang_timeout_s by definition; the others no driver timeout
+        assert recovered["mttr_s"] < 5
     group = fake_group(controller)
     assert group.aborted == [(1, 4)]  # step 4 vetoed everywhere: no survivor applies it
     assert group.killed == ([2] if fault == "hang" else [])  # a hung process may hold the step: killed
@@ -534,6 +536,19 @@ def test_checkpoint_resume_false_starts_fresh_although_checkpoints_exist(make_co
     assert_finished(finish(controller), tmp_path, 4)
     assert starts_of(fake_group(controller).configured[0]) == [("fresh", None)] * 2
     assert not events_of(tmp_path, "restored") and steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one_with_a_warning(make_controller, tmp_path, caplog):
+    """The rank that finds a checksum mismatch says which step; the driver warns, never chooses that
+    step again, and restores the previous commit (its file names come from the rank's error)."""
+    controller = make_controller(*SINGLE_REPLICA, "training.steps=14", committed_steps=[2, 4], script={"corrupt": {4}})
+    assert_finished(finish(controller), tmp_path, 14)
+    assert [starts_of(c) for c in fake_group(controller).configured] == [
+        [("checkpoint", 4)] * 2,
+        [("checkpoint", 2)] * 2,
+    ]
+    assert only(events_of(tmp_path, "restored"))["step"] == 2 and steps(tmp_path) == list(range(3, 15))
+    assert "checkpoint step 4 is corrupt (CorruptCheckpointError: step 4: checksum mismatch)" in caplog.text
 
 
 def run_until_step(controller, step: int) -> None:
