@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from elastic.placement import RankResources
 from elastic.spec import MeshSpec
-from orchestrator.config import load_config
 from orchestrator.driver.calls import CallFailed, CallFailedKind
-from orchestrator.driver.controller import Controller
 from orchestrator.driver.detector import Detector, DrainWatch, LossKind, Lost, group_errors
-from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.replicas import Replicas
 from orchestrator.driver.states import Configuring, Finished, RunEnd, Running, SettlePurpose, Settling, Starting
-from orchestrator.driver.worker_group import SlotState
-from orchestrator.observe.events import EventLog, read_events
-from tests.jobs import DEMO_CONFIG, REPO
+from orchestrator.observe.events import read_events
+from tests.unit.fake_group import ELASTIC, FakeCalls, FakeGroup, FakeSlot, fake_group
 from workers.faults import DriverFaults, FaultKind, FaultPhase, FaultSpec, InjectedFault
-from workers.spec import TrainSpec
 from workers.spec.messages import (
     DrainNoticeReport,
     FailureKind,
@@ -33,192 +23,8 @@ from workers.spec.messages import (
     Phase,
     RunOutcome,
     RunStatus,
-    SnapshotPlan,
-    StartFrom,
-    StartMode,
-    StepReport,
     failure_kind_of,
 )
-
-
-class FakeCalls:
-    def __init__(self, results: dict[int, Any], after: int = 0) -> None:
-        self.refs = list(results)
-        self._pending = results
-        self._after = after
-        self.results: dict[int, Any] = {}
-
-    @property
-    def done(self) -> bool:
-        return len(self.results) == len(self.refs)
-
-    def collect(self, timeout: float, *, first: bool = False) -> dict[int, Any]:
-        if self._after > 0:
-            self._after -= 1
-            return {}
-        self.results = dict(self._pending)
-        return self.results
-
-
-class FakeSlot:
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.node_id: str | None = None
-        self.batch_id = index
-        self.state = SlotState.ACTIVE
-
-
-class FakeGroup:
-    """Ranks that 'train' instantly; ``script`` decides what each generation's run returns."""
-
-    script: dict[str, Any] = {}
-
-    def __init__(self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float) -> None:
-        self.spec = spec
-        self.active: list[FakeSlot] = []
-        self.queued: dict[int, list[StepReport]] = {}
-        self.configured: list[dict[str, Any]] = []
-        self.aborted: list[tuple[int, int]] = []
-        self.killed: list[int] = []
-        self.shut_down = False
-        self.generation_runs = 0
-        self.avoid_nodes: set[str] = set()
-
-    def start(self, mesh: MeshSpec, *, spare_replicas: int = 0) -> None:
-        self.active = [FakeSlot(i) for i in range(mesh.world_size)]
-
-    def start_replica_in_background(self, mesh: MeshSpec) -> bool:
-        return False
-
-    def refresh(self) -> list[FakeSlot]:
-        return []
-
-    def warm(self) -> list[FakeSlot]:
-        return []
-
-    def starting(self) -> list[FakeSlot]:
-        return []
-
-    def linger(self, slots: list[FakeSlot]) -> None:
-        self.active = [slot for slot in self.active if slot not in slots]
-
-    def lingering(self) -> list[FakeSlot]:
-        return []
-
-    def kill(self, slots: list[FakeSlot]) -> None:
-        self.killed += [slot.index for slot in slots]
-
-    def remove(self, slots: list[FakeSlot]) -> None:
-        self.active = [slot for slot in self.active if slot not in slots]
-
-    def set_active(self, slots: list[FakeSlot]) -> None:
-        self.active = list(slots)
-
-    def abort_step(self, generation: int, step: int, survivors: list[int]) -> None:
-        self.aborted.append((generation, step))
-
-    def request_pause(self, generation: int, *, checkpoint: bool = False) -> None:
-        pass
-
-    def set_snapshot_interval(self, generation: int, interval_steps: int) -> None:
-        pass
-
-    def configure(
-        self,
-        *,
-        generation: int,
-        mesh: MeshSpec,
-        starts: list[StartFrom],
-        sync_replicas: bool,
-        faults: tuple[FaultSpec, ...] = (),
-        snapshots: Sequence[SnapshotPlan | None] = (),
-    ) -> FakeCalls:
-        self.configured.append(
-            {"mesh": mesh, "starts": starts, "sync": sync_replicas, "slots": [slot.index for slot in self.active]}
-        )
-        step = self.script.get("resume_step", 0) if generation > 1 else 0
-        results: dict[int, Any] = {
-            rank: start.step if start.mode == StartMode.CHECKPOINT else step for rank, start in enumerate(starts)
-        }
-        results.update(self.script.get("configure_failures", {}).get(generation, {}))
-        if starts and starts[0].mode == StartMode.CHECKPOINT and starts[0].step in self.script.get("corrupt", ()):
-            results[0] = CallFailed(
-                CallFailedKind.ERROR,
-                f"CorruptCheckpointError: step {starts[0].step}: checksum mismatch",
-                failure_kind=self.script.get("corrupt_kind", FailureKind.CORRUPT_CHECKPOINT),
-            )
-        return FakeCalls(results, after=self.script.get("configure_delay", 0))
-
-    def run(self, *, last_step: int) -> FakeCalls:
-        self.generation_runs += 1
-        plan = self.script.get("runs", {}).get(self.generation_runs, {})
-        first = (self.script.get("resume_step", 0) if self.generation_runs > 1 else 0) + 1
-        steps = plan.get("steps_done", last_step)
-        for rank in range(len(self.active)):
-            self.queued[rank] = [
-                StepReport(
-                    rank=rank,
-                    time=1000.0 + s,
-                    step=s,
-                    loss=5.0 - s * 0.1 if rank == 0 else None,
-                    dp_rank=0,
-                    step_time_s=0.1,
-                    lr=0.001,
-                    grad_norm=1.0,
-                )
-                for s in range(first, steps + 1)
-            ]
-        outcomes: dict[int, Any] = {rank: RunOutcome(RunStatus.FINISHED, steps) for rank in range(len(self.active))}
-        outcomes.update(plan.get("outcomes", {}))
-        return FakeCalls(outcomes)
-
-    def poll(self, timeout: float) -> dict[int, Heartbeat | CallFailed]:
-        if self.script.get("unanswered_polls", 0) > 0:  # a loaded machine: no rank answers in time
-            self.script["unanswered_polls"] -= 1
-            return {}
-        return {
-            rank: Heartbeat(
-                rank=rank, phase=Phase.STEP, step=0, phase_age_s=0.0, reports=tuple(self.queued.pop(rank, []))
-            )
-            for rank in range(len(self.active))
-        }
-
-    def request_stop(self) -> None:
-        pass
-
-    def shutdown(self, *, grace_s: float = 5.0) -> None:
-        self.shut_down = True
-
-
-# The type checker holds the fake to the protocol the controller is written against.
-FAKE_GROUP_CLASS: type[WorkerGroupProtocol[FakeSlot]] = FakeGroup
-FAKE_SLOT: type[Slot] = FakeSlot
-
-
-def fake_group(controller: Controller) -> FakeGroup:
-    assert isinstance(controller.group, FakeGroup)
-    return controller.group
-
-
-@pytest.fixture
-def make_controller(tmp_path, monkeypatch):
-    """A controller over the fake group; ``committed_steps``: checkpoints it finds committed."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
-    FakeGroup.script = {}
-    config = load_config(DEMO_CONFIG, ["training.steps=4", "parallelism.pp=1", "parallelism.tp=1"])
-    events = EventLog(tmp_path / "events.jsonl")
-
-    def make(*, committed_steps: list[int] | None = None) -> Controller:
-        checkpoints = None if committed_steps is None else FakeCheckpoints(committed_steps, config.mesh)
-        return Controller(config, events, poll_interval_s=0.0, checkpoints=checkpoints)
-
-    return make
-
-
-@pytest.fixture
-def controller(make_controller):
-    return make_controller()
 
 
 def test_happy_path_state_by_state(controller, tmp_path):
@@ -310,35 +116,25 @@ def test_dead_actor_is_a_rank_died_failure(controller, tmp_path):
     assert failure["kind"] == "rank_died"
 
 
-def test_lost_replica_shrinks_in_place_and_keeps_survivors(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
-    FakeGroup.script = {
-        "resume_step": 2,
-        "runs": {
-            1: {
-                "steps_done": 2,
-                "outcomes": {
-                    0: RunOutcome(RunStatus.ABORTED, 2),
-                    1: RunOutcome(RunStatus.ABORTED, 2),
-                    2: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
-                    3: RunOutcome(RunStatus.FAILED, 2, failure_kind=FailureKind.PEER_FAILURE),
-                },
+def test_lost_replica_shrinks_in_place_and_keeps_survivors(make_controller, tmp_path):
+    controller = make_controller(
+        *ELASTIC,
+        committed_steps=[],
+        script={
+            "runs": {
+                1: {
+                    "steps_done": 2,
+                    "outcomes": {
+                        0: RunOutcome(RunStatus.ABORTED, 2),
+                        1: RunOutcome(RunStatus.ABORTED, 2),
+                        2: CallFailed(CallFailedKind.DIED, "The actor died unexpectedly"),
+                        3: RunOutcome(RunStatus.FAILED, 2, failure_kind=FailureKind.PEER_FAILURE),
+                    },
+                }
             }
         },
-    }
-    config = load_config(
-        DEMO_CONFIG,
-        [
-            "training.steps=4",
-            "parallelism.pp=1",
-            "parallelism.tp=1",
-            "parallelism.dp_replicate=2",
-            "parallelism.dp_shard=2",
-        ],
     )
-    checkpoints = FakeCheckpoints([], config.mesh)
-    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0, checkpoints=checkpoints)
+    checkpoints = controller.checkpoints
     final = controller.run()
     assert final.status == "finished"
     # The old mesh's saves up to step 2 still commit without rank 2: replica 0 survived whole.
@@ -365,41 +161,6 @@ def test_identical_errors_print_once():
         }
     )
     assert text == "[Rank 0, 1]: RuntimeError: Connection closed by peer; [Rank 3]: ValueError: other"
-
-
-@dataclass(frozen=True)
-class FakeManifest:
-    step: int
-    mesh: dict[str, Any]
-
-
-class FakeCheckpoints:
-    """Committed checkpoints at ``steps``: what the controller asks of checkpoint commits."""
-
-    enabled = True
-    uri = "file:///fake"
-
-    def __init__(self, steps: list[int], mesh: MeshSpec) -> None:
-        self.manifests = [FakeManifest(step, mesh.as_dict()) for step in sorted(steps)]
-        self.resets: list[tuple[int, int | None, frozenset[int]]] = []  # (world size, paused_after, lost)
-
-    def check_access(self) -> None:
-        pass
-
-    def on_report(self, report: object) -> None:
-        pass
-
-    def reset(
-        self, mesh: MeshSpec, *, generation: int, paused_after: int | None = None, lost: frozenset[int] = frozenset()
-    ) -> None:
-        self.resets.append((mesh.world_size, paused_after, lost))
-
-    def latest_step(self) -> int | None:
-        return self.manifests[-1].step if self.manifests else None
-
-    def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> FakeManifest | None:
-        intact = [manifest for manifest in self.manifests if manifest.step not in skip_steps]
-        return intact[-1] if intact else None
 
 
 def test_a_corrupt_checkpoint_during_a_restore_falls_back_to_the_previous_one(make_controller, tmp_path):
@@ -510,7 +271,7 @@ def test_a_lost_replica_leaves_whole_and_its_healthy_ranks_go_to_the_pool(contro
     group.start(mesh)
     assert replicas.healthy_in_hit_replicas(mesh, lost={2}, draining=()) == 1
     kept, pool = replicas.split(mesh, lost={2}, draining=(), drop=(1,))
-    assert [slot.batch_id for slot in kept] == [0, 1] and [slot.batch_id for slot in pool] == [3]
+    assert [slot.index for slot in kept] == [0, 1] and [slot.index for slot in pool] == [3]
     assert [slot.index for slot in group.active] == [0, 1, 3]  # the lost rank's actor is removed
     assert Replicas.pick_warm(pool, 2) == [] and Replicas.pick_warm(pool, 1) == pool
 
@@ -602,37 +363,26 @@ def test_a_hang_while_a_grow_is_pending_is_found_by_the_hang_threshold_not_a_fix
     assert failing.deadline <= time.monotonic() + threshold  # survivors unwind within the threshold
 
 
-def test_a_rank_lost_while_a_recovery_configures_restarts_the_recovery_from_what_is_left(tmp_path, monkeypatch):
+def test_a_rank_lost_while_a_recovery_configures_restarts_the_recovery_from_what_is_left(make_controller, tmp_path):
     """Regression: a fault during a recovery's configuration failed the run. Replica 3 of 4 loses
     its rank and the job shrinks to 2 (3 cannot split the batch); while those configure, rank 1
-    dies too: the recovery starts again and the job finishes on replica 0 alone, its state kept."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(Controller, "worker_group_class", FAKE_GROUP_CLASS)
+    dies too: the recovery starts again from replica 0, its state kept, refilled by the warm actor of
+    replica 2."""
     died = CallFailed(CallFailedKind.DIED, "The actor died unexpectedly")
     echo = CallFailed(CallFailedKind.ERROR, "PeerFailedWhileConfiguring: ...", failure_kind=FailureKind.PEER_FAILURE)
-    FakeGroup.script = {
-        "resume_step": 2,
+    script = {
         "runs": {
             1: {"steps_done": 2, "outcomes": {3: died, **{r: RunOutcome(RunStatus.ABORTED, 2) for r in (0, 1, 2)}}}
         },
         "configure_failures": {2: {1: died, 0: echo}},
     }
-    config = load_config(
-        DEMO_CONFIG,
-        [
-            "training.steps=4",
-            "parallelism.pp=1",
-            "parallelism.tp=1",
-            "parallelism.dp_replicate=4",
-            "parallelism.dp_shard=1",
-        ],
-    )
-    controller = Controller(config, EventLog(tmp_path / "events.jsonl"), poll_interval_s=0.0)
+    controller = make_controller("parallelism.dp_replicate=4", "parallelism.dp_shard=1", script=script)
     final = controller.run()
     assert final.status == "finished", final.reason
     configured = fake_group(controller).configured
-    assert [c["mesh"].dp_replicate for c in configured] == [4, 2, 1]
-    assert configured[2]["slots"] == [0] and [s.mode for s in configured[2]["starts"]] == ["kept"]
+    # Replica 2 (dropped for the batch's sake) waits warm: it refills replica 1's place from replica 0.
+    assert [c["mesh"].dp_replicate for c in configured] == [4, 2, 2]
+    assert configured[2]["slots"] == [0, 2] and [s.mode for s in configured[2]["starts"]] == ["kept", "peer"]
     events = read_events(tmp_path / "events.jsonl")
     assert [e["ranks"] for e in events if e["event"] == "failure"] == [[3], [1]]  # the echo is no loss
     assert controller.failure_policy.failure_times and len(controller.failure_policy.failure_times) == 1

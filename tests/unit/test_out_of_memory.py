@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from orchestrator.driver.states import AwaitingActors, Configuring
-from tests.unit.test_controller import FakeGroup, fake_group, make_controller, read_events  # noqa: F401
+from orchestrator.observe.events import read_events
+from tests.unit.fake_group import FakeGroup, fake_group
 from workers.spec.messages import FailureKind, failure_kind_of
 
 
@@ -15,7 +16,7 @@ def test_torchs_out_of_memory_error_is_its_own_failure_kind():
     assert failure_kind_of(RuntimeError("a bug")) == FailureKind.OWN_ERROR
 
 
-def test_an_out_of_memory_configure_replaces_the_rank_instead_of_ending_the_run(make_controller, tmp_path):  # noqa: F811
+def test_an_out_of_memory_configure_replaces_the_rank_instead_of_ending_the_run(make_controller, tmp_path):
     controller = make_controller(committed_steps=[3])
     FakeGroup.script = {"corrupt": {3}, "corrupt_kind": FailureKind.OUT_OF_MEMORY}
     controller.step()
