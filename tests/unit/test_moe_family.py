@@ -24,6 +24,7 @@ from orchestrator.cli import main
 from orchestrator.config import load_config
 from tests.hf_models import reference_logits, save_random_model
 from tests.jobs import DEMO_CONFIG, REPO
+from tests.marks import slow_when_named
 from tests.unit import moe_checkpoint_ranks, moe_ranks, pretrained_ranks
 from tests.unit.spawned_ranks import spawn_ranks
 from workers.models import resolve_family
@@ -59,6 +60,8 @@ TRAIN_LAYOUTS = {
     # weights, sharded by FSDP over dp_shard x tp with their gradients summed over tp.
     "tp2": (MeshSpec(dp_shard=1, tp=2, pp=1), False, 1),
     "tp2-ep2-dp_shard2": (MeshSpec(dp_shard=2, tp=2, pp=1), False, 2),
+    # All three on 8 ranks: every sequence over two cp ranks, experts over two ep ranks, two stages.
+    "cp2-ep2-pp2-dp_shard2": (MeshSpec(dp_shard=2, cp=2, tp=1, pp=2), False, 2),
 }
 
 
@@ -85,7 +88,7 @@ def single_rank_run(tmp_path_factory):
     return spawn_ranks(functools.partial(moe_ranks.run_rank, mesh=mesh), world_size=1, store_path=str(store))[0]
 
 
-@pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
+@pytest.mark.parametrize("layout", slow_when_named(TRAIN_LAYOUTS, {"cp2-ep2-pp2-dp_shard2"}))
 def test_debug_moe_losses_match_single_rank(layout, single_rank_run, tmp_path):
     mesh, activation_checkpointing, ep = TRAIN_LAYOUTS[layout]
     ranks = spawn_ranks(

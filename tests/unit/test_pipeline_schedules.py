@@ -77,6 +77,10 @@ def _assert_trains_like(run: Run, single_rank: Run) -> None:
 
 
 LAYOUTS = {
+    "pp2-interleaved_1f1b": (
+        {"dp_shard": 1, "tp": 1, "pp": 2},
+        {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2},
+    ),
     "pp2-zero_bubble": ({"dp_shard": 1, "tp": 1, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}),
     "pp2-zbv": ({"dp_shard": 1, "tp": 1, "pp": 2}, {"pp_schedule": "zbv", "stages_per_rank": 2}),
     "pp2-dualpipev-ac": (
@@ -105,6 +109,19 @@ def test_layout_trains_like_one_rank(layout, single_rank, tmp_path):
     _assert_trains_like(run, single_rank)
     if spec.get("pp_schedule") in ("zbv", "dualpipev"):
         assert run.stages[0] == [0, 3] and run.stages[1] == [1, 2]  # the V: rank 0 holds the first and last stage
+
+
+def test_an_uneven_fsdp_split_trains_like_one_rank(tmp_path):
+    """Three dp_shard ranks: the embedding (256 rows) and the attention weights (64 rows) do not
+    split evenly by 3, so FSDP2 pads the last shard; the batch of 12 gives each rank 4 samples in
+    2 microbatches."""
+    batch = {"global_batch": 12, "microbatches": 2}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "three").mkdir()
+    one = _run({"dp_shard": 1, "tp": 1, "pp": 1}, batch, tmp_path / "one")
+    three = _run({"dp_shard": 3, "tp": 1, "pp": 1}, batch, tmp_path / "three")
+    _assert_trains_like(three, one)
+    assert one.losses[-1] < one.losses[0]
 
 
 def test_zero_bubble_with_tensor_parallel_trains_like_one_rank(single_rank, tmp_path):
