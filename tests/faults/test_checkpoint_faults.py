@@ -186,30 +186,6 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
     assert_resumed_like(resumed, reference, restored_step=last_step)
 
 
-def test_draining_the_only_replica_saves_first_and_loses_no_step(reference, s3_bucket, ray_cluster, tmp_path):
-    nodes = WorkerNodes(ray_cluster, 2, ranks_per_node=2)
-    try:
-        result, events = run_job(
-            tmp_path,
-            *SINGLE_REPLICA,
-            ON_WORKER_NODES,
-            f"training.steps={STEPS}",
-            *checkpoints_to(s3_bucket, interval=1000),
-            faults=("drain@5:0",),
-        )
-    finally:
-        nodes.close()
-    assert result.exit_code == 0, result.reason
-    assert not of_kind(events, "failure")
-    [drain] = of_kind(events, "drain")
-    [restored] = of_kind(events, "restored")
-    assert restored["step"] == max(e["step"] for e in events[: events.index(restored)] if e["event"] == "step")
-    [recovered] = of_kind(events, "recovered")
-    assert recovered["lost_steps"] == 0
-    assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))  # each step exactly once
-    assert_resumed_like(events, reference, restored_step=restored["step"])
-
-
 def test_a_save_in_flight_when_a_replicas_node_is_lost_commits_and_is_restored_after_a_second_fault(
     reference, s3_bucket, ray_cluster, tmp_path
 ):
@@ -245,25 +221,3 @@ def test_a_save_in_flight_when_a_replicas_node_is_lost_commits_and_is_restored_a
     # Saves of the generations after the restore commit (each report names its generation).
     assert 6 in [e["step"] for e in events[first_restore:] if e["event"] == "checkpoint_committed"]
     assert_resumed_like(events, reference, restored_step=restores[-1]["step"])
-
-
-def test_corrupt_checkpoint_falls_back_to_the_previous_one_with_a_warning(reference, s3_bucket, tmp_path):
-    first, _ = run_job(tmp_path / "first", *SINGLE_REPLICA, "training.steps=4", *checkpoints_to(s3_bucket))
-    assert first.exit_code == 0
-    client = s3_bucket.server.client()
-    shard = next(
-        o["Key"]
-        for o in client.list_objects_v2(Bucket=s3_bucket.name, Prefix="run/step-00000004/")["Contents"]
-        if o["Key"].endswith(".safetensors") and o["Size"] > 10_000
-    )
-    body = bytearray(client.get_object(Bucket=s3_bucket.name, Key=shard)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    client.put_object(Bucket=s3_bucket.name, Key=shard, Body=bytes(body))
-    result, events = run_job(
-        tmp_path / "second", *SINGLE_REPLICA, f"training.steps={STEPS}", *checkpoints_to(s3_bucket)
-    )
-    assert result.exit_code == 0, result.reason
-    assert of_kind(events, "restored")[-1]["step"] == 2
-    driver_log = (tmp_path / "second" / "logs" / "driver.jsonl").read_text()
-    assert "checkpoint step 4 is corrupt" in driver_log and shard.split("/")[-1] in driver_log
-    assert_resumed_like(events, reference, restored_step=2)

@@ -20,8 +20,10 @@ def reference(ray_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "fault, kind, rank",
-    [("kill@4:3", "rank_died", 3), ("raise@4:1", "rank_error", 1), ("hang@4:2", "hang", 2)],
-    ids=["sigkill", "raise", "hang"],
+    # A raised exception is decided like a death (tests/unit/test_driver_decisions.py); a hang is
+    # found from the ranks' real heartbeats, busy against waiting in a collective.
+    [("kill@4:3", "rank_died", 3), ("hang@4:2", "hang", 2)],
+    ids=["sigkill", "hang"],
 )
 def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
     result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", faults=(fault,))
@@ -63,51 +65,16 @@ def test_sigterm_to_one_rank_on_a_single_node_leaves_its_replica_group_only(refe
     assert recovered["lost_steps"] == 0 and recovered["new_mesh"]["dp_replicate"] == 1
 
 
-@pytest.mark.slow  # a compound fault (a joining rank killed mid-recovery), ~25 s on 2 cores
-def test_a_joining_rank_killed_while_the_refill_configures_restarts_the_recovery(reference, tmp_path):
-    """A fault during a recovery: rank 2 dies, warm spares refill its replica group, and one of
-    them dies while the refill configures. The recovery starts again from what is left (replica 0,
-    its state kept) instead of failing the run; no step is lost or repeated."""
-    result, events = run_job(
-        tmp_path,
-        *ELASTIC_LAYOUT,
-        f"training.steps={STEPS}",
-        "elastic.spare_actors=2",
-        faults=("kill@4:2", "kill@4:2/configure"),
-    )
-    assert result.exit_code == 0, result.reason
-    assert_completed_like(events, reference, STEPS)
-    assert [(e["kind"], e["ranks"]) for e in of_kind(events, "failure")] == [("rank_died", [2]), ("rank_died", [2])]
-    recoveries = of_kind(events, "recovered")
-    assert recoveries[0]["lost_steps"] == 0 and not of_kind(events, "restored")
-
-
-# Two replica groups of a mixture of experts, each holding its experts over ep=2 (dp_shard=2), or
-# its MoE blocks whole on each rank of a tp pair (FSDP-sharded over the pair). Its first steps take
+# Two replica groups of a mixture of experts, each holding its experts over ep=2 (dp_shard=2)
+# (the same decision with tp: tests/unit/test_driver_decisions.py). Its first steps take
 # longer than the dense model's 8 s hang threshold on a busy 2-core machine.
 MOE_LAYOUTS = {
     # rank 3: half of replica group 1's experts
-    "ep2": (
-        (*ELASTIC_LAYOUT, "model.preset=debug-moe", "parallelism.ep=2", "elastic.hang_timeout_s=30"),
-        3,
-        "dp_shard",
-    ),
-    # rank 2: half of replica group 1's tp pair
-    "tp2": (
-        (
-            *ELASTIC_LAYOUT,
-            "model.preset=debug-moe",
-            "parallelism.dp_shard=1",
-            "parallelism.tp=2",
-            "elastic.hang_timeout_s=30",
-        ),
-        2,
-        "tp",
-    ),
+    "ep2": ((*ELASTIC_LAYOUT, "model.preset=debug-moe", "parallelism.ep=2", "elastic.hang_timeout_s=30"), 3, "dp_shard")
 }
 
 
-@pytest.mark.slow  # two 4-rank MoE jobs per layout: 40-50 s a layout on 2 cores
+@pytest.mark.slow  # two 4-rank MoE jobs: 40-50 s on 2 cores
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_a_killed_rank_of_a_moe_replica_group_recovers_in_place(layout, tmp_path):
     """An expert shard is state like any other: a rank of replica group 1 is killed, the job goes

@@ -86,7 +86,9 @@ def test_lost_node_shrinks_then_a_new_node_grows_the_mesh_back(reference, worker
     assert events[-1]["replicas_consistent"] is True
 
 
-@pytest.mark.parametrize("fault", ["drain@5:2", "sigterm@5:2"], ids=["ray-drain", "sigterm"])
+# A SIGTERM to one rank process is the same decision (tests/unit/test_driver_decisions.py), its
+# handler shown in tests/faults/test_in_place_recovery.py.
+@pytest.mark.parametrize("fault", ["drain@5:2"], ids=["ray-drain"])
 def test_drain_notice_leaves_at_a_step_boundary_with_zero_lost_steps(fault, reference, worker_nodes, tmp_path):
     result, events = run_job(
         tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}", faults=(fault,)

@@ -155,25 +155,6 @@ def test_a_failure_while_a_snapshot_is_copied_restores_the_older_one(reference, 
     assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored["step"])
 
 
-@pytest.mark.slow  # a compound fault (a rank and its buddy lost together), ~23 s on 2 cores
-def test_a_rank_and_its_buddy_both_lost_fall_back_to_storage(reference, s3_bucket, tmp_path):
-    checkpoints = (
-        f"checkpoint.uri={s3_bucket.uri}",
-        f"checkpoint.endpoint_url={s3_bucket.endpoint_url}",
-        "checkpoint.interval_steps=2",
-    )
-    # On one node rank 1's buddy is rank 2: both die in step 7.
-    result, events = run_job(
-        tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", *checkpoints, faults=("kill@7:1", "kill@7:2")
-    )
-    assert result.exit_code == 0, result.reason
-    restored = of_kind(events, "restored")
-    assert restored and restored[0]["source"] == "storage" and restored[0]["uri"] == s3_bucket.uri
-    committed = [e["step"] for e in of_kind(events, "checkpoint_committed") if e["time"] < restored[0]["time"]]
-    assert restored[0]["step"] == max(committed)
-    assert_completed_like_after_restore(events, reference(ONE_REPLICA), restored[-1]["step"])
-
-
 @pytest.mark.slow  # a compound fault (a rank lost, its buddy stuck), ~26 s on 2 cores
 def test_a_stuck_buddy_serves_the_snapshots_it_holds_before_it_is_killed(reference, tmp_path):
     """Rank 1 dies in step 7 and rank 2, which holds the copy of rank 1's snapshot, never leaves

@@ -9,7 +9,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import orchestrator.driver.run as run_module
 from orchestrator.observe.metrics import build_metrics
-from tests.faults.harness import ELASTIC_LAYOUT, of_kind, run_job
 from tests.jobs import train
 
 STEPS = 12
@@ -46,17 +45,3 @@ def test_a_run_evaluates_every_five_steps_and_shows_it(ray_cluster, tmp_path, mo
     read = {scalar.step: scalar.value for scalar in reader.Scalars("eval/loss")}
     assert read == pytest.approx({e["step"]: e["loss"] for e in evals}, rel=1e-6)
     assert sorted(scalar.step for scalar in reader.Scalars("train/loss")) == list(range(1, STEPS + 1))
-
-
-@pytest.mark.slow
-def test_a_rank_lost_after_an_evaluation_leaves_one_eval_event_per_boundary(ray_cluster, tmp_path):
-    """Rank 3 dies at the start of step 6: the survivors resume at boundary 5 and evaluate it again
-    (as they would after a failure inside the evaluation); the driver keeps the first event."""
-    result, events = run_job(
-        tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "eval.interval_steps=5", faults=("kill@6:3",)
-    )
-    assert result.exit_code == 0, result.reason
-    [failure] = of_kind(events, "failure")
-    assert failure["ranks"] == [3]
-    assert [e["step"] for e in of_kind(events, "eval")] == [5, 10, STEPS]
-    assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
