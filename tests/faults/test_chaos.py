@@ -23,7 +23,10 @@ from tests.jobs import losses, single_rank
 
 pytestmark = pytest.mark.slow
 
-SEEDS = (1, 2, 3)
+# One seed in the suite: 3 draws the widest mix (a SIGTERM'd rank, two lost nodes, a kill while a
+# recovery configures, a drain, an S3 outage). Every decision it exercises has its own fake-group
+# test (tests/unit/test_driver_decisions.py); `python bench/chaos.py --seed N` runs any other.
+SEEDS = (3,)
 FAULTS = 6
 STEPS = 30
 GLOBAL_BATCH = 16  # the demo config's
