@@ -22,7 +22,7 @@ def reference(ray_cluster, tmp_path_factory):
     "fault, kind, rank",
     # A raised exception is decided like a death (tests/unit/test_driver_decisions.py); a hang is
     # found from the ranks' real heartbeats, busy against waiting in a collective.
-    [("kill@4:3", "rank_died", 3), ("hang@4:2", "hang", 2)],
+    [("kill@4:3", "rank_died", 3), pytest.param("hang@4:2", "hang", 2, marks=pytest.mark.slow)],
     ids=["sigkill", "hang"],
 )
 def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
@@ -52,6 +52,7 @@ def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp
     assert events[-1]["replicas_consistent"] is True
 
 
+@pytest.mark.slow  # the rank's SIGTERM handler; CI runs this
 def test_sigterm_to_one_rank_on_a_single_node_leaves_its_replica_group_only(reference, tmp_path):
     """Regression: on the one-node embedded cluster, SIGTERM to one rank process drained the node,
     so every replica group, then waited for capacity that could not come and failed the run."""
