@@ -210,7 +210,7 @@ def _schedule_problems(config: JobConfig) -> list[str]:
     """The pipeline schedule's own rules (``workers.spec.pipeline``: torch's for each schedule).
 
     The zero-bubble schedules' split backward runs with FSDP2 (any dp_shard), tp and activation
-    checkpointing alike (tests/unit/test_pipeline_schedules.py), so no combination is refused here.
+    checkpointing alike (tests/ranks/test_pipeline_training.py), so no combination is refused here.
     """
     par = config.parallelism
     problem = stages_per_rank_problem(par.pp_schedule, par.virtual_stages)

@@ -1,5 +1,16 @@
 """Session-wide fixtures live in tests/fixtures/*; each module is one shared resource.
 
+The tiers, one directory each, from the quickest:
+
+- tests/unit: tests that run in the pytest process (a fake worker group where a test steps the
+  controller, a fake process group where it needs one; a few start the CLI or a bare interpreter,
+  never a rank); milliseconds to a few seconds each.
+- tests/ranks: tests that run rank code in spawned gloo processes, no Ray
+  (tests/ranks/spawned_ranks.py); seconds each.
+- tests/integration: real jobs on the embedded Ray cluster (tests/fixtures/ray_cluster.py).
+- tests/faults: real jobs on the same cluster with faults keyed by (rank, step) (tests/faults/harness.py).
+- tests/gpu: what only CUDA GPUs show (bfloat16 parity, checkpoint stalls, NCCL generations).
+
 tests/gpu needs a machine with a CUDA GPU (its replica-group tests need two, and say so when
 they are skipped on a one-GPU machine). Elsewhere it is not collected at all,
 rather than collected and skipped, so that a CPU run reports only what it ran; on a machine

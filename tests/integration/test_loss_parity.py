@@ -15,8 +15,8 @@ STEPS = 20
 # One layout per parallel axis, run as a user runs it: config, Ray actors, the text data split by
 # the driver's cursor. The combinations and options of each axis (pipeline schedules, FSDP2
 # reshard and offload, uneven splits, cp with tp or pp, MoE under ep/tp/cp/pp) train the same
-# Trainer in spawned gloo ranks without Ray: tests/unit/test_pipeline_schedules.py,
-# test_context_parallel.py, test_moe_family.py.
+# Trainer in spawned gloo ranks without Ray: tests/ranks/test_pipeline_training.py,
+# test_context_parallel_training.py, test_moe_training.py.
 LAYOUTS = {
     "pp2-dp_shard2-tp2": ("parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.tp=2"),
     "dp_replicate2-dp_shard2": (

@@ -4,7 +4,7 @@ and ``transformers`` writing the weights and loading what we export.
 - 10 steps on tp=2 x pp=2 x dp_shard=2 from a Hugging Face directory take the losses of one
   rank from the same weights (within 1e-3 relative), for SmolLM (tied embeddings: the first and
   the last stage read the same tensor) and Qwen2 (q/k/v biases); Llama 3's rope scaling and
-  Mistral are covered by the logits on the same mesh (tests/unit/test_pretrained_load.py);
+  Mistral are covered by the logits on the same mesh (tests/ranks/test_pretrained_load.py);
 - the same load from S3: each rank reads about its own share of the files, and says so;
 - ``ckpt import`` then a run that resumes from it trains exactly as a run from ``init_from``
   (a checkpoint takes precedence over ``init_from``); the export of that run generates text

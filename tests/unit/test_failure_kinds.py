@@ -1,10 +1,8 @@
 """A failed rank says why, by exception type and by what the rank knows, never by message text.
 
-The two-rank cases run real gloo in two spawned processes on a FileStore (no Ray,
-``tests/unit/gloo_ranks.py``) and classify the error rank 0 raised with the function the actor
-uses (``workers.rank_failures.classify_failure``): a rank whose own collective times out is TIMEOUT
-(its own failure), a rank whose peer's connection closes is PEER_FAILURE (an echo of the
-peer's failure).
+Each error is classified with the function the actor uses
+(``workers.rank_failures.classify_failure``); the errors real gloo collectives raise in spawned
+ranks are classified in tests/ranks/test_collective_failures.py.
 """
 
 from __future__ import annotations
@@ -13,45 +11,13 @@ import inspect
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkpointing import errors
-from tests.unit.gloo_ranks import run_rank
 from workers.faults import InjectedFault
 from workers.rank_failures import classify_failure
 from workers.rendezvous import CommitVoteTimeout, StepCommitter
 from workers.spec.messages import FailureKind, failure_kind_of
 from workers.trainer import StepAborted
-
-
-@pytest.fixture(scope="module")
-def two_rank_outcomes(tmp_path_factory) -> dict[str, FailureKind | None]:
-    """Both scenarios at once (four processes), so the module pays one start-up."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    folder = tmp_path_factory.mktemp("stores")
-    processes = [
-        context.Process(target=run_rank, args=(rank, scenario, str(folder / scenario), results), daemon=True)
-        for scenario in ("own_timeout", "peer_dies")
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    errors_seen = dict(results.get(timeout=120) for _ in range(2))
-    for process in processes:
-        process.join(timeout=30)
-    return {
-        scenario: None if error is None else classify_failure(error, aborted=False)
-        for scenario, error in errors_seen.items()
-    }
-
-
-def test_a_rank_whose_own_collective_times_out_fails_with_timeout(two_rank_outcomes):
-    assert two_rank_outcomes["own_timeout"] == FailureKind.TIMEOUT
-
-
-def test_a_rank_whose_peer_connection_closes_is_an_echo_of_the_peer(two_rank_outcomes):
-    assert two_rank_outcomes["peer_dies"] == FailureKind.PEER_FAILURE
 
 
 def test_a_commit_vote_that_times_out_is_the_rank_own_timeout():

@@ -3,8 +3,8 @@ the needed rows when loaded, cast to the parameters' dtype, and every bad direct
 
     .venv/bin/python -m pytest tests/unit/test_hf_format.py -q
 
-Files are written with ``safetensors.torch.save_file``; the two-rank case runs real gloo in
-spawned processes (``tests/unit/hf_ranks.py``); one case reads from the real S3 server.
+Files are written with ``safetensors.torch.save_file``; one case reads from the real S3 server.
+Two ranks on real gloo loading their slices: tests/ranks/test_hf_sharded_load.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from checkpointing.errors import HfCheckpointError
 from checkpointing.hf_format import load_hf_tensors, open_hf_checkpoint
 from checkpointing.local import LocalStorage
 from checkpointing.storage import StorageBackend, open_storage
-from tests.unit.hf_ranks import COLUMN_SHARDED, ROW_SHARDED, run_rank, sharded
-from tests.unit.spawned_ranks import spawn_ranks
+from tests.ranks.hf_ranks import COLUMN_SHARDED, ROW_SHARDED, sharded
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
 
@@ -111,37 +110,6 @@ def test_two_parameters_may_read_one_tensor(tmp_path):
     load_hf_tensors(storage, open_hf_checkpoint(storage), tied, {"embed.weight": embedding, "output.weight": embedding})
     assert torch.equal(tied["embed.weight"], source[embedding].float())
     assert torch.equal(tied["output.weight"], source[embedding].float())
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> tuple[dict[str, torch.Tensor], dict[int, tuple[Any, ...]]]:
-    folder = tmp_path_factory.mktemp("two-ranks")
-    source = source_tensors()
-    write_sharded(folder / "hf", source)
-    return source, spawn_ranks(run_rank, world_size=2, store_path=str(folder / "store"))
-
-
-def test_each_rank_reads_about_half_of_row_sharded_parameters(two_ranks):
-    source, outcomes = two_ranks
-    total = sum(source[hf].numel() * source[hf].element_size() for hf, _ in ROW_SHARDED.values())
-    for rank in (0, 1):
-        assert not isinstance(outcomes[rank][0], str), outcomes[rank][0]
-        read, slices = outcomes[rank][0]["rows"]
-        assert read < 0.6 * total
-        for fqn, (hf, shape) in ROW_SHARDED.items():
-            half = shape[0] // 2
-            expected = source[hf].float()[rank * half : (rank + 1) * half]
-            assert torch.equal(torch.from_numpy(slices[fqn]), expected)
-
-
-def test_column_sharded_parameters_get_their_columns(two_ranks):
-    source, outcomes = two_ranks
-    for rank in (0, 1):
-        _, slices = outcomes[rank][0]["columns"]
-        for fqn, (hf, shape) in COLUMN_SHARDED.items():
-            half = shape[1] // 2
-            expected = source[hf].float()[:, rank * half : (rank + 1) * half]
-            assert torch.equal(torch.from_numpy(slices[fqn]), expected)
 
 
 def test_a_rank_reads_its_rows_from_s3_by_ranged_gets(s3_bucket, tmp_path):

@@ -1,25 +1,20 @@
 """Initialisation is the same model whatever the mesh, and a rank draws only its own slice.
 
-Pure slices of one parameter (any offsets, no process group), then the debug model on two
-spawned gloo ranks (``tests/unit/init_ranks.py``) under dp_shard=2 and under tp=2, put back
-together and compared with one process's initialisation.
+Pure slices of one parameter (any offsets, no process group), put back together, are the one
+process's parameter. The debug model on two spawned gloo ranks: tests/ranks/test_init_on_two_ranks.py.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 
 import pytest
 import torch
 
-from elastic.spec import MeshSpec
-from tests.unit.init_ranks import SPEC, TILE_BITS, run_rank
-from tests.unit.spawned_ranks import spawn_ranks
+from tests.ranks.init_ranks import TILE_BITS
 from workers import initial_values
-from workers.initial_values import draw_normal_slice, init_weights, tile_edge
-from workers.models import resolve_family
+from workers.initial_values import draw_normal_slice, tile_edge
 
 FQN = "layers.0.mlp.gate_proj.weight"
 SHAPE = (100, 70)  # not a multiple of the 16 x 16 tiles, so slices cut through tiles
@@ -96,26 +91,3 @@ def test_a_parameter_in_one_tile_starts_as_a_whole_tensor_draw_always_did():
     out, _ = draw((0, 0), SHAPE, seed=3)
     generator = torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(FQN.encode()))
     assert torch.equal(out, torch.empty(SHAPE).normal_(0.0, STD, generator=generator))
-
-
-def one_process_model() -> dict[str, torch.Tensor]:
-    family = resolve_family(SPEC.model.family)
-    with torch.device("meta"):
-        module = family.build(SPEC.model)
-    module.to_empty(device=torch.device("cpu"))
-    init_weights(module, family, SPEC.model, seed=SPEC.seed)
-    return {fqn: param.detach() for fqn, param in module.named_parameters()}
-
-
-@pytest.mark.parametrize("mesh", [MeshSpec(dp_shard=2), MeshSpec(tp=2)], ids=["dp_shard2", "tp2"])
-def test_two_ranks_initialise_the_one_process_model_each_drawing_only_its_slice(small_tiles, mesh, tmp_path):
-    reference = one_process_model()
-    ranks = spawn_ranks(functools.partial(run_rank, mesh), world_size=2, store_path=str(tmp_path / "store"))
-    for rank, (slices, drawn) in ranks.items():
-        random_values = 0
-        for fqn, (offset, values) in slices.items():
-            index = tuple(slice(start, start + length) for start, length in zip(offset, values.shape))
-            assert torch.equal(torch.from_numpy(values), reference[fqn][index]), (rank, fqn)
-            random_values += values.size if not fqn.endswith("norm.weight") else 0
-        # The debug model's dims split on tile boundaries here: exactly its own slice, nothing more.
-        assert drawn == random_values, rank

@@ -1,5 +1,5 @@
 """Two replica groups of one rank each (HSDP, dp_replicate=2) on real gloo, for
-tests/unit/test_replica_agreement.py. Each spawned rank builds a Trainer, lets replica group 1
+tests/ranks/test_replica_agreement.py. Each spawned rank builds a Trainer, lets replica group 1
 drift, refills it from replica group 0 with a small broadcast cap, then runs one step with
 replica group 1's own gradient norm perturbed; it sends back what the test compares.
 """

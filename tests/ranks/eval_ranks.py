@@ -1,6 +1,6 @@
 """Ranks (spawned processes, real gloo, no Ray) that evaluate the same weights on their mesh.
 
-For tests/unit/test_evaluation.py: each rank builds the Trainer for its mesh from the seeded
+For tests/ranks/test_evaluation_on_meshes.py: each rank builds the Trainer for its mesh from the seeded
 initialisation, evaluates it (``workers/evaluation.py``), then checks that evaluating changed
 nothing of the training: the state before and after, and two steps with an evaluation between
 them against two steps of a second trainer without one.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo
 from workers import parallelize as par
 from workers.data import SyntheticSource
 from workers.evaluation import Evaluator

@@ -1,5 +1,5 @@
 """Ranks (spawned processes, real gloo, no Ray) that train the ``debug`` preset with sequences
-split over context-parallel ranks, for tests/unit/test_context_parallel.py.
+split over context-parallel ranks, for tests/ranks/test_context_parallel_training.py.
 
 Each rank builds the Trainer for its mesh, initialises the model from the seed, reads the
 logits of fixed tokens (gathered over cp and tp on the last stage), then trains on synthetic
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.evaluation import Evaluator
 from workers.spec import PRESETS, TrainSpec

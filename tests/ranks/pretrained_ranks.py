@@ -1,6 +1,6 @@
 """Ranks (spawned processes, real gloo, no Ray) that load released weights and compute logits.
 
-For tests/unit/test_pretrained_load.py: each rank builds the Trainer for its mesh, fills it
+For tests/ranks/test_pretrained_load.py: each rank builds the Trainer for its mesh, fills it
 from a Hugging Face directory with ``load_pretrained`` (its own slices only), runs the forward
 pass on fixed tokens and reports the logits (on the last stage) and the bytes it read.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.models import family_for_architecture
 from workers.pretrained import load_pretrained

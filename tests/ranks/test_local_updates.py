@@ -2,7 +2,7 @@
 torch's own give on the DTensors: the norm of the whole gradients, the clip bit for bit, and
 AdamW's parameters and state bit for bit, state kept as DTensors in torch's layout.
 
-Two spawned processes on real gloo (``tests/unit/local_update_ranks.py``), a 2-rank mesh.
+Two spawned processes on real gloo (``tests/ranks/local_update_ranks.py``), a 2-rank mesh.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.unit.local_update_ranks import run_rank
-from tests.unit.spawned_ranks import spawn_ranks
+from tests.ranks.local_update_ranks import run_rank
+from tests.ranks.spawned_ranks import spawn_ranks
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Loss-parallel logits: with tp > 1 each rank holds only its vocabulary shard of the logits,
 and the loss (and its gradient) equal the replicated computation's.
 
-Two spawned processes on real gloo (``tests/unit/tp_ranks.py``), one tensor-parallel group.
+Two spawned processes on real gloo (``tests/ranks/tp_ranks.py``), one tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.spawned_ranks import spawn_ranks
-from tests.unit.tp_ranks import SPEC, run_rank
+from tests.ranks.spawned_ranks import spawn_ranks
+from tests.ranks.tp_ranks import SPEC, run_rank
 
 VOCAB = SPEC.model.vocab_size
 

@@ -2,7 +2,7 @@
 bounded broadcasts, every replica clips by replica group 0's gradient norm, and with
 accumulation the gradients cross replica groups once per step.
 
-Two spawned processes on real gloo (``tests/unit/replica_ranks.py``), one rank per replica group.
+Two spawned processes on real gloo (``tests/ranks/replica_ranks.py``), one rank per replica group.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.replica_ranks import SPEC, SYNC_CAP_BYTES, run_rank
-from tests.unit.spawned_ranks import spawn_ranks
+from tests.ranks.replica_ranks import SPEC, SYNC_CAP_BYTES, run_rank
+from tests.ranks.spawned_ranks import spawn_ranks
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Two-rank gloo worlds that fail on purpose, for tests/unit/test_failure_kinds.py.
+"""Two-rank gloo worlds that fail on purpose, for tests/ranks/test_collective_failures.py.
 
 Spawned processes import only torch (not the test module), so they start quickly. Rank 0
 sends back the exception its collective raised; the test classifies it in its own process.

@@ -1,7 +1,7 @@
 """Released weights straight into the mesh: logits equal ``transformers``' on 1 rank and on
 tp=2 x pp=2 x dp_shard=2, each rank reading about its own share of the files.
 
-Spawned processes on real gloo (``tests/unit/pretrained_ranks.py``); the Hugging Face directory
+Spawned processes on real gloo (``tests/ranks/pretrained_ranks.py``); the Hugging Face directory
 is written by ``transformers`` itself (``tests/hf_models.py``) in bfloat16, so the load also
 converts dtype on the way into float32 parameters.
 """
@@ -16,8 +16,8 @@ import transformers
 
 from elastic.spec import MeshSpec
 from tests.hf_models import reference_logits, save_random_model
-from tests.unit.pretrained_ranks import fixed_tokens, run_rank
-from tests.unit.spawned_ranks import spawn_ranks
+from tests.ranks.pretrained_ranks import fixed_tokens, run_rank
+from tests.ranks.spawned_ranks import spawn_ranks
 
 LAYOUTS = {"1-rank": MeshSpec(dp_shard=1, tp=1, pp=1), "tp2-pp2-dp_shard2": MeshSpec(dp_shard=2, tp=2, pp=2)}
 

@@ -1,4 +1,4 @@
-"""Two ranks on real gloo load one Hugging Face directory into DTensors, for tests/unit/test_hf_format.py.
+"""Two ranks on real gloo load one Hugging Face directory into DTensors, for tests/ranks/test_hf_sharded_load.py.
 
 The directory is ``<folder of store_path>/hf`` (written by the test before it spawns). Each rank
 loads the row-sharded parameters, then the column-sharded ones, and sends back its local slices

@@ -1,5 +1,5 @@
 """Ranks (spawned processes, real gloo, no Ray) that save ``debug-moe`` under one expert-parallel
-degree and restore it under another, for tests/unit/test_moe_family.py.
+degree and restore it under another, for tests/ranks/test_moe_training.py.
 
 ``save_rank`` trains ``SAVED_AT`` steps, writes its shard of the step (``CheckpointWriter``), gathers
 the whole state (every parameter and optimizer tensor, full) for the test to compare with, and
@@ -21,8 +21,8 @@ from checkpointing.reader import restore
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from elastic.spec import MeshSpec
-from tests.unit.moe_ranks import STEPS, moe_train_spec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.moe_ranks import STEPS, moe_train_spec
+from tests.ranks.spawned_ranks import join_gloo
 from workers.checkpoints import owns_plain_tensors
 from workers.data import SyntheticSource
 from workers.trainer import Trainer

@@ -1,4 +1,4 @@
-"""Two spawned gloo ranks for tests/unit/test_local_updates.py: the local-shard norm, clip and
+"""Two spawned gloo ranks for tests/ranks/test_local_updates.py: the local-shard norm, clip and
 AdamW (``workers/local_updates.py``) against torch's own on the same DTensors.
 
 Each rank holds gradients of every kind a stage has: split over the mesh on either dimension,

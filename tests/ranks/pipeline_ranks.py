@@ -1,4 +1,4 @@
-"""Ranks that train a few steps of the debug model on real gloo, for tests/unit/test_pipeline_schedules.py.
+"""Ranks that train a few steps of the debug model on real gloo, for tests/ranks/test_pipeline_training.py.
 
 Each spawned rank builds a Trainer for the given mesh and TrainSpec fields, runs ``STEPS``
 steps on synthetic data, then one forward-only pass on fixed tokens; it sends back its per-step
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer

@@ -1,4 +1,7 @@
-"""bench/parallel.py measures what it says: each pipeline rank's idle fraction, next to the formula."""
+"""bench/parallel.py measures what it says: each pipeline rank's idle fraction, next to the formula.
+
+Its ranks are spawned gloo processes (no Ray), as in the benchmark itself.
+"""
 
 from __future__ import annotations
 

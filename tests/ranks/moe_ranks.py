@@ -1,6 +1,6 @@
 """Ranks (spawned processes, real gloo, no Ray) that train the ``debug-moe`` preset for a few steps.
 
-For tests/unit/test_moe_family.py: each rank builds the Trainer for its mesh, initialises the
+For tests/ranks/test_moe_training.py: each rank builds the Trainer for its mesh, initialises the
 model from the seed, trains on synthetic tokens and reports its per-step losses (None where
 the rank does not report the loss), the expert load of its last step (``StepResult.expert_load``),
 how many experts of a layer it computes, its per-step gradient norms (before clipping) and the
@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastic.spec import MeshSpec
-from tests.unit.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.models.moe.grouped_experts import GroupedExperts
 from workers.spec import PRESETS, TrainSpec

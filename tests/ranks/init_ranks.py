@@ -1,5 +1,5 @@
 """Two gloo ranks that initialise the debug model under one layout, for
-tests/unit/test_init_slices.py. Each spawned rank builds a Trainer with small initialisation
+tests/ranks/test_init_on_two_ranks.py. Each spawned rank builds a Trainer with small initialisation
 tiles, counts every value its ``init_weights`` draws, and sends back its slices with their
 offsets in the full parameters.
 """

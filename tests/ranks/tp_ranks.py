@@ -1,4 +1,4 @@
-"""Two tensor-parallel ranks (tp=2) on real gloo, for tests/unit/test_loss_parallel.py.
+"""Two tensor-parallel ranks (tp=2) on real gloo, for tests/ranks/test_loss_parallel.py.
 
 Each spawned rank builds a Trainer, runs the last stage's forward on fixed tokens and computes
 the microbatch loss as the step does; it also computes the replicated reference (the whole
