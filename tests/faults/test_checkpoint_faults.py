@@ -16,7 +16,6 @@ from checkpointing.storage import open_storage
 from checkpointing.verify import verify_checkpoint
 from orchestrator.observe.events import read_events
 from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, of_kind, run_job
-from tests.fixtures.ray_cluster import joining_env
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import DEMO_CONFIG, REPO, losses, signal_after_step
 
@@ -140,11 +139,10 @@ def _train_command(run_dir, bucket, *extra: str) -> list[str]:
     ]
 
 
-def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, ray_cluster, tmp_path):
+def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, tmp_path):
     first = subprocess.run(
         _train_command(tmp_path / "first", s3_bucket, "--inject", "driver@7"),
         cwd=REPO,
-        env=joining_env(ray_cluster),
         capture_output=True,
         text=True,
         timeout=600,
@@ -154,12 +152,7 @@ def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, 
     committed = list_committed(storage)
     assert committed and max(committed) <= 7
     second = subprocess.run(
-        _train_command(tmp_path / "second", s3_bucket),
-        cwd=REPO,
-        env=joining_env(ray_cluster),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout + second.stderr
     events = read_events(tmp_path / "second" / "events.jsonl")
@@ -168,12 +161,11 @@ def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, 
     assert_resumed_like(events, reference, restored_step=restored["step"])
 
 
-def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, s3_bucket, ray_cluster, tmp_path):
+def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, s3_bucket, tmp_path):
     run_dir = tmp_path / "first"
     process = subprocess.Popen(
         _train_command(run_dir, s3_bucket, "--set=checkpoint.interval_steps=1000"),
         cwd=REPO,
-        env=joining_env(ray_cluster),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -186,12 +178,7 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
     # the emergency checkpoint is the last step the run took: nothing to redo
     assert [e["step"] for e in of_kind(events, "checkpoint_committed")] == [last_step]
     second = subprocess.run(
-        _train_command(tmp_path / "second", s3_bucket),
-        cwd=REPO,
-        env=joining_env(ray_cluster),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout + second.stderr
     resumed = read_events(tmp_path / "second" / "events.jsonl")
