@@ -169,3 +169,17 @@ def test_any_json_header_gives_a_clear_answer(value):
         parse_header(data, key="shard", object_bytes=len(data))
     except CorruptCheckpointError as error:
         assert "corrupt safetensors header" in str(error)
+
+
+def test_a_chunk_outside_its_tensor_is_refused():
+    body = json.loads(MANIFEST_V1)
+    body["tensors"]["w"]["chunks"][0]["offsets"] = [1, 0]
+    with pytest.raises(CorruptCheckpointError, match=r"chunks\[0\] \(offsets \(1, 0\), sizes \(3, 4\)\) lies outside shape \(3, 4\)"):
+        parse_manifest(signed(body), key=KEY)
+
+
+def test_a_manifest_with_a_nan_fails_its_checksum_clearly():
+    body = json.loads(MANIFEST_V1)
+    body["extra"]["data_cursor"] = float("nan")
+    with pytest.raises(CorruptCheckpointError, match="its checksum does not match its content"):
+        parse_manifest(signed(body), key=KEY)

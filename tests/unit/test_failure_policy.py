@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic.policy import Fail, FailurePolicy, GroupStatus, Shrink
+from elastic.policy import Fail, FailurePolicy, GroupStatus, RestoreFromCheckpoint, Shrink
 from elastic.spec import MeshSpec
 
 MESH = MeshSpec(dp_replicate=4, dp_shard=2, tp=1, pp=1)
@@ -37,3 +37,21 @@ def test_the_budget_window_forgets_old_incidents():
     assert isinstance(decide(policy, lost=0, completed=2, at=20.0), Shrink)  # the first is out of the window
     over = decide(policy, lost=0, completed=3, at=25.0)
     assert isinstance(over, Fail) and over.reason.startswith("2 failures within 10 s exceed the failure budget")
+
+
+def test_a_refill_stops_at_max_replicas():
+    status = GroupStatus(mesh=MESH, lost_ranks=frozenset({0}), warm_actors=8, time=0.0)
+    decision = FailurePolicy(max_replicas=3).decide(status, fits=lambda mesh: True, restore_mesh=lambda: MESH)
+    assert decision == Shrink(MESH.with_replicas(3), drop=(0,), refill=0)
+
+
+def test_survivors_that_fit_nowhere_restore_and_a_restore_that_fits_nowhere_fails():
+    one = MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1)
+    status = GroupStatus(mesh=one, lost_ranks=frozenset({1}), time=0.0, checkpoint_step=4)
+    decision = FailurePolicy().decide(status, fits=lambda mesh: False, restore_mesh=lambda: None)
+    assert decision == Fail(
+        "no complete replica group survived and the remaining resources cannot hold any mesh for this model and batch"
+    )
+    shrinking = GroupStatus(mesh=MESH, lost_ranks=frozenset({0}), time=0.0, checkpoint_step=4)
+    restored = FailurePolicy().decide(shrinking, fits=lambda mesh: False, restore_mesh=lambda: one)
+    assert restored == RestoreFromCheckpoint(step=4, new_mesh=one)
