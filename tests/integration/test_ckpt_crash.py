@@ -6,7 +6,6 @@ coordinator would have committed step 20): one SIGKILL takes out both.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -19,6 +18,7 @@ from checkpointing.reader import latest_committed, load_manifest, restore
 from checkpointing.spec import FailureReport, ShardReport
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
+from tests.ranks.spawned_ranks import rank_context
 
 PART = 5 << 20
 
@@ -53,7 +53,7 @@ def rank_and_driver(uri: str, endpoint_url: str, messages) -> None:
 
 
 def test_sigkill_mid_upload_leaves_previous_checkpoint(s3_bucket):
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     messages = context.Queue()
     process = context.Process(
         target=rank_and_driver, args=(s3_bucket.uri, s3_bucket.endpoint_url, messages), daemon=True

@@ -13,7 +13,6 @@ saved.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import queue
 import time
@@ -26,6 +25,7 @@ from torch import nn
 from checkpointing.commit import CommitCoordinator
 from checkpointing.reader import latest_committed
 from checkpointing.storage import open_storage
+from tests.ranks.spawned_ranks import rank_context
 
 DIMS = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
 MODEL = {"vocab": 40, "dim": 16, "hidden": 24, "layers": 4}
@@ -189,7 +189,7 @@ def _restore(rank: int, task: dict, storage, results) -> None:
 
 def run_ranks(world_size: int, task: dict, *, on_report=None, timeout_s: float = 240.0) -> list[tuple]:
     """Start ``world_size`` spawned ranks on ``task``; return their messages (reports go to ``on_report``)."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     task = dict(task, init_file=os.path.join(task["work_dir"], f"init-{task['mode']}-{time.monotonic_ns()}"))
     processes = [

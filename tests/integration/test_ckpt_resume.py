@@ -7,7 +7,6 @@ the same mesh, within float tolerance on the other (different reduction order).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from checkpointing.commit import CommitCoordinator
 from checkpointing.storage import open_storage
+from tests.ranks.spawned_ranks import rank_context
 
 SAVE_AT, LAST = 2, 4
 
@@ -113,7 +113,7 @@ def test_resume_under_another_mesh_matches_uninterrupted_losses(s3_bucket, tmp_p
         "init_file": str(tmp_path / "init"),
         "model": model,
     }
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     ranks = [context.Process(target=rank_main, args=(rank, task, results), daemon=True) for rank in range(2)]
     for process in ranks:

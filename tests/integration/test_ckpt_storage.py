@@ -147,6 +147,7 @@ def test_local_s3_server_starts_from_a_relative_data_dir(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.slow  # up to 60 buckets, a volume each: ~16 s on 2 cores
 def test_local_s3_server_takes_more_buckets_than_its_disk_has_free_gigabytes(tmp_path):
     """Each bucket holds a volume of its own: a test session or a user's runs outnumber free GiB on a small disk.
 

@@ -7,7 +7,6 @@ generation fails at once, those queued and the one it enqueues next included (tw
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ranks.spawned_ranks import rank_context
 from workers.group_abort import release_collectives
 from workers.sockets import GroupSockets
 
@@ -61,7 +61,7 @@ def _rank(rank: int, port: int, results: Any, done: Any) -> None:
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="sockets are found through /proc")
 def test_a_collective_enqueued_after_the_drivers_abort_fails_at_once():
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # a free port
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results, done = context.Queue(), context.Event()
     ranks = [context.Process(target=_rank, args=(rank, store.port, results, done)) for rank in (0, 1)]
     for process in ranks:

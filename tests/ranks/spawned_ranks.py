@@ -10,6 +10,7 @@ opens its generation-0 gloo process group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from multiprocessing.context import ForkServerContext
 from typing import Any
 
 import torch.distributed as dist
@@ -22,13 +23,21 @@ from elastic.spec import MeshSpec
 PRELOADED = ("torch", "torch.distributed", "torch.distributed.tensor", "workers.trainer")
 
 
+def rank_context() -> ForkServerContext:
+    """The multiprocessing context every test's rank processes start from.
+
+    A fork server, not fork: the server is a fresh single-threaded process (the test process may
+    hold Ray's and torch's threads), and each rank is forked from it with the imports done.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
+
+
 def spawn_ranks(
     run_rank: Callable[[int, str, Any], None], *, world_size: int, store_path: str, timeout_s: float = 180.0
 ) -> dict[int, tuple[Any, ...]]:
-    # A fork server, not fork: the server is a fresh single-threaded process (this one may hold
-    # Ray's and torch's threads), and each rank is forked from it with the imports already done.
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOADED))
+    context = rank_context()
     results = context.Queue()
     processes = [
         context.Process(target=run_rank, args=(rank, store_path, results), daemon=True) for rank in range(world_size)

@@ -10,9 +10,9 @@ peer's failure). The classification of every other error: tests/unit/test_failur
 from __future__ import annotations
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests.ranks.gloo_ranks import run_rank
+from tests.ranks.spawned_ranks import rank_context
 from workers.rank_failures import classify_failure
 from workers.spec.messages import FailureKind
 
@@ -20,7 +20,7 @@ from workers.spec.messages import FailureKind
 @pytest.fixture(scope="module")
 def two_rank_outcomes(tmp_path_factory) -> dict[str, FailureKind | None]:
     """Both scenarios at once (four processes), so the module pays one start-up."""
-    context = mp.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     folder = tmp_path_factory.mktemp("stores")
     processes = [

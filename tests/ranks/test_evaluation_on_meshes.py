@@ -63,6 +63,7 @@ def test_eval_loss_is_the_same_on_one_rank_and_on_eight(ranks_by_layout):
     assert eight_ranks == pytest.approx(one_rank, rel=1e-5)
 
 
+@pytest.mark.slow  # shares the 8-rank fixture above (~18 s); make test evaluates through the pp2 loss-parity run
 def test_evaluating_leaves_the_training_as_it_was(ranks_by_layout):
     for layout, ranks in ranks_by_layout.items():
         for rank, (_, _, unchanged, with_eval, without_eval) in ranks.items():
