@@ -20,10 +20,15 @@ def reference(ray_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "fault, kind, rank",
-    # A raised exception is decided like a death (tests/unit/test_driver_decisions.py); a hang is
-    # found from the ranks' real heartbeats, busy against waiting in a collective.
-    [("kill@4:3", "rank_died", 3), pytest.param("hang@4:2", "hang", 2, marks=pytest.mark.slow)],
-    ids=["sigkill", "hang"],
+    # make test keeps the SIGKILL; CI adds an exception raised in a rank's loop (it reaches the
+    # driver as the rank's own error) and a hang (found from the ranks' real heartbeats, busy
+    # against waiting in a collective). Their decisions: tests/unit/test_driver_decisions.py.
+    [
+        ("kill@4:3", "rank_died", 3),
+        pytest.param("raise@4:1", "rank_error", 1, marks=pytest.mark.slow),
+        pytest.param("hang@4:2", "hang", 2, marks=pytest.mark.slow),
+    ],
+    ids=["sigkill", "raise", "hang"],
 )
 def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
     result, events = run_job(tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", faults=(fault,))
