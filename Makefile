@@ -1,6 +1,6 @@
 # meshpilot — the README's two commands:
 #   make demo   install if needed, start a local S3 server, train the 3D-parallel demo, print the run dir
-#   make test   install if needed, then lint (ruff, mypy) and the tests not marked slow (about 11 min on 2 cores)
+#   make test   install if needed, then lint (ruff, mypy) and the tests not marked slow (about 10 min on 2 cores)
 #   make test-all   the same with the long scenarios marked slow too: what CI runs (.ci/run)
 #   make lint   ruff check, ruff format --check, mypy
 #   make coverage   the whole suite under coverage.py, the ranks' processes included; prints line coverage
