@@ -43,12 +43,13 @@ test-all: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Every process the suite starts measures itself (COVERAGE_PROCESS_START; coverage's own .pth
-# starts it), writing .coverage.* files here, combined at the end.
+# starts it), writing .coverage.* files here, combined at the end. -i: a Ray job's copy of the code
+# (test_submit's working_dir) is measured too but gone by the report.
 coverage: setup
 	rm -f .coverage .coverage.*
 	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage $(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) -m coverage combine -q
-	$(PY) -m coverage report | tail -1
+	$(PY) -m coverage report -i | grep -E '^(Name|TOTAL)'
 
 # tests/gpu needs a CUDA GPU (two for its replica-group tests): without one `make test` does not
 # collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` and
