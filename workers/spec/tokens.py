@@ -5,13 +5,25 @@ pipeline writes it, the ranks read windows of it. Layout under a directory or ``
 
     manifest.json               the commit: written last, once every shard is durable
     train/00000.bin ...         tokens of the training documents
-    validation/00000.bin ...    tokens of the held-out documents
+    train/00000.mask ...        (masked corpora) one byte per token of the shard beside it
+    train/documents.bin         (version 2) each document's length in tokens, in stream order
+    validation/...              the same for the held-out documents
 
 A shard is nothing but tokens, little-endian ``uint16`` (vocabularies up to 65,536) or
-``uint32``, no header. Documents are concatenated in input order, each followed by the
-tokenizer's end-of-text token (EOS); a split's token stream is its shards in order. A document
-goes to the validation split when a hash of (split seed, input number, document number) falls
-under ``validation_fraction``, so the split never depends on how the work was parallelised.
+``uint32``, no header. A mask shard has one ``uint8`` per token of its token shard (same cut):
+1 where the token is a *trained target* (the model is taught to predict it from the tokens
+before it: an assistant turn's content and end-of-turn tokens, a completion and its EOS), 0
+where it is context only (system, user and tool turns, template scaffolding, a prompt). A corpus
+without masks trains on every token. ``documents.bin`` holds one little-endian ``uint32`` per
+document, its token count (EOS included): the document boundaries that packing by documents
+(``data.packing: documents``) keeps. Version 1 manifests (no ``format``, masks or document
+lengths) still load: a text corpus, every token trained, packable only as windows.
+
+Documents are concatenated in input order, each followed by the tokenizer's end-of-text token
+(a chat document also ends with its template's end-of-turn tokens); a split's token stream is
+its shards in order. A document goes to the validation split when a hash of (split seed, input
+number, document number) falls under ``validation_fraction``, so the split never depends on how
+the work was parallelised.
 
 Training samples are windows of ``seq_len + 1`` tokens that start every ``seq_len`` tokens of
 the train stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly
@@ -27,13 +39,25 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 FORMAT = "meshpilot-tokens"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_KEY = "manifest.json"
 SPLITS = ("train", "validation")
 DTYPES = {"uint16": 2, "uint32": 4}
+MASK_DTYPE = "uint8"
+DOCUMENT_LENGTH_DTYPE = "<u4"  # numpy spelling: little-endian uint32
+
+
+class CorpusFormat(StrEnum):
+    """What the documents of a corpus were: ``meshpilot data prepare --format``."""
+
+    TEXT = "text"  # plain documents, every token trained
+    CHAT = "chat"  # message lists rendered with the tokenizer's chat template; assistant turns train
+    PROMPT_COMPLETION = "prompt-completion"  # a prompt then a completion + EOS; the completion trains
 
 
 class TokenCorpusError(ValueError):
@@ -49,11 +73,21 @@ def shard_key(split: str, number: int) -> str:
     return f"{split}/{number:05d}.bin"
 
 
+def mask_key(token_shard_key: str) -> str:
+    """The mask shard beside a token shard: ``train/00003.bin`` -> ``train/00003.mask``."""
+    return token_shard_key.removesuffix(".bin") + ".mask"
+
+
+def documents_key(split: str) -> str:
+    return f"{split}/documents.bin"
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     key: str
     tokens: int
     sha256: str
+    mask_sha256: str | None = None  # of the mask shard (``mask_key(key)``); None: the corpus has no masks
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,14 @@ class SplitIndex:
     documents: int
     tokens: int
     shards: tuple[ShardEntry, ...]
+    # Tokens whose mask is 1 (version 1 and unmasked corpora: every token).
+    trained_tokens: int | None = None
+    # sha256 of ``documents_key(split)``; None in version 1 manifests (no document lengths stored).
+    documents_sha256: str | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.tokens if self.trained_tokens is None else self.trained_tokens
 
 
 @dataclass(frozen=True)
@@ -79,13 +121,24 @@ class TokenManifest:
     split_seed: int
     splits: dict[str, SplitIndex]
     inputs: tuple[str, ...] = ()
+    corpus_format: CorpusFormat = CorpusFormat.TEXT
+    loss_mask: bool = False  # mask shards exist beside the token shards
+    version: int = VERSION  # the version it was read as (written: always VERSION)
 
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype]
 
+    @property
+    def has_documents(self) -> bool:
+        """Whether document lengths are stored (packing by documents needs them)."""
+        return all(split.documents_sha256 is not None for split in self.splits.values())
+
     def to_json(self) -> bytes:
-        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        body = asdict(self)
+        del body["version"]
+        body["corpus_format"] = str(self.corpus_format)
+        body.update(format=FORMAT, version=VERSION)
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
 
@@ -93,7 +146,7 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
     """The manifest at ``where``; ``TokenCorpusError`` naming what is wrong with it."""
     try:
         body = json.loads(data)
-        if body.get("format") != FORMAT or body.get("version") != VERSION:
+        if body.get("format") != FORMAT or body.get("version") not in READABLE_VERSIONS:
             raise TokenCorpusError(
                 f"{where} is not a meshpilot token corpus (format {body.get('format')!r} version "
                 f"{body.get('version')!r}); write one with meshpilot data prepare"
@@ -102,7 +155,12 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
             name: SplitIndex(
                 documents=int(split["documents"]),
                 tokens=int(split["tokens"]),
-                shards=tuple(ShardEntry(str(s["key"]), int(s["tokens"]), str(s["sha256"])) for s in split["shards"]),
+                shards=tuple(
+                    ShardEntry(str(s["key"]), int(s["tokens"]), str(s["sha256"]), s.get("mask_sha256"))
+                    for s in split["shards"]
+                ),
+                trained_tokens=split.get("trained_tokens"),
+                documents_sha256=split.get("documents_sha256"),
             )
             for name, split in body["splits"].items()
         }
@@ -113,6 +171,9 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
             split_seed=int(body["split_seed"]),
             splits=splits,
             inputs=tuple(body.get("inputs", ())),
+            corpus_format=CorpusFormat(body.get("corpus_format", CorpusFormat.TEXT)),
+            loss_mask=bool(body.get("loss_mask", False)),
+            version=int(body["version"]),
         )
     except TokenCorpusError:
         raise
@@ -198,5 +259,8 @@ def describe(manifest: TokenManifest) -> dict[str, Any]:
         "vocab_size": manifest.tokenizer.vocab_size,
         "train_tokens": manifest.splits["train"].tokens,
         "validation_tokens": manifest.splits["validation"].tokens,
+        "trained_tokens": manifest.splits["train"].trained,
         "documents": sum(split.documents for split in manifest.splits.values()),
+        "format": str(manifest.corpus_format),
+        "loss_mask": manifest.loss_mask,
     }
