@@ -200,21 +200,10 @@ def lora_problems(config: JobConfig, spec: ModelSpec) -> list[str]:
 
 
 def user_family_linears(name: str, spec: ModelSpec) -> tuple[str, ...]:
-    """The module names (their last part) of every linear layer inside the blocks of a family the
-    user brings, from a build on the meta device (torch: such a family imports it anyway)."""
-    import torch
-    from torch import nn
+    """The names (last part) of the linear layers in a user family's blocks (torch: such a family imports it anyway)."""
+    from workers.lora import linear_layer_names
 
-    family = load_family(name)
-    with torch.device("meta"):
-        model = family.build(spec)
-    return tuple(
-        dict.fromkeys(
-            module_name.rsplit(".", 1)[-1]
-            for module_name, module in model.layers.named_modules()
-            if isinstance(module, nn.Linear)
-        )
-    )
+    return linear_layer_names(load_family(name), spec)
 
 
 # Bytes of each tensor's data the base's hash reads (a fine-tune changes every weight it trains,

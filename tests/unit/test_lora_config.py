@@ -73,3 +73,15 @@ def test_the_seeded_base_is_named_by_family_shape_and_seed():
     assert one.lora_base is not None and other_seed.lora_base is not None
     assert other_seed.lora_base.source == "random-init:seed=3"
     assert one.lora_base.sha256 != other_seed.lora_base.sha256
+
+
+def test_a_family_the_user_brings_names_its_own_linear_layers(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    argv = ["--set", "model.family=tests.families.gpt2:Gpt2Family", "--set", "model.lora.target_modules=[q_proj]"]
+    code = main(["train", str(DEMO_CONFIG), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (
+        "model.lora.target_modules=['q_proj']: q_proj: no linear layer of the tests.families.gpt2:Gpt2Family model "
+        "has that name; name some of q, k, v, out, fc, proj" in err
+    )
