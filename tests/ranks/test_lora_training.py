@@ -17,8 +17,15 @@ import math
 import numpy as np
 import pytest
 
-from tests.ranks.lora_ranks import STEPS, run_rank
+from checkpointing.manifest import build_manifest
+from checkpointing.spec import manifest_key
+from checkpointing.storage import open_storage
+from elastic.spec import MeshSpec
+from tests.ranks import lora_checkpoint_ranks
+from tests.ranks.lora_ranks import SPEC, STEPS, run_rank
 from tests.ranks.spawned_ranks import spawn_ranks
+from workers.spec import PRESETS
+from workers.spec.lora import LoraBase
 
 
 def _run(mesh: dict[str, int], tmp_path) -> dict[int, tuple]:
@@ -64,3 +71,67 @@ def test_pp2_tp2_dp_shard2_trains_like_one_rank(single_rank, tmp_path):
     assert logits
     for held in logits:
         np.testing.assert_allclose(held, single_rank[0][1], rtol=1e-3, atol=1e-4)
+
+
+def _save(mesh: MeshSpec, tmp_path) -> dict[int, tuple]:
+    saved = spawn_ranks(
+        functools.partial(lora_checkpoint_ranks.save_rank, mesh=mesh, ckpt_dir=str(tmp_path / "ckpt")),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "saving"),
+    )
+    at = lora_checkpoint_ranks.SAVED_AT
+    manifest = build_manifest(
+        [report for report, _, _ in saved.values()],
+        step=at,
+        world_size=mesh.world_size,
+        mesh=mesh.as_dict(),
+        model=PRESETS["debug"].to_dict(),
+        config_hash=None,
+    )
+    assert open_storage(str(tmp_path / "ckpt")).put_if_absent(manifest_key(at), manifest.to_json())
+    # The checkpoint holds what trains and names the rest.
+    assert manifest.tensors and all(".lora_" in name for name in manifest.tensors)
+    assert SPEC.lora is not None and manifest.lora == SPEC.lora.to_dict()
+    assert manifest.lora_base == lora_checkpoint_ranks.BASE.to_dict()
+    return saved
+
+
+def test_a_lora_checkpoint_resumes_on_another_mesh(tmp_path):
+    saved = _save(MeshSpec(dp_shard=1, tp=2, pp=2), tmp_path)
+    restored = spawn_ranks(
+        functools.partial(
+            lora_checkpoint_ranks.restore_rank, mesh=MeshSpec(dp_shard=2, tp=1, pp=1), ckpt_dir=str(tmp_path / "ckpt")
+        ),
+        world_size=2,
+        store_path=str(tmp_path / "restoring"),
+    )
+    by_stage = [state for _, state, _ in saved.values()]
+    saved_state = {name: value for state in by_stage for name, value in state.items()}
+    for state, _ in restored.values():
+        assert sorted(state) == sorted(saved_state)
+        assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
+    # The steps after the restore train as the saving mesh's did (the mean of the data-parallel slices').
+    saved_losses = _losses({rank: (losses,) for rank, (_, _, losses) in saved.items() if losses[0] is not None})
+    restored_losses = _losses({rank: (losses,) for rank, (_, losses) in restored.items() if losses[0] is not None})
+    assert restored_losses == pytest.approx(saved_losses, rel=1e-3)
+
+
+def test_a_lora_checkpoint_refuses_another_base(tmp_path):
+    _save(MeshSpec(dp_shard=2, tp=1, pp=1), tmp_path)
+    other = LoraBase(source="s3://bucket/other-model", sha256="1" * 64)
+    refused = spawn_ranks(
+        functools.partial(
+            lora_checkpoint_ranks.restore_rank,
+            mesh=MeshSpec(dp_shard=1, tp=1, pp=1),
+            ckpt_dir=str(tmp_path / "ckpt"),
+            base=other,
+        ),
+        world_size=1,
+        store_path=str(tmp_path / "restoring"),
+    )
+    message, _ = refused[0]
+    assert message == (
+        f"ForeignCheckpointError: checkpoint step 5 under {tmp_path / 'ckpt'} holds LoRA adapters trained on the base "
+        f"random-init:seed=0 (sha256 {'0' * 64}), but this job's base s3://bucket/other-model has sha256 "
+        f"{'1' * 64}: point model.init_from at the base the adapters were trained on, or use a fresh checkpoint.uri"
+    )
