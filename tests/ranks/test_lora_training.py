@@ -11,6 +11,7 @@ optimizer state or a place in what checkpoints and snapshots save.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,12 +26,14 @@ from tests.ranks import lora_checkpoint_ranks
 from tests.ranks.lora_ranks import SPEC, STEPS, run_rank
 from tests.ranks.spawned_ranks import spawn_ranks
 from workers.spec import PRESETS
-from workers.spec.lora import LoraBase
+from workers.spec.lora import LoraBase, LoraSpec
 
 
-def _run(mesh: dict[str, int], tmp_path) -> dict[int, tuple]:
+def _run(mesh: dict[str, int], tmp_path, spec: dict | None = None) -> dict[int, tuple]:
     return spawn_ranks(
-        functools.partial(run_rank, mesh, {}), world_size=math.prod(mesh.values()), store_path=str(tmp_path / "store")
+        functools.partial(run_rank, mesh, spec or {}),
+        world_size=math.prod(mesh.values()),
+        store_path=str(tmp_path / "store"),
     )
 
 
@@ -71,6 +74,21 @@ def test_pp2_tp2_dp_shard2_trains_like_one_rank(single_rank, tmp_path):
     assert logits
     for held in logits:
         np.testing.assert_allclose(held, single_rank[0][1], rtol=1e-3, atol=1e-4)
+
+
+def test_moe_attention_adapters_train_alike_under_tp_and_leave_the_experts_frozen(tmp_path):
+    """The moe family takes adapters on attention: its experts, router and routing biases stay
+    as they were (the biases' own update is skipped too), and tp2 (the experts whole on each tp
+    rank, sharded by FSDP2 over both) trains as one rank does."""
+    moe = {"model": dataclasses.replace(PRESETS["debug-moe"], router_bias_update_rate=0.01), "lora": LoraSpec(rank=4)}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _run({"dp_shard": 1}, tmp_path / "one", moe)
+    two = _run({"dp_shard": 1, "tp": 2}, tmp_path / "two", moe)
+    _assert_only_adapters_train(one)
+    _assert_only_adapters_train(two)
+    assert all(".self_attn." in name for name in one[0][3])
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-3)
 
 
 def _save(mesh: MeshSpec, tmp_path) -> dict[int, tuple]:
