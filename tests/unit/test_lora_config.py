@@ -85,3 +85,30 @@ def test_a_family_the_user_brings_names_its_own_linear_layers(capsys, monkeypatc
         "model.lora.target_modules=['q_proj']: q_proj: no linear layer of the tests.families.gpt2:Gpt2Family model "
         "has that name; name some of q, k, v, out, fc, proj" in err
     )
+
+
+def test_released_weights_are_named_by_their_directory_and_a_hash_of_their_contents(tmp_path):
+    """The base of ``model.init_from``: its URI, and a hash that a changed weight or config changes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_models import save_random_model
+
+    save_random_model("llama3", tmp_path)
+    job = {"data": {"source": "synthetic"}, "model": {"init_from": str(tmp_path), "lora": {}}}
+    base = train_spec(build_config(job)).lora_base
+    assert base is not None and base.source == str(tmp_path.resolve())
+    assert train_spec(build_config(job)).lora_base == base  # read again: the same
+    header = _safetensors_header(tmp_path / "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.2.self_attn.v_proj.weight"
+    weights[name] = weights[name] + torch.full_like(weights[name], 1e-3)  # another fine-tune, same layout
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert _safetensors_header(tmp_path / "model.safetensors") == header  # names, dtypes, shapes, offsets alike
+    changed = train_spec(build_config(job)).lora_base
+    assert changed is not None and changed.sha256 != base.sha256
+
+
+def _safetensors_header(path) -> bytes:
+    data = path.read_bytes()
+    return data[8 : 8 + int.from_bytes(data[:8], "little")]
