@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from checkpointing.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignCheckpointError
@@ -57,9 +57,15 @@ def load_manifest(storage: StorageBackend, step: int | None = None) -> Manifest:
 
 
 def check_compatible(
-    manifest: Manifest, *, model: dict[str, Any] | None = None, config_hash: str | None = None, uri: str = ""
+    manifest: Manifest,
+    *,
+    model: dict[str, Any] | None = None,
+    config_hash: str | None = None,
+    lora_base: Mapping[str, Any] | None = None,
+    uri: str = "",
 ) -> None:
-    """Refuse a checkpoint of another model (shape) or, when given, another config hash."""
+    """Refuse a checkpoint of another model (shape), or when given, of a LoRA run on another base
+    (``lora_base``: the job's {source, sha256}) or of another config hash."""
     where = f"{uri} step {manifest.step}".strip()
     if model is not None:
         differences = [
@@ -72,10 +78,31 @@ def check_compatible(
                 f"checkpoint {where} belongs to another model ({'; '.join(differences)}); point checkpoint.uri at "
                 "this job's checkpoints or change model: to match"
             )
+    if lora_base is not None:
+        check_same_base(manifest, lora_base, uri=uri)
     if config_hash is not None and manifest.config_hash is not None and manifest.config_hash != config_hash:
         raise ForeignCheckpointError(
             f"checkpoint {where} was written by another config (hash {manifest.config_hash}, this job "
             f"{config_hash}): model, training or data settings differ; use a fresh checkpoint.uri or the same config"
+        )
+
+
+def check_same_base(manifest: Manifest, lora_base: Mapping[str, Any], *, uri: str = "") -> None:
+    """Refuse a LoRA checkpoint whose adapters were trained beside another base than ``lora_base``
+    (the job's {source, sha256}: its hash differs), or a checkpoint of every weight for a LoRA job."""
+    where = f"{uri} step {manifest.step}".strip()
+    found = manifest.lora_base
+    if found is None:
+        raise ForeignCheckpointError(
+            f"checkpoint {where} holds every weight, not LoRA adapters: this job trains adapters (model.lora); "
+            "use a fresh checkpoint.uri, or remove model.lora to resume full training"
+        )
+    if found.get("sha256") != lora_base.get("sha256"):
+        raise ForeignCheckpointError(
+            f"checkpoint {where} holds LoRA adapters trained on the base {found.get('source')} (sha256 "
+            f"{found.get('sha256')}), but this job's base {lora_base.get('source')} has sha256 "
+            f"{lora_base.get('sha256')}: point model.init_from at the base the adapters were trained on, or use a "
+            "fresh checkpoint.uri"
         )
 
 
@@ -94,6 +121,7 @@ def choose_restore(
     *,
     model: dict[str, Any] | None = None,
     config_hash: str | None = None,
+    lora_base: Mapping[str, Any] | None = None,
     skip_steps: Iterable[int] = (),
     warn: Callable[[str], None] = log.warning,
 ) -> Manifest | None:
@@ -113,7 +141,7 @@ def choose_restore(
         except CorruptCheckpointError as error:
             warn(f"checkpoint step {step} is unusable ({error}); falling back to the previous committed step")
             continue
-        check_compatible(manifest, model=model, config_hash=config_hash, uri=storage.uri)
+        check_compatible(manifest, model=model, config_hash=config_hash, lora_base=lora_base, uri=storage.uri)
         missing = missing_objects(storage, manifest)
         if missing:
             warn(

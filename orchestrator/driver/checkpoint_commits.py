@@ -20,6 +20,7 @@ from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from orchestrator.config import JobConfig
 from orchestrator.observe.events import EventLog
+from workers.spec.lora import LoraBase
 from workers.spec.messages import CheckpointUploadReport
 
 log = logging.getLogger("meshpilot")
@@ -75,12 +76,16 @@ class NoCheckpoints:
 class DriverCheckpoints:
     enabled = True
 
-    def __init__(self, config: JobConfig, events: EventLog, *, mesh: MeshSpec) -> None:
+    def __init__(
+        self, config: JobConfig, events: EventLog, *, mesh: MeshSpec, lora_base: LoraBase | None = None
+    ) -> None:
+        """``lora_base``: a LoRA job's frozen base; a checkpoint trained beside another is refused."""
         target = config.checkpoint
         assert target.uri is not None  # driver_checkpoints builds this only when checkpoint.uri is set
         self.events = events
         self.model = config.model_spec.to_dict()
         self.config_hash = config.config_hash()
+        self.lora_base = None if lora_base is None else lora_base.to_dict()
         self.storage = open_storage(
             target.uri,
             endpoint_url=target.endpoint_url,
@@ -141,15 +146,20 @@ class DriverCheckpoints:
     def choose_resume(self, skip_steps: AbstractSet[int] = frozenset()) -> Manifest | None:
         """The newest intact, compatible checkpoint (falls back past corrupt ones with a warning)."""
         return choose_restore(
-            self.storage, model=self.model, config_hash=self.config_hash, skip_steps=skip_steps, warn=log.warning
+            self.storage,
+            model=self.model,
+            config_hash=self.config_hash,
+            lora_base=self.lora_base,
+            skip_steps=skip_steps,
+            warn=log.warning,
         )
 
     def _failed(self, step: int, reason: str, cause: str) -> None:
         self.events.emit("checkpoint_failed", step=step, error=reason, reason=cause)
 
 
-def driver_checkpoints(config: JobConfig, events: EventLog) -> CheckpointCommits:
+def driver_checkpoints(config: JobConfig, events: EventLog, *, lora_base: LoraBase | None = None) -> CheckpointCommits:
     """The job's checkpoint commits: to ``checkpoint.uri``, or none when it is unset."""
     if config.checkpoint.uri is None:
         return NoCheckpoints()
-    return DriverCheckpoints(config, events, mesh=config.mesh)
+    return DriverCheckpoints(config, events, mesh=config.mesh, lora_base=lora_base)

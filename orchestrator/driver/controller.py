@@ -109,7 +109,11 @@ class Controller:
         self.events = events
         self.poll_interval_s = poll_interval_s
         self.spec = train_spec(config)
-        self.checkpoints = checkpoints if checkpoints is not None else driver_checkpoints(config, events)
+        self.checkpoints = (
+            checkpoints
+            if checkpoints is not None
+            else driver_checkpoints(config, events, lora_base=self.spec.lora_base)
+        )
         runtime = config.runtime
         per_rank = RankResources(runtime.cpus_per_rank, runtime.gpus_per_rank, dict(runtime.resources_per_rank))
         self.group: WorkerGroupProtocol[Slot] = self.worker_group_class(

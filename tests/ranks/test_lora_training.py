@@ -149,7 +149,7 @@ def test_a_lora_checkpoint_refuses_another_base(tmp_path):
     )
     message, _ = refused[0]
     assert message == (
-        f"ForeignCheckpointError: checkpoint step 5 under {tmp_path / 'ckpt'} holds LoRA adapters trained on the base "
+        f"ForeignCheckpointError: checkpoint {tmp_path / 'ckpt'} step 5 holds LoRA adapters trained on the base "
         f"random-init:seed=0 (sha256 {'0' * 64}), but this job's base s3://bucket/other-model has sha256 "
         f"{'1' * 64}: point model.init_from at the base the adapters were trained on, or use a fresh checkpoint.uri"
     )
