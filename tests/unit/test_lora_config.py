@@ -6,10 +6,13 @@ python -m pytest tests/unit/test_lora_config.py -q
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from orchestrator.api.training import build_config
 from orchestrator.cli import main
 from orchestrator.driver.train_spec import train_spec
+from tests.hf_models import save_random_model
 from tests.jobs import DEMO_CONFIG, REPO
 from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
 
@@ -88,12 +91,7 @@ def test_a_family_the_user_brings_names_its_own_linear_layers(capsys, monkeypatc
 
 
 def test_released_weights_are_named_by_their_directory_and_a_hash_of_their_contents(tmp_path):
-    """The base of ``model.init_from``: its URI, and a hash that a changed weight or config changes."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from tests.hf_models import save_random_model
-
+    """The base of ``model.init_from``: its URI, and a hash that a changed weight changes."""
     save_random_model("llama3", tmp_path)
     job = {"data": {"source": "synthetic"}, "model": {"init_from": str(tmp_path), "lora": {}}}
     base = train_spec(build_config(job)).lora_base
