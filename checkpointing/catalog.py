@@ -91,13 +91,13 @@ def check_same_base(manifest: Manifest, lora_base: Mapping[str, Any], *, uri: st
     """Refuse a LoRA checkpoint whose adapters were trained beside another base than ``lora_base``
     (the job's {source, sha256}: its hash differs), or a checkpoint of every weight for a LoRA job."""
     where = f"{uri} step {manifest.step}".strip()
-    found = manifest.lora_base
-    if found is None:
+    if manifest.lora is None:
         raise ForeignCheckpointError(
             f"checkpoint {where} holds every weight, not LoRA adapters: this job trains adapters (model.lora); "
             "use a fresh checkpoint.uri, or remove model.lora to resume full training"
         )
-    if found.get("sha256") != lora_base.get("sha256"):
+    found = manifest.lora_base
+    if found is not None and found.get("sha256") != lora_base.get("sha256"):
         raise ForeignCheckpointError(
             f"checkpoint {where} holds LoRA adapters trained on the base {found.get('source')} (sha256 "
             f"{found.get('sha256')}), but this job's base {lora_base.get('source')} has sha256 "

@@ -140,9 +140,10 @@ class RankCheckpoints:
 def lora_extra(spec: TrainSpec) -> dict[str, Any]:
     """A LoRA run's checkpoints name their settings and frozen base (``Manifest.lora``,
     ``Manifest.lora_base``); a full run's add nothing."""
-    if spec.lora is None or spec.lora_base is None:
+    if spec.lora is None:
         return {}
-    return {LORA: spec.lora.to_dict(), LORA_BASE: spec.lora_base.to_dict()}
+    base = {} if spec.lora_base is None else {LORA_BASE: spec.lora_base.to_dict()}
+    return {LORA: spec.lora.to_dict(), **base}
 
 
 @functools.cache
