@@ -31,6 +31,17 @@ from workers.models import ModelFamily, StageModel, TensorParallelPlan
 from workers.spec import ModelSpec
 from workers.spec.lora import LoraSpec, is_adapter
 
+
+class StepDropout(nn.Dropout):
+    """The adapters' input dropout, applied in training steps only: evaluation and ``Trainer.logits``
+    run under ``torch.no_grad`` and never switch modules to eval mode (no other module of a model
+    behaves differently there), so dropout keys on gradients being recorded. Activation
+    checkpointing's recomputation records them and restores the RNG state: the same mask twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if torch.is_grad_enabled() else x
+
+
 # The submodules a targeted layer gets (PEFT's names; the dropout has no parameters).
 ADAPTER_MODULES = ("lora_A", "lora_B", "lora_dropout")
 
@@ -49,7 +60,7 @@ def attach_adapters(
             device = layer.weight.device
             layer.lora_A = nn.Linear(layer.in_features, spec.rank, bias=False, device=device)
             layer.lora_B = nn.Linear(spec.rank, layer.out_features, bias=False, device=device)
-            layer.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+            layer.lora_dropout = StepDropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
             if tp_mesh is not None:
                 assert tp_plan is not None, "tensor parallelism places adapters by the layer's style"
                 _place(layer, tp_plan.layer.get(name), tp_mesh, f"layers.{layer_id}.{name}")

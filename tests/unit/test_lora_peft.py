@@ -7,6 +7,7 @@ Single process, world size 1, real gloo. A random Llama-3-style model is saved b
 its base (``model.init_from``) and gets nonzero adapters; ``peft.get_peft_model`` wraps the same
 ``transformers`` model with the same ``LoraConfig`` and receives the adapters under PEFT's own
 names (``set_peft_model_state_dict`` with no missing or unexpected key). Float32 logits within 1e-5.
+The adapters' dropout applies in training steps, not in evaluation.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from workers.models import resolve_family
 from workers.parallelize import local_slice
 from workers.pretrained import fill_from_source
 from workers.runtime import init_generation
-from workers.spec import TrainSpec
+from workers.spec import PRESETS, TrainSpec
 from workers.spec.families import spec_from_hf_config
 from workers.spec.lora import LORA_TARGETS, LoraSpec, is_adapter
 from workers.spec.train import PretrainedSource
@@ -88,3 +89,21 @@ def test_adapter_forward_equals_peft(one_rank_world, tmp_path):
     # The adapters matter: without them the logits are the base model's, and differ.
     with peft_model.disable_adapter():
         assert not torch.allclose(ours, reference_logits(peft_model, tokens), rtol=1e-3, atol=1e-3)
+
+
+def test_adapter_dropout_applies_in_training_steps_only(one_rank_world):
+    """With dropout, two forward passes of a step differ; evaluation's (no gradients) do not."""
+    spec = TrainSpec(
+        model=PRESETS["debug"], steps=1, global_batch=2, seq_len=16, microbatch_size=2, lora=LoraSpec(dropout=0.5)
+    )
+    source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
+    trainer = Trainer(spec, MeshSpec(dp_shard=1, tp=1, pp=1), 0, device=torch.device("cpu"), source=source)
+    trainer.init_weights()
+    with torch.no_grad():  # B starts at zero: make the adapters count
+        for name, param in trainer.modules[0].named_parameters():
+            if ".lora_B." in name:
+                local_slice(param).fill_(0.1)
+    tokens = torch.randint(0, spec.model.vocab_size, (2, spec.seq_len), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(trainer.logits(tokens), trainer.logits(tokens))
+    module = trainer.modules[0]
+    assert not torch.equal(module(tokens).detach(), module(tokens).detach())
