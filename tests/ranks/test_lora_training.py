@@ -76,6 +76,7 @@ def test_pp2_tp2_dp_shard2_trains_like_one_rank(single_rank, tmp_path):
         np.testing.assert_allclose(held, single_rank[0][1], rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow  # two MoE runs, 6-14 s on 2 cores; CI runs it
 def test_moe_attention_adapters_train_alike_under_tp_and_leave_the_experts_frozen(tmp_path):
     """The moe family takes adapters on attention: its experts, router and routing biases stay
     as they were (the biases' own update is skipped too), and tp2 (the experts whole on each tp
