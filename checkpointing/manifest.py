@@ -7,7 +7,7 @@ Version 1 (``"format": "meshpilot-checkpoint", "version": 1``)::
 
     step, committed_at (unix seconds), config_hash, model {dim, n_layers, ...}, mesh {dp_replicate,
     dp_shard, tp, pp}, world_size, extra {data cursor, RNG, LR schedule: whatever the trainer gave;
-    "weights_only": true for an imported model},
+    "weights_only": true for an imported model; "lora" and "lora_base" for a LoRA run's adapters},
     timings {upload_s, stall_s},
     files   [{key, rank, bytes, header_bytes, header_checksum}],
     tensors {fqn: {shape, dtype, chunks: [{offsets, sizes, file (index into files), start, end,
@@ -44,6 +44,11 @@ from checkpointing.spec import (
 )
 
 MAX_MANIFEST_BYTES = 256 << 20
+# ``extra`` keys of a LoRA run's checkpoint: its adapter settings ({rank, alpha, dropout,
+# target_modules}) and the frozen base they were trained beside ({source, sha256}: the
+# ``model.init_from`` URI or ``random-init:seed=<seed>``, see ``workers.spec.lora.LoraBase``).
+LORA = "lora"
+LORA_BASE = "lora_base"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,19 @@ class Manifest:
     def weights_only(self) -> bool:
         """Model weights without optimizer state or data cursor (an import); marked in ``extra``."""
         return self.extra.get(WEIGHTS_ONLY) is True
+
+    @property
+    def lora(self) -> dict[str, Any] | None:
+        """A LoRA run's adapter settings (``rank``, ``alpha``, ``dropout``, ``target_modules``); None
+        for a checkpoint of every weight. Its tensors are then the adapters and their optimizer state."""
+        found = self.extra.get(LORA)
+        return found if isinstance(found, dict) else None
+
+    @property
+    def lora_base(self) -> dict[str, Any] | None:
+        """The frozen base of a LoRA checkpoint: ``source`` and ``sha256`` (see ``LORA_BASE``)."""
+        found = self.extra.get(LORA_BASE)
+        return found if isinstance(found, dict) else None
 
     def to_json(self) -> bytes:
         """The canonical bytes of this manifest (current version), checksum included."""

@@ -28,6 +28,7 @@ from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
 from orchestrator.model_source import resolve_model, shipped_preset_spec
 from workers.spec import PRESETS, ModelSpec
+from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
 from workers.spec.pipeline import RULES, PipelineSchedule
 from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
@@ -40,6 +41,24 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 def _choices(*values: str) -> dict[str, Any]:
     return {"choices": values}
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: train low-rank adapters beside the frozen model (``workers.spec.lora``)."""
+
+    rank: int = 16
+    # The adapters' output is scaled by alpha / rank.
+    alpha: float = 32.0
+    # Dropout on each adapter's input (0: none).
+    dropout: float = 0.0
+    # Hugging Face module names of the linear layers that get an adapter.
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=tuple(self.target_modules)
+        )
 
 
 @dataclass
@@ -77,6 +96,8 @@ class ModelConfig:
     router_bias_update_rate: float | None = None
     router_score: str | None = None
     normalize_top_k: bool | None = None
+    # LoRA: {rank, alpha, dropout, target_modules}; null (the default) trains every weight.
+    lora: LoraConfig | None = None
     # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.
     resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
 
@@ -96,7 +117,7 @@ class ModelConfig:
 
 
 # The model section's keys that say where the shape comes from rather than give part of it.
-_NOT_SHAPE_KEYS = ("family", "preset", "hf_config", "init_from")
+_NOT_SHAPE_KEYS = ("family", "preset", "hf_config", "init_from", "lora")
 
 
 @dataclass
@@ -308,6 +329,8 @@ class JobConfig:
         }
         if self.data.source == "tokens":  # the corpus itself, by its manifest (which lists every shard's hash)
             decisive["data"]["tokens_manifest_sha256"] = self.data.manifest_sha256
+        if self.model.lora is not None:  # adapters change what trains (absent otherwise: older hashes hold)
+            decisive["lora"] = self.model.lora.spec().to_dict()
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
     def _decisive_model(self) -> dict[str, Any]:
@@ -315,6 +338,7 @@ class JobConfig:
         written before model families resume); any other model hashes by its resolved shape,
         not by where the shape was read from (init_from only matters before a checkpoint exists)."""
         section = self.to_dict()["model"]
+        section.pop("lora")  # hashed on its own (config_hash)
         if all(section[key] == value for key, value in _DEFAULT_MODEL_SECTION.items() if key not in _PRESET_KEYS):
             return {key: section[key] for key in _PRESET_KEYS}
         return self.model_spec.to_dict()
@@ -322,7 +346,9 @@ class JobConfig:
 
 # The model section's keys before model families: a config using only these hashes as it did then.
 _PRESET_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta")
-_DEFAULT_MODEL_SECTION = {f.name: f.default for f in dataclasses.fields(ModelConfig) if not f.metadata.get("internal")}
+_DEFAULT_MODEL_SECTION = {
+    f.name: f.default for f in dataclasses.fields(ModelConfig) if not f.metadata.get("internal") and f.name != "lora"
+}
 
 
 # ---------------------------------------------------------------------------- loading
@@ -427,11 +453,19 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         if key not in raw:
             continue
         kind = hints[f.name]
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            values[f.name] = _build(kind, raw[key], f"{prefix}{key}.", problems)
+        section = _section_class(kind)
+        if section is not None and not (raw[key] is None and section is not kind):
+            values[f.name] = _build(section, raw[key], f"{prefix}{key}.", problems)
         else:
             values[f.name] = _check_value(f"{prefix}{key}", raw[key], kind, f.metadata.get("choices"), problems)
     return cls(**values)
+
+
+def _section_class(kind: Any) -> type | None:
+    """The dataclass a key holds (a section), also when it is optional (``LoraConfig | None``: null turns it off)."""
+    members = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    sections = [member for member in members if isinstance(member, type) and dataclasses.is_dataclass(member)]
+    return sections[0] if sections else None
 
 
 # PyYAML reads YAML 1.1, where "1e-3" (no dot in the mantissa) is a string, not a number as in
@@ -463,6 +497,8 @@ def _as_kind(key: str, value: Any, kind: Any, choices: tuple[str, ...] | None, p
     YAML 1.1's "1e-3") or str (one of ``choices`` when given); ``_NOT_THIS_KIND`` when it is not one."""
     if typing.get_origin(kind) is dict:
         return _check_mapping(key, value, problems)
+    if typing.get_origin(kind) is list:
+        return _check_names(key, value, problems)
     if isinstance(value, bool):
         return value if kind is bool else _NOT_THIS_KIND
     if kind is int and isinstance(value, int):
@@ -491,6 +527,15 @@ def _check_mapping(key: str, value: Any, problems: list[str]) -> dict[str, float
         if not isinstance(amount, (int, float)) or isinstance(amount, bool) or amount < 0:
             problems.append(f"{key}.{name}: expected a number >= 0, got {amount!r}")
     return {str(name): float(amount) for name, amount in value.items()}
+
+
+def _check_names(key: str, value: Any, problems: list[str]) -> list[str] | None:
+    """A list of names (one name alone counts as a list of one)."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        problems.append(f"{key}: expected a list of names, got {type(value).__name__} {value!r}")
+        return None
+    return names
 
 
 def _type_name(allowed: tuple[Any, ...]) -> str:

@@ -11,7 +11,10 @@ back as a sentence naming the key or file and the fix.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +23,7 @@ from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
 from workers.spec import PRESETS, ModelSpec
 from workers.spec.families import SHIPPED, HfConfigError, spec_from_hf_config
+from workers.spec.lora import FAMILY_TARGETS, LoraBase
 from workers.spec.model import recast
 
 if TYPE_CHECKING:
@@ -52,6 +56,10 @@ def resolve_model(config: JobConfig) -> list[str]:
             section.resolved = user_family_spec(config, section.family, where)
     except (HfConfigError, CheckpointError, OSError, ValueError) as error:  # FamilyError is a ValueError
         return [str(error)]
+    if section.lora is not None:
+        lora_found = lora_problems(config, section.resolved)
+        if lora_found:
+            return lora_found
     if section.init_from is None:
         return []
     problems = section.resolved.init_from_problems()  # a shape released weights cannot start (a routing bias)
@@ -165,3 +173,83 @@ def read_json(location: ModelLocation, config: JobConfig) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise HfConfigError(f"{location.describe()} must hold a JSON object")
     return loaded
+
+
+def lora_problems(config: JobConfig, spec: ModelSpec) -> list[str]:
+    """``model.lora``'s settings, and its targets against the linear layers the model has (a
+    shipped family's from its table, a family the user brings from a build on the meta device)."""
+    assert config.model.lora is not None
+    lora = config.model.lora.spec()
+    found = [f"model.lora.{key}={value!r} {reason}" for key, value, reason in lora.problems()]
+    if found:
+        return found
+    family = spec.family
+    layers = FAMILY_TARGETS.get(family) or user_family_linears(family, spec)
+    unknown = [name for name in lora.target_modules if name not in layers]
+    if not unknown:
+        return []
+    why = (
+        "the moe family's feed-forward is its experts, which take no adapters"
+        if family == "moe" and set(unknown) & set(FAMILY_TARGETS["llama"])
+        else f"no linear layer of the {family} model has that name"
+    )
+    return [
+        f"model.lora.target_modules={list(lora.target_modules)}: {', '.join(unknown)}: {why}; "
+        f"name some of {', '.join(layers)}"
+    ]
+
+
+def user_family_linears(name: str, spec: ModelSpec) -> tuple[str, ...]:
+    """The names (last part) of the linear layers in a user family's blocks (torch: such a family imports it anyway)."""
+    from workers.lora import linear_layer_names
+
+    return linear_layer_names(load_family(name), spec)
+
+
+# Bytes of each tensor's data the base's hash reads (a fine-tune changes every weight it trains,
+# so the first values differ; a header alone does not tell two fine-tunes of one model apart).
+FINGERPRINT_DATA_BYTES = 4096
+
+
+def lora_base(config: JobConfig) -> LoraBase:
+    """The frozen base of a LoRA run, as its checkpoints name it (see ``LoraBase``). On the driver,
+    once per run: for ``model.init_from``, config.json, each safetensors file's size and header
+    and the first bytes of each tensor, by ranged reads (never the whole files)."""
+    spec = config.model_spec
+    if config.model.init_from is None:
+        recipe = {"family": spec.family, "model": spec.to_dict(), "seed": config.training.seed}
+        digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+        return LoraBase(source=f"random-init:seed={config.training.seed}", sha256=digest)
+    location = locate(config.model.init_from, config.source_dir)
+    storage = open_location(location, config)
+    try:
+        digest = released_weights_sha256(storage)
+    finally:
+        storage.close()
+    return LoraBase(source=location.uri, sha256=digest)
+
+
+def released_weights_sha256(storage: StorageBackend) -> str:
+    """sha256 of a Hugging Face directory's config.json, and per safetensors file (by name): its
+    size, its header and the first ``FINGERPRINT_DATA_BYTES`` of each tensor."""
+    digest = hashlib.sha256(storage.get("config.json"))
+    files = [info for info in storage.list() if info.key.endswith(".safetensors")]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        parts = list(pool.map(lambda info: _file_fingerprint(storage, info.key, info.size), files))
+    for info, part in zip(files, parts, strict=True):
+        digest.update(f"\n{info.key}\n{info.size}\n".encode())
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _file_fingerprint(storage: StorageBackend, key: str, size: int) -> bytes:
+    (length,) = struct.unpack("<Q", storage.get_range(key, 0, 8))
+    header = storage.get_range(key, 8, 8 + length)
+    tensors = json.loads(header)
+    tensors.pop("__metadata__", None)
+    data_start = 8 + length
+    heads = [
+        storage.get_range(key, data_start + begin, data_start + min(end, begin + FINGERPRINT_DATA_BYTES))
+        for begin, end in sorted(tuple(entry["data_offsets"]) for entry in tensors.values())
+    ]
+    return hashlib.sha256(header + b"".join(heads)).digest()

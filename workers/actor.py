@@ -300,30 +300,43 @@ class RankActor:
         """Inside ``configure``: fill the new generation's trainer as ``start`` says (the kept
         slices, a fresh initialisation, a peer's step or a checkpoint) and set ``last_step``.
         Collective where the trainer's calls are (a restore reshards)."""
-        from workers.peer_snapshots import restore_from_memory
-        from workers.pretrained import load_pretrained
-
         if start.mode == StartMode.KEPT and self._kept_shards is not None:
             trainer.load_local_shards(self._kept_shards)
         elif start.mode == StartMode.FRESH:
-            if self.spec.init_from is not None:
-                self.channel.send(load_pretrained(trainer, self.spec.init_from))
-            else:
-                trainer.init_weights()
+            self._fill_from_source(trainer)
             self.last_step = 0
-        elif start.mode == StartMode.PEER:
-            trainer.ensure_optimizer_state()
-            self.last_step = start.step
-        elif start.mode == StartMode.CHECKPOINT:
-            checkpoints.restore(start.step)
-            self.last_step = start.step
-        elif start.mode == StartMode.MEMORY and start.memory is not None:
-            restore_from_memory(trainer, start, self.snapshot_store, self.channel)
-            self.last_step = start.step
+        elif start.mode in (StartMode.PEER, StartMode.CHECKPOINT) or (
+            start.mode == StartMode.MEMORY and start.memory is not None
+        ):
+            self._fill_step(start, trainer, checkpoints)
         else:
             raise ValueError(f"cannot start from {start!r} on rank {self.rank}")
         self._kept_shards = None
         self._filled = True
+
+    def _fill_step(self, start: StartFrom, trainer: Trainer, checkpoints: RankCheckpoints | NoCheckpoints) -> None:
+        """Inside ``_fill_state``: step ``start.step`` from a peer replica (the sync after
+        ``configure`` copies it; here the optimizer state is only allocated), a checkpoint or a
+        memory snapshot. Those hold what trains: a LoRA run reads its frozen base from its source first."""
+        from workers.peer_snapshots import restore_from_memory
+
+        if self.spec.lora is not None:
+            self._fill_from_source(trainer)
+        if start.mode == StartMode.PEER:
+            trainer.ensure_optimizer_state()
+        elif start.mode == StartMode.CHECKPOINT:
+            checkpoints.restore(start.step)
+        else:
+            restore_from_memory(trainer, start, self.snapshot_store, self.channel)
+        self.last_step = start.step
+
+    def _fill_from_source(self, trainer: Trainer) -> None:
+        """Inside ``configure``: the model as a fresh run starts it (released weights or the seed)."""
+        from workers.pretrained import fill_from_source
+
+        report = fill_from_source(trainer)
+        if report is not None:
+            self.channel.send(report)
 
     def run(self, *, last_step: int) -> RunOutcome:
         """The training loop, from the step after ``self.last_step`` to ``last_step``.

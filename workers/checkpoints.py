@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from checkpointing.catalog import load_manifest
-from checkpointing.errors import StorageUnreachableError
+from checkpointing.errors import ForeignCheckpointError, StorageUnreachableError
+from checkpointing.manifest import LORA, LORA_BASE, Manifest
 from checkpointing.reader import restore
 from checkpointing.spec import OPTIMIZER_PREFIX
 from checkpointing.storage import StorageBackend, open_storage
@@ -105,9 +106,12 @@ class RankCheckpoints:
         """Fill the trainer with committed step ``step``, resharded to this mesh; returns its extra.
 
         A weights-only step (an imported model) fills the parameters only: the optimizer is left
-        as built, so it starts fresh as on a first step.
+        as built, so it starts fresh as on a first step. A LoRA step fills the adapters and their
+        optimizer state, beside a base the trainer already read from its source: the one the
+        checkpoint names, or the restore is refused.
         """
         manifest = load_manifest(self.storage, step)
+        check_lora_base(manifest, self.spec, uri=self.storage.uri)
         if not manifest.weights_only:
             self.trainer.ensure_optimizer_state()
         state = self.trainer.checkpoint_state()
@@ -128,7 +132,29 @@ class RankCheckpoints:
             "lr": self.spec.lr_at(step),
             "seed": self.spec.seed,
             "mesh": self.trainer.mesh.as_dict(),
+            **lora_extra(self.spec),
         }
+
+
+def lora_extra(spec: TrainSpec) -> dict[str, Any]:
+    """A LoRA run's checkpoints name their settings and frozen base (``Manifest.lora``,
+    ``Manifest.lora_base``); a full run's add nothing."""
+    if spec.lora is None or spec.lora_base is None:
+        return {}
+    return {LORA: spec.lora.to_dict(), LORA_BASE: spec.lora_base.to_dict()}
+
+
+def check_lora_base(manifest: Manifest, spec: TrainSpec, *, uri: str) -> None:
+    """Refuse a LoRA checkpoint trained beside another base than this job's (its hash differs)."""
+    if spec.lora_base is None or manifest.lora_base is None:
+        return
+    if manifest.lora_base.get("sha256") != spec.lora_base.sha256:
+        raise ForeignCheckpointError(
+            f"checkpoint step {manifest.step} under {uri} holds LoRA adapters trained on the base "
+            f"{manifest.lora_base.get('source')} (sha256 {manifest.lora_base.get('sha256')}), but this job's base "
+            f"{spec.lora_base.source} has sha256 {spec.lora_base.sha256}: point model.init_from at the base the "
+            "adapters were trained on, or use a fresh checkpoint.uri"
+        )
 
 
 @functools.cache

@@ -14,6 +14,7 @@ A parameter that fits in one tile is drawn with the seed single-tile draws have 
 from __future__ import annotations
 
 import itertools
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -21,8 +22,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpointing.torch_compat import local_shape_and_offset
-from workers.models.family import ModelFamily, StageModel
+from workers.models.family import InitRule, ModelFamily, StageModel
 from workers.spec import ModelSpec
+from workers.spec.lora import is_adapter
 
 # A tile holds at most 2 ** INIT_TILE_BITS values: 1024 x 1024 for a matrix (4 MB of float32),
 # the whole vector for a norm weight.
@@ -30,25 +32,46 @@ INIT_TILE_BITS = 20
 
 
 @torch.no_grad()
-def init_weights(module: StageModel, family: ModelFamily, model: ModelSpec, *, seed: int) -> None:
-    """Initialise this rank's slice of every parameter as a single-process run with ``seed`` would.
+def init_weights(
+    module: StageModel, family: ModelFamily, model: ModelSpec, *, seed: int, adapters_only: bool = False
+) -> None:
+    """Initialise this rank's slice of every parameter as a single-process run with ``seed`` would
+    (``adapters_only``: only the LoRA adapters, beside a base loaded from released weights).
 
     Runs on every rank of a fresh run, after ``materialize``; no collective.
     """
     for fqn, param in module.named_parameters():
+        if adapters_only and not is_adapter(fqn):
+            continue
         local = param.to_local() if isinstance(param, DTensor) else param.data
-        rule = family.init_rule(fqn, model)
-        if rule.std is None:
+        rule = adapter_init_rule(fqn, tuple(param.shape)) if is_adapter(fqn) else family.init_rule(fqn, model)
+        if rule.std is None and rule.bound is None:
             local.fill_(rule.value)
             continue
         offset = local_shape_and_offset(param)[1] if isinstance(param, DTensor) else (0,) * param.dim()
-        draw_normal_slice(local, fqn, full_shape=tuple(param.shape), offset=tuple(offset), std=rule.std, seed=seed)
+        draw_slice(local, fqn, full_shape=tuple(param.shape), offset=tuple(offset), rule=rule, seed=seed)
+
+
+def adapter_init_rule(fqn: str, shape: tuple[int, ...]) -> InitRule:
+    """PEFT's LoRA initialisation: B at zero (training starts from the base model exactly), A as
+    ``kaiming_uniform_(a=sqrt(5))`` draws it, uniform in +-1/sqrt(in_features)."""
+    if fqn.endswith(".lora_B.weight"):
+        return InitRule.fill(0.0)
+    return InitRule.uniform(1.0 / math.sqrt(shape[1]))
 
 
 def draw_normal_slice(
     out: torch.Tensor, fqn: str, *, full_shape: Sequence[int], offset: Sequence[int], std: float, seed: int
 ) -> int:
-    """Fill ``out``, the box of parameter ``fqn`` starting at ``offset``, with its initial values.
+    """``draw_slice`` with a normal distribution of ``std``."""
+    return draw_slice(out, fqn, full_shape=full_shape, offset=offset, rule=InitRule.normal(std), seed=seed)
+
+
+def draw_slice(
+    out: torch.Tensor, fqn: str, *, full_shape: Sequence[int], offset: Sequence[int], rule: InitRule, seed: int
+) -> int:
+    """Fill ``out``, the box of parameter ``fqn`` starting at ``offset``, with its initial values
+    (``rule``: normal with its ``std``, or uniform within its ``bound``).
 
     Only the tiles overlapping the box are drawn, one at a time: at most the box plus one tile
     edge on each side along each dim, whichever dims the mesh shards. Returns how many values
@@ -63,7 +86,11 @@ def draw_normal_slice(
         tile_start = [index * edge for index in tile]
         tile_shape = [min(edge, size - start) for start, size in zip(tile_start, full_shape)]
         generator = torch.Generator().manual_seed(tile_seed(seed, fqn, tile, grid))
-        values = torch.empty(tile_shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        values = torch.empty(tile_shape, dtype=torch.float32)
+        if rule.bound is not None:
+            values.uniform_(-rule.bound, rule.bound, generator=generator)
+        else:
+            values.normal_(0.0, rule.std or 0.0, generator=generator)
         drawn += values.numel()
         _copy_overlap(out, offset, values, tile_start)
     return drawn

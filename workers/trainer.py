@@ -35,6 +35,7 @@ from workers.data import SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.local_updates import LocalAdamW, clip_to_norm, grad_norm
+from workers.lora import attach_adapters
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
 from workers.spec import FailureKind, StepDecision, TrainSpec, Verdict
@@ -162,8 +163,14 @@ class Trainer(TrainerState):
 
     def _build_module(self, plan: par.StagePlan) -> StageModel:
         module = par.build_stage_module(self.family, self.spec.model, plan)
-        if self.mesh.tp > 1:
-            par.apply_tensor_parallel(module, self.family, self.spec.model, self.world_mesh["tp"])
+        tp_mesh = self.world_mesh["tp"] if self.mesh.tp > 1 else None
+        if tp_mesh is not None:
+            par.apply_tensor_parallel(module, self.family, self.spec.model, tp_mesh)
+        if self.spec.lora is not None:
+            # After tensor parallelism (whose styles would split the adapters as their layer), before
+            # FSDP2 (which shards them with their block); the base is frozen from here on.
+            tp_plan = self.family.tensor_parallel_plan(self.spec.model) if tp_mesh is not None else None
+            attach_adapters(module, self.spec.lora, tp_mesh=tp_mesh, tp_plan=tp_plan)
         if self.sequence_shard.split:
             par.apply_context_parallel(module, self.sequence_shard)
         if self.expert_meshes is not None:
@@ -199,12 +206,13 @@ class Trainer(TrainerState):
         return module
 
     def _build_optimizer(self) -> LocalAdamW:
-        """AdamW over every parameter of this rank's stages, fused (one kernel per device and
-        dtype; torch's default is one parameter at a time on CPU) and run on the local shards
-        (see ``local_updates``): the same path on CPU and GPU.
+        """AdamW over every trained parameter of this rank's stages (with LoRA, the adapters only:
+        a frozen base has no optimizer state), fused (one kernel per device and dtype; torch's
+        default is one parameter at a time on CPU) and run on the local shards (see
+        ``local_updates``): the same path on CPU and GPU.
         """
         return LocalAdamW(
-            [p for module in self.modules for p in module.parameters()],
+            [p for module in self.modules for p in module.parameters() if p.requires_grad],
             lr=self.spec.lr,
             betas=(self.spec.beta1, self.spec.beta2),
             weight_decay=self.spec.weight_decay,
@@ -214,10 +222,11 @@ class Trainer(TrainerState):
         group = self.world_mesh["pp"].get_group()
         return build_schedule(self.spec, self.modules, self.plans, self.device, group, self.microbatch_loss)
 
-    def init_weights(self) -> None:
-        """Fresh start: the same initial model as a single process with the same seed."""
+    def init_weights(self, *, adapters_only: bool = False) -> None:
+        """Fresh start: the same initial model as a single process with the same seed
+        (``adapters_only``: the LoRA adapters alone, beside a base loaded from released weights)."""
         for module in self.modules:
-            init_weights(module, self.family, self.spec.model, seed=self.spec.seed)
+            init_weights(module, self.family, self.spec.model, seed=self.spec.seed, adapters_only=adapters_only)
 
     # ---------------------------------------------------------------------- step
     @property
@@ -400,6 +409,7 @@ class Trainer(TrainerState):
         that differ in the last bit, and replicas that drift apart. So every replica applies
         replica group 0's norm, broadcast over the replica dimension (one scalar).
         """
+        # The trained parameters' gradients (a frozen base has none).
         grads = [p.grad for module in self.modules for p in module.parameters() if p.grad is not None]
         norm = self._replica_group_grad_norm(grads)
         if self.mesh.dp_replicate > 1:
@@ -431,6 +441,8 @@ class Trainer(TrainerState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.spec.lora is not None:
+            return lr  # the base, routing biases included, stays as loaded
         for module, parameters in zip(self.modules, self._stage_parameters, strict=True):
             module.after_optimizer_step(parameters, self._sum_over_stage)
         return lr

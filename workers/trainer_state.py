@@ -1,6 +1,11 @@
 """A trainer's state by name: what checkpoints save, what a rank keeps across generations,
 and how a replica group receives its state from another.
 
+With LoRA (``TrainSpec.lora``) the state is what trains: the adapters and their optimizer state.
+The frozen base is not in checkpoints, snapshots or replica syncs (each rank reads it from its
+source: ``workers.pretrained.fill_from_source``); only the slices a rank keeps across a generation
+change hold it too, so a survivor reads nothing again.
+
 Runs on every rank, in the loop thread; ``Trainer`` inherits these methods. Each says whether
 it is collective (only ``sync_from_first_replica`` is, over the replica dimension).
 """
@@ -18,6 +23,8 @@ from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.local_updates import new_adamw_state
 from workers.models import StageModel
+from workers.spec import TrainSpec
+from workers.spec.lora import is_adapter
 from workers.tensor_groups import flat_chunks, scatter_back
 
 # Largest single broadcast of ``sync_from_first_replica``: bounds the staging buffer it
@@ -28,21 +35,26 @@ SYNC_CHUNK_BYTES = 64 * 2**20
 class TrainerState:
     """The state half of ``Trainer`` (see there for the attributes it reads)."""
 
+    spec: TrainSpec
     modules: list[StageModel]
     optimizer: torch.optim.Optimizer
     mesh: MeshSpec
     world_mesh: DeviceMesh
     device: torch.device
 
-    def named_state(self) -> dict[str, torch.Tensor]:
+    def named_state(self, *, with_base: bool = False) -> dict[str, torch.Tensor]:
         """Parameters and optimizer state by global name (DTensors where sharded).
 
         Optimizer entries are ``optim.{param}.{exp_avg|exp_avg_sq|step}``. Call
-        ``ensure_optimizer_state`` first on a trainer that has not stepped yet.
+        ``ensure_optimizer_state`` first on a trainer that has not stepped yet. With LoRA, the
+        adapters alone unless ``with_base`` (the frozen base weights too).
         """
+        adapters_only = self.spec.lora is not None and not with_base
         state: dict[str, torch.Tensor] = {}
         for module in self.modules:
             for name, param in module.named_parameters():
+                if adapters_only and not is_adapter(name):
+                    continue
                 state[name] = param
                 for key, value in self.optimizer.state.get(param, {}).items():
                     state[f"optim.{name}.{key}"] = value
@@ -77,14 +89,14 @@ class TrainerState:
             digest.update(torch.stack(sums).numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, *, with_base: bool = False) -> dict[str, torch.Tensor]:
         """``named_state`` with every FSDP module resharded, so each entry is this rank's shard.
 
         Safe after a step failed half-way: modules left gathered by an interrupted forward are
         resharded (local, no collective); their sharded values were never modified.
         """
         self.reshard()
-        return self.named_state()
+        return self.named_state(with_base=with_base)
 
     def reshard(self) -> None:
         """Free every FSDP module's gathered parameters (local, no collective)."""
@@ -100,10 +112,11 @@ class TrainerState:
         Runs on one rank, no collective (the rank leaving a generation keeps its state). The
         copies share no storage with this trainer, so once it is closed its device memory can
         be freed before the next generation's trainer allocates its own. Pinned host memory
-        when the state is on a GPU: the copies back to it are then plain DMA.
+        when the state is on a GPU: the copies back to it are then plain DMA. A LoRA run's frozen
+        base is kept too: a survivor rebinds it instead of reading it from its source again.
         """
         shards: dict[str, torch.Tensor] = {}
-        for name, value in self.checkpoint_state().items():
+        for name, value in self.checkpoint_state(with_base=True).items():
             local = par.local_slice(value).detach()
             host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
             shards[name] = host.copy_(local, non_blocking=local.is_cuda)
@@ -115,7 +128,7 @@ class TrainerState:
     def load_local_shards(self, shards: dict[str, torch.Tensor]) -> None:
         """Rebind slices taken from a trainer of a mesh where this rank held the same slices."""
         self.ensure_optimizer_state()
-        for name, value in self.named_state().items():
+        for name, value in self.named_state(with_base=True).items():
             target = par.local_slice(value)
             source = shards[name]
             if target.shape != source.shape:

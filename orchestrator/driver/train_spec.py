@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
-from orchestrator.model_source import locate
+from orchestrator.model_source import locate, lora_base
 from orchestrator.token_corpus import token_corpus_source
 from workers.spec.train import (
     BatchPlan,
@@ -66,6 +66,8 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         collective_timeout_s=config.elastic.collective_timeout_s,
         checkpoint=checkpoint_target(config),
         init_from=pretrained_source(config),
+        lora=None if config.model.lora is None else config.model.lora.spec(),
+        lora_base=None if config.model.lora is None else lora_base(config),
         instance_action_url=config.elastic.instance_action_url,
         instance_action_poll_s=config.elastic.instance_action_poll_s,
         eval=EvalSpec(**same_named(config.eval, EvalSpec)),

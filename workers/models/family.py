@@ -113,14 +113,20 @@ class StageModel(nn.Module):
 
 @dataclass(frozen=True)
 class InitRule:
-    """How a parameter starts in a fresh run: ``normal`` with ``std``, or filled with ``value``."""
+    """How a parameter starts in a fresh run: ``normal`` with ``std``, ``uniform`` within
+    +-``bound``, or filled with ``value``."""
 
     std: float | None = None
     value: float = 0.0
+    bound: float | None = None
 
     @classmethod
     def normal(cls, std: float) -> InitRule:
         return cls(std=std)
+
+    @classmethod
+    def uniform(cls, bound: float) -> InitRule:
+        return cls(bound=bound)
 
     @classmethod
     def fill(cls, value: float) -> InitRule:

@@ -15,11 +15,23 @@ unchanged. ``target_modules`` are Hugging Face's module names (the last part of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 # Hugging Face's names of the linear layers a decoder block of the shipped families has.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The layers of each shipped family that take an adapter. The ``moe`` family's feed-forward is its
+# experts (and a shared expert inside the same block, kept whole under tensor parallelism): it
+# takes adapters on attention only.
+FAMILY_TARGETS: dict[str, tuple[str, ...]] = {"llama": LORA_TARGETS, "moe": DEFAULT_TARGETS}
+# The two adapter matrices of a targeted layer, as parameter name suffixes.
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter(fqn: str) -> bool:
+    """Whether parameter ``fqn`` is a LoRA adapter matrix (else a base weight)."""
+    return fqn.endswith(ADAPTER_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,21 @@ class LoraSpec:
         """Whether the linear layer of this fully qualified name gets an adapter."""
         return module_name.rsplit(".", 1)[-1] in self.target_modules
 
+    def to_dict(self) -> dict[str, Any]:
+        """As the checkpoint manifest records it (``extra["lora"]``) and PEFT's config takes it."""
+        found = asdict(self)
+        found["target_modules"] = list(self.target_modules)
+        return found
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LoraSpec:
+        return cls(
+            rank=int(values["rank"]),
+            alpha=float(values["alpha"]),
+            dropout=float(values["dropout"]),
+            target_modules=tuple(values["target_modules"]),
+        )
+
     def problems(self) -> list[tuple[str, object, str]]:
         """(key under model.lora, value, reason) for each bad setting; empty when all are good."""
         found: list[tuple[str, object, str]] = []
@@ -52,3 +79,23 @@ class LoraSpec:
         if not self.target_modules:
             found.append(("target_modules", list(self.target_modules), f"name at least one of {list(LORA_TARGETS)}"))
         return found
+
+
+@dataclass(frozen=True)
+class LoraBase:
+    """The frozen base a LoRA run trains beside, as its checkpoints name it (``extra["lora_base"]``).
+
+    ``source``: the ``model.init_from`` URI, or ``random-init:seed=<seed>`` for a run without
+    one (the base is then the seeded random model, drawn identically on any mesh, so a resume
+    draws it again). ``sha256``: for released weights, the hash of config.json, every
+    safetensors file's name, size and header (tensor names, dtypes, shapes, offsets), and the
+    first 4 KiB of every tensor's data; for a seeded base, the hash of the family, the model's
+    shape and the seed. A resume re-reads the base from ``source`` and refuses a base whose
+    hash differs from the checkpoint's.
+    """
+
+    source: str
+    sha256: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"source": self.source, "sha256": self.sha256}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from elastic.spec import BatchPlan
+from workers.spec.lora import LoraBase, LoraSpec
 from workers.spec.model import ModelSpec
 
 __all__ = [
@@ -192,6 +193,10 @@ class TrainSpec(OptimizerSpec):
     checkpoint: CheckpointTarget | None = None
     # A fresh start loads these weights instead of drawing random ones.
     init_from: PretrainedSource | None = None
+    # LoRA adapters (``model.lora``): only they train, the base stays as loaded; None trains every weight.
+    lora: LoraSpec | None = None
+    # The frozen base a LoRA run's checkpoints name (set by the driver whenever ``lora`` is).
+    lora_base: LoraBase | None = None
     # Polled by every rank for a spot / maintenance notice of its own instance; "{node_id}"
     # is replaced by the rank's Ray node id (lets a test serve notices per node on loopback).
     instance_action_url: str | None = None
