@@ -12,6 +12,7 @@ base weight is ``model.layers.0.self_attn.q_proj.weight`` in the base model, the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,7 +23,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT wraps the model (PeftModelForCausalLM.base_model, a LoraModel, whose .model is the base).
 PEFT_PREFIX = "base_model.model."
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 def peft_tensor_name(base_weight_name: str, suffix: str) -> str:
@@ -53,7 +53,9 @@ def adapter_config(
     }
 
 
-def write_peft_adapter(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, object]) -> Path:
+def write_peft_adapter(
+    out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: Mapping[str, object]
+) -> Path:
     """Write ``tensors`` (PEFT keys -> adapter weights) and ``config`` as a PEFT adapter directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -222,7 +222,12 @@ def load_model(reference: str) -> ModelSource:
             ep=par.ep,
         )
         return ModelSource(
-            f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout
+            f"{config.name} ({path})",
+            config.model_spec,
+            config.training.seq_len,
+            config.training.global_batch,
+            layout,
+            lora=config.model.lora.spec() if config.model.lora is not None else None,
         )
     raise UserError(
         f"--model {reference!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML job config; "
