@@ -249,10 +249,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         if workload.lora is not None:
-            summary = _lora_summary(workload)
+            trainable = workload.model.n_layers * workload.adapter_params_per_layer
             print(
                 f"LoRA rank {workload.lora.rank} on {', '.join(workload.lora.target_modules)}: "
-                f"{summary['trainable_params']:,} trainable parameters ({summary['trainable_share']:.3%} of the "
+                f"{trainable:,} trainable parameters ({trainable / workload.model.num_params:.3%} of the "
                 "model); the base is frozen (no gradients, no optimizer state)"
             )
         print(format_plan(source.name, result, shown))
