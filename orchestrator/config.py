@@ -29,11 +29,13 @@ from orchestrator.errors import ConfigError
 from orchestrator.model_source import resolve_model, shipped_preset_spec
 from workers.spec import PRESETS, ModelSpec
 from workers.spec.pipeline import RULES, PipelineSchedule
+from workers.spec.tokens import Packing
 from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
 PP_SCHEDULES = tuple(schedule.value for schedule in PipelineSchedule)
 RESHARD_AFTER_FORWARD = tuple(choice.value for choice in ReshardAfterForward)
 DATA_SOURCES = ("text", "synthetic", "tokens")
+PACKINGS = tuple(Packing)
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -159,6 +161,11 @@ class DataConfig:
     tokenizer: str | None = None
     # Write RUN_DIR/samples.jsonl: per applied step and data-parallel rank, the samples consumed.
     record_samples: bool = False
+    # source=tokens: how samples are cut from the corpus. windows: seq_len + 1 tokens of the stream
+    # (pre-training); documents: whole documents packed up to seq_len, positions restarting and
+    # attention fenced at each. Unset: windows for a text corpus, documents for chat and
+    # prompt-completion corpora (set from the corpus manifest when the job is checked).
+    packing: str | None = field(default=None, metadata=_choices(*PACKINGS))
     # sha256 of the corpus manifest once checked (the config hash names the corpus by it); not a key.
     manifest_sha256: str | None = field(default=None, metadata={"internal": True}, repr=False)
 
