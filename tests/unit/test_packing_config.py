@@ -41,7 +41,7 @@ def test_the_default_follows_the_corpus_format(corpus, expected, tmp_path):
     assert spec.tokens is not None and spec.tokens.packing == expected
     # Set explicitly, it wins over the format's default.
     config = load_config(DEMO_CONFIG, ["data.source=tokens", f"data.uri={tmp_path}", "data.packing=windows"])
-    assert train_spec(config).tokens.packing == Packing.WINDOWS  # type: ignore[union-attr]
+    assert train_spec(config).tokens.packing == Packing.WINDOWS
 
 
 def test_documents_with_a_pipeline_is_refused(tmp_path, capsys):
