@@ -130,7 +130,8 @@ class Trainer(TrainerState):
         cache_generation = par.new_cache_generation()
         for module in self.modules:
             par.register_fresh_cache_hooks(module, cache_generation)
-            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))  # as microbatch_loss
+            # Auxiliary losses are a mean per microbatch: averaged over the step's microbatches.
+            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
         # Tp rank 0 of each cp rank of the last stage holds the loss of its tokens; the loss is
@@ -400,6 +401,8 @@ class Trainer(TrainerState):
         """
         tokens = self.sequence_shard.take(tokens.to(self.device))
         if self.schedule is not None:
+            if documents is not None:
+                raise ValueError("a pipeline passes hidden states only: logits of packed documents need pp=1")
             # The tokens stand in for labels: the schedule computes a loss, which is dropped.
             output = self.pipeline_pass(tokens, tokens, None, backward=False)
         else:
