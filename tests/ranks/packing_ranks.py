@@ -1,8 +1,8 @@
 """Ranks (spawned processes, real gloo, no Ray) that train the ``debug`` preset on a masked
-corpus packed by documents, for tests/ranks/test_packed_training.py.
+corpus, packed by documents or cut in windows, for tests/ranks/test_packed_training.py.
 
-Each rank builds the Trainer for its mesh over the corpus at ``corpus_uri`` (``data.packing:
-documents``), initialises the model from the seed, trains ``STEPS`` steps and reports its
+Each rank builds the Trainer for its mesh over the corpus at ``corpus_uri`` (``data.packing``:
+``packing``), initialises the model from the seed, trains ``STEPS`` steps and reports its
 per-step losses (None where the rank does not report the loss), gradient norms and trained-token
 counts, and the evaluation loss after training.
 """
@@ -26,7 +26,7 @@ from workers.trainer import Trainer
 STEPS = 4
 
 
-def packing_train_spec(corpus_uri: str) -> TrainSpec:
+def packing_train_spec(corpus_uri: str, packing: Packing = Packing.DOCUMENTS) -> TrainSpec:
     """A global batch of 8 in microbatches of 2, 2 per round: one rank accumulates 2 rounds."""
     return TrainSpec(
         model=PRESETS["debug"],
@@ -37,14 +37,16 @@ def packing_train_spec(corpus_uri: str) -> TrainSpec:
         microbatches=2,
         lr=3e-3,
         data_source="tokens",
-        tokens=TokenCorpusSource(corpus_uri, packing=Packing.DOCUMENTS),
+        tokens=TokenCorpusSource(corpus_uri, packing=packing),
     )
 
 
-def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, corpus_uri: str) -> None:
+def run_rank(
+    rank: int, store_path: str, results, *, mesh: MeshSpec, corpus_uri: str, packing: Packing = Packing.DOCUMENTS
+) -> None:
     torch.set_num_threads(1)
     join_gloo(rank, store_path, mesh)
-    spec = packing_train_spec(corpus_uri)
+    spec = packing_train_spec(corpus_uri, packing)
     assert spec.tokens is not None
     source = TokenSource(spec.tokens, seq_len=spec.seq_len, seed=spec.seed)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
