@@ -142,12 +142,22 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if shard.split:
             k, v = shard.gather_sequence(k, dim=2), shard.gather_sequence(v, dim=2)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:  # the plain causal kernel: a run without packing or cp is unchanged
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self.o_proj(_attend(q, k, v, mask).transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention, or attention under ``mask`` (True: the query sees the key)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:  # the plain causal kernel (flash on GPU): a run without packing or cp is unchanged
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa and q.device.type != "cpu":
+        # Flash takes no mask, and the memory-efficient kernel (which does) no grouped heads: on
+        # a GPU the keys and values are repeated per query head rather than fall back to the
+        # math kernel, which would hold [batch, heads, seq, seq] scores.
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
