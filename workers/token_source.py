@@ -104,7 +104,7 @@ class RangedShards:
 
 @dataclass
 class ReadStats:
-    """What the source read so far: windows taken from the prefetch cache, windows read when
+    """What the source read so far: samples taken from the prefetch cache, samples read when
     asked (``sample`` found none prefetched), and seconds spent reading (both threads)."""
 
     prefetched: int = 0
