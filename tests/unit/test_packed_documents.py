@@ -15,10 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing.storage import open_storage
+from elastic.spec import MeshSpec
+from orchestrator.driver.rank_reports import ReportRouter
+from orchestrator.driver.sample_ledger import SampleLedger, read_ledger
+from orchestrator.observe.events import EventLog
 from tests.hf_models import reference_logits, save_random_model
 from tests.token_corpus import Corpus, masked_corpus, small_corpus
-from workers.data import IGNORE_INDEX, Batch, Sample, local_batch
+from workers.data import IGNORE_INDEX, Batch, Sample, local_batch, local_samples
 from workers.models import LlamaFamily
+from workers.spec.messages import StepReport
 from workers.spec.tokens import Packing, pack_documents
 from workers.spec.train import TokenCorpusSource
 from workers.token_source import TokenSource
@@ -223,3 +228,48 @@ def test_masked_loss_equals_transformers_loss_with_ignored_labels(tmp_path):
         theirs = hf_model(input_ids=tokens, labels=torch.where(trained, tokens, -100)).loss
     assert 0 < count < 4 * 32
     assert float(ours) == pytest.approx(float(theirs), abs=1e-5)
+
+
+def test_the_sample_ledger_across_a_kill_and_a_grow_covers_each_packed_sample_once(tmp_path):
+    """The driver's ledger (RUN_DIR/samples.jsonl) through a shrink after a rank died unreported and
+    a grow, mapped to the packed samples the ranks read for those indices: every packed sample of
+    the epoch trained once, none twice, whatever the mesh when it was."""
+    source, _ = packed_source(tmp_path / "corpus")
+    global_batch, epoch = 8, source.train_windows
+    router = ReportRouter(EventLog(None), mesh=MeshSpec(dp_replicate=2, dp_shard=2), tokens_per_step=1)
+    router.ledger = SampleLedger(tmp_path / "samples.jsonl", global_batch=global_batch)
+    steps = -(-epoch // global_batch)
+    try:
+        for step in range(1, steps + 1):
+            mesh = MeshSpec(dp_replicate=1 if steps // 3 < step <= 2 * steps // 3 else 2, dp_shard=2)
+            if mesh != router.mesh:
+                router.set_mesh(mesh)  # the kill shrinks to one replica, the grow brings it back
+            ranks = range(mesh.world_size)
+            if step == steps // 3:
+                ranks = range(mesh.world_size - 1)  # the rank about to die applied the step, unreported
+            router.route([ledger_report(rank, step, mesh, global_batch) for rank in ranks])
+            router.flush(step)
+        indices = [index for line in read_ledger(tmp_path / "samples.jsonl") for index in line["indices"]]
+        assert sorted(indices) == list(range(steps * global_batch))
+        packed = [source.order.window(index) for index in indices if index < epoch]
+        assert sorted(packed) == list(range(epoch))  # each packed sample of the epoch once
+        # ... so each document piece of the train split once: the packed samples tile the stream.
+        covered = sorted(source.plans["train"].sample_tokens(window) for window in packed)
+        assert covered[0][0] == 0 and all(stop == start for (_, stop), (start, _) in zip(covered, covered[1:]))
+        assert covered[-1][1] == source.manifest.splits["train"].tokens
+    finally:
+        source.close()
+
+
+def ledger_report(rank: int, step: int, mesh: MeshSpec, global_batch: int) -> StepReport:
+    dp_rank = mesh.dp_rank(rank)
+    indices = local_samples(step=step, global_batch=global_batch, dp_rank=dp_rank, dp=mesh.dp)
+    return StepReport(
+        rank=rank,
+        time=float(step),
+        step=step,
+        loss=1.0,
+        dp_rank=dp_rank,
+        step_time_s=0.1,
+        sample_indices=tuple(indices),
+    )
