@@ -265,9 +265,11 @@ class Trainer(TrainerState):
             trained = self.spec.global_batch * self.spec.seq_len
         else:
             count = torch.count_nonzero(batch.labels != IGNORE_INDEX).reshape(1)
-            dist.all_reduce(count)
-            # .item() is a device sync point: once per step, before the first forward.
-            trained = int(count.item()) // (self.mesh.world_size // self.mesh.dp)
+            # .item() is a device sync point: once per step, before the first forward; a peer that
+            # never joins the all-reduce leaves this rank waiting on it (the hang blame says so).
+            with self.peer_waits.waiting(PeerWait.RESULT_READ):
+                dist.all_reduce(count)
+                trained = int(count.item()) // (self.mesh.world_size // self.mesh.dp)
         # A global batch with nothing to train (every label masked) has loss 0 and no gradient.
         self.loss_scale = self.mesh.dp * self.mesh.cp / max(trained, 1)
         return trained
