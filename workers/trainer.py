@@ -257,10 +257,10 @@ class Trainer(TrainerState):
 
     def begin_loss(self, batch: Batch) -> int:
         """Every rank, before a step's first forward: N, the trained labels of the global batch,
-        and ``loss_scale = dp x cp / N``. Collective over the world when the source cannot say N
-        without counting (a loss mask, packing by documents): each rank counts its data-parallel
-        slice's labels (whole samples: every cp, tp and pp rank of a slice holds the same), and
-        the world's sum counts each slice once per rank of it."""
+        and ``loss_scale = dp x cp / N``. Collective over the data-parallel dimensions when the
+        source cannot say N without counting (a loss mask, packing by documents): each rank
+        counts its slice's labels (whole samples: every cp, tp and pp rank of a slice holds the
+        same), summed over the slices."""
         if self.source.every_label_trains:
             trained = self.spec.global_batch * self.spec.seq_len
         else:
@@ -268,8 +268,10 @@ class Trainer(TrainerState):
             # .item() is a device sync point: once per step, before the first forward; a peer that
             # never joins the all-reduce leaves this rank waiting on it (the hang blame says so).
             with self.peer_waits.waiting(PeerWait.RESULT_READ):
-                dist.all_reduce(count)
-                trained = int(count.item()) // (self.mesh.world_size // self.mesh.dp)
+                for name in ("dp_replicate", "dp_shard"):
+                    if getattr(self.mesh, name) > 1:
+                        dist.all_reduce(count, group=self.world_mesh[name].get_group())
+                trained = int(count.item())
         # A global batch with nothing to train (every label masked) has loss 0 and no gradient.
         self.loss_scale = self.mesh.dp * self.mesh.cp / max(trained, 1)
         return trained
