@@ -315,6 +315,8 @@ class JobConfig:
         }
         if self.data.source == "tokens":  # the corpus itself, by its manifest (which lists every shard's hash)
             decisive["data"]["tokens_manifest_sha256"] = self.data.manifest_sha256
+            if self.data.packing == Packing.DOCUMENTS:  # other samples; windows hash as before packing existed
+                decisive["data"]["packing"] = str(Packing.DOCUMENTS)
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
     def _decisive_model(self) -> dict[str, Any]:

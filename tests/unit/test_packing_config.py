@@ -83,3 +83,14 @@ def test_an_unknown_packing_is_refused(capsys):
     code, err = train_exit(capsys, "data.packing=sentences")
     assert code == 2
     assert "data.packing: 'sentences' is not one of windows, documents" in err
+
+
+def test_packing_by_documents_is_another_job_for_resuming(tmp_path):
+    """A checkpoint of a windows run does not resume as a documents run: other samples."""
+    masked_corpus(open_storage(str(tmp_path)))
+    base = ["data.source=tokens", f"data.uri={tmp_path}", *NO_PIPELINE]
+    hashes = {
+        packing: load_config(DEMO_CONFIG, [*base, f"data.packing={packing}"]).config_hash() for packing in Packing
+    }
+    assert hashes[Packing.WINDOWS] != hashes[Packing.DOCUMENTS]
+    assert load_config(DEMO_CONFIG, base).config_hash() == hashes[Packing.DOCUMENTS]  # the corpus's default
