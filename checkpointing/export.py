@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -80,28 +81,65 @@ def export_hf(
 
     ``dtype`` None keeps every tensor as stored (bitwise).
     """
-    if dtype not in (None, "float32", "bfloat16", "float16"):
-        raise CheckpointError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
+    check_export_dtype(dtype)
     manifest = load_manifest(storage, step)
     renamed = exported_names(manifest, naming)
     stored = {manifest.tensors[fqn].dtype for fqn in renamed}
     config = naming.hf_config(manifest.model, dtype or (stored.pop() if len(stored) == 1 else "float32"))
+
+    def read(fqns: list[str]) -> dict[str, torch.Tensor]:
+        tensors = {
+            fqn: torch.empty(manifest.tensors[fqn].shape, dtype=getattr(torch, manifest.tensors[fqn].dtype))
+            for fqn in fqns
+        }
+        restore(storage, manifest, tensors)
+        return tensors
+
+    stored_as = {fqn: (tuple(manifest.tensors[fqn].shape), manifest.tensors[fqn].dtype) for fqn in renamed}
+    return write_hf_directory(
+        out_dir,
+        renamed,
+        stored_as,
+        read,
+        config=config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        metadata={"meshpilot_step": manifest.step},
+    )
+
+
+def check_export_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise CheckpointError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
+
+
+def write_hf_directory(
+    out_dir: str | os.PathLike,
+    renamed: dict[str, HfName],
+    stored_as: dict[str, tuple[tuple[int, ...], str]],
+    read: Callable[[list[str]], dict[str, torch.Tensor]],
+    *,
+    config: dict[str, Any],
+    dtype: str | None,
+    max_shard_bytes: int,
+    metadata: dict[str, Any],
+) -> Path:
+    """Write ``renamed`` (our FQN -> Hugging Face name(s)) as a Hugging Face model directory: the
+    safetensors files (at most ``max_shard_bytes`` each, planned from ``stored_as``: FQN -> shape and
+    dtype), their index and ``config.json``. ``read`` gives the whole tensors of one file's FQNs, so
+    only one output file's tensors are in memory at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = _plan_shards(manifest, list(renamed), dtype, max_shard_bytes)
+    shards = _plan_shards(stored_as, list(renamed), dtype, max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(storage, manifest, {fqn: renamed[fqn] for fqn in shard}, dtype, out / filename)
+        total += _write_shard(read(shard), {fqn: renamed[fqn] for fqn in shard}, dtype, out / filename)
         weight_map.update(dict.fromkeys((one for fqn in shard for one in _split_names(renamed[fqn])), filename))
     (out / "model.safetensors.index.json").write_text(
         json.dumps(
-            {
-                "metadata": {"total_size": total, "meshpilot_step": manifest.step},
-                "weight_map": dict(sorted(weight_map.items())),
-            },
-            indent=2,
+            {"metadata": {"total_size": total, **metadata}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
         )
         + "\n"
     )
@@ -113,15 +151,8 @@ def _split_names(name: HfName) -> tuple[str, ...]:
     return (name,) if isinstance(name, str) else name
 
 
-def _write_shard(
-    storage: StorageBackend, manifest: Manifest, renamed: dict[str, HfName], dtype: str | None, path: Path
-) -> int:
-    """Gather whole tensors of one output file through the reader and save them; return their bytes."""
-    tensors = {
-        fqn: torch.empty(manifest.tensors[fqn].shape, dtype=getattr(torch, manifest.tensors[fqn].dtype))
-        for fqn in renamed
-    }
-    restore(storage, manifest, tensors)
+def _write_shard(tensors: dict[str, torch.Tensor], renamed: dict[str, HfName], dtype: str | None, path: Path) -> int:
+    """Save one output file's whole tensors under their Hugging Face names; return their bytes."""
     converted = {}
     for fqn, value in tensors.items():
         value = value if dtype is None else value.to(getattr(torch, dtype))
@@ -135,11 +166,14 @@ def _write_shard(
     return sum(value.numel() * value.element_size() for value in converted.values())
 
 
-def _plan_shards(manifest: Manifest, names: list[str], dtype: str | None, max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(
+    stored_as: dict[str, tuple[tuple[int, ...], str]], names: list[str], dtype: str | None, max_shard_bytes: int
+) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
-        nbytes = math.prod(manifest.tensors[name].shape) * itemsize(dtype or manifest.tensors[name].dtype)
+        shape, stored_dtype = stored_as[name]
+        nbytes = math.prod(shape) * itemsize(dtype or stored_dtype)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0

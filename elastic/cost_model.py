@@ -33,6 +33,10 @@ The model, and where each piece comes from:
   the whole sequence: load-balanced causal chunks); every layer all-gathers the other ranks'
   keys and values forward (again when recomputing) and reduce-scatters their gradients
   backward, on the critical path; FSDP shards over ``dp_shard x cp``.
+* LoRA (``Workload.lora``): the base is frozen, so it keeps only its fp32 shard (4 bytes a
+  parameter, no gradient, no moments) while the adapters carry the full 16; its backward computes
+  the activations' gradients but no weight gradients (4N instead of 6N FLOPs a token, Hu et al.
+  2021), and FSDP reduce-scatters only the adapters' gradients (the gathers are unchanged).
 * Expert parallel (``ep``, a mixture of experts): ``ep`` consecutive ranks of ``dp_shard`` each
   hold ``n_experts / ep`` of every layer's routed experts, FSDP-sharded over the other
   ``dp_shard / ep x cp`` ranks (so the state per GPU is the same; the gathers and their buffers
@@ -54,6 +58,7 @@ from elastic.layer_traffic import CommCost, context_parallel, expert_parallel, l
 from elastic.memory_model import (
     ACTIVATION_BYTES,
     ADAM_BYTES,
+    FROZEN_PARAM_BYTES,
     GRAD_BYTES,
     LOGIT_BYTES,
     PARAM_BYTES,
@@ -64,6 +69,7 @@ from elastic.memory_model import (
 from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
 from elastic.spec import BatchPlan, MeshSpec
 from workers.spec import ModelSpec
+from workers.spec.lora import LoraSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 
@@ -75,10 +81,48 @@ class Workload:
     model: ModelSpec
     seq_len: int
     global_batch: int
+    # LoRA adapters beside a frozen base (``model.lora``); None: every parameter trains.
+    lora: LoraSpec | None = None
 
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
+
+    @property
+    def adapter_params_per_layer(self) -> int:
+        """Trainable parameters of one layer's adapters (0 without LoRA)."""
+        if self.lora is None:
+            return 0
+        return self.model.adapter_params_per_layer(self.lora.target_modules, self.lora.rank)
+
+    @property
+    def trained_share(self) -> float:
+        """The fraction of a layer's parameters that trains (and whose gradients FSDP reduces)."""
+        if self.lora is None:
+            return 1.0
+        return self.adapter_params_per_layer / (self.model.params_per_layer + self.adapter_params_per_layer)
+
+    def layer_flops_per_token(self) -> float:
+        """Forward + backward FLOPs of one layer per token: the family's count, or with LoRA the base
+        without its weight gradients (4 of the 6 FLOPs a parameter) plus the adapters' 6."""
+        flops = self.model.layer_flops_per_token(self.seq_len)
+        if self.lora is None:
+            return flops
+        return flops - 2.0 * self.model.active_params_per_layer + 6.0 * self.adapter_params_per_layer
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the whole model (the output head trains only without LoRA)."""
+        flops = self.model.flops_per_token(self.seq_len)
+        if self.lora is None:
+            return flops
+        layers = self.model.n_layers
+        frozen_head = 2.0 * self.model.head_params
+        return (
+            flops
+            - layers * self.model.layer_flops_per_token(self.seq_len)
+            + layers * self.layer_flops_per_token()
+            - frozen_head
+        )
 
 
 @dataclass(frozen=True)
@@ -252,7 +296,15 @@ def estimate(
     bubble = pipeline_bubble(pp, m, v, layout.schedule)
     fsdp_params = _fsdp_peer_params(layout, model, params_on_rank, layers_on_rank)
     dp_costs = _data_parallel(
-        mesh, cluster, assumptions, layout, params_on_rank, fsdp_params, rank_microbatch_s, layers_on_rank
+        mesh,
+        cluster,
+        assumptions,
+        layout,
+        params_on_rank,
+        fsdp_params,
+        rank_microbatch_s,
+        layers_on_rank,
+        reduced_share=workload.trained_share,
     )
     tp_step_s = tp_layer_s * layers_on_rank * m
     comm = {
@@ -263,7 +315,7 @@ def estimate(
         **({"ep": ep_comm} if ep_comm is not None else {}),
     }
     step_s = compute_s + sum(cost.exposed_s for cost in dp_costs.values())
-    model_flops = model.flops_per_token(workload.seq_len) * workload.tokens_per_step
+    model_flops = workload.flops_per_token() * workload.tokens_per_step
     return Estimate(
         layout=layout,
         microbatch_size=microbatch_size,
@@ -305,8 +357,8 @@ def _layer_seconds(
     model, tp = workload.model, layout.mesh.tp
     flops_rate = cluster.gpu.peak_flops * assumptions.compute_efficiency
     recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
-    layer_flops = layer_flops_per_token(model, workload.seq_len)
-    output_flops = model.flops_per_token(workload.seq_len) - model.n_layers * layer_flops
+    layer_flops = workload.layer_flops_per_token()
+    output_flops = workload.flops_per_token() - model.n_layers * layer_flops
     return layer_flops * recompute * tokens / (tp * flops_rate), output_flops * tokens / (tp * flops_rate)
 
 
@@ -353,7 +405,9 @@ def _memory(
     worst_params = 0.0
     for stage, extra in stages:
         params = (layers_on_rank * model.params_per_layer + extra) / tp
-        buffers = fsdp_buffer_bytes(layout, layers_on_rank * gathered_layer + extra / tp, gathered_layer)
+        buffers = fsdp_buffer_bytes(
+            layout, layers_on_rank * gathered_layer + extra / tp, gathered_layer, reduced_share=workload.trained_share
+        )
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
         # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
         activations = tokens * (held * kept_per_token_layer + per_token_layer)
@@ -361,7 +415,7 @@ def _memory(
         if stage == pp - 1 or v_shaped:
             logit_microbatches = layout.microbatches if layout.schedule == "gpipe" else 1
             logits = logit_microbatches * tokens * model.vocab_size * LOGIT_BYTES / tp
-        state = (PARAM_BYTES * params / shard, GRAD_BYTES * params / shard, ADAM_BYTES * params / shard)
+        state = _state_bytes(params, layers_on_rank * workload.adapter_params_per_layer / tp, shard)
         on_gpu = (0.0, 0.0, 0.0) if layout.cpu_offload else state
         estimate_ = MemoryEstimate(
             *on_gpu,
@@ -377,6 +431,18 @@ def _memory(
     return worst, worst_params
 
 
+def _state_bytes(params: float, adapters: float, shard: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes of a rank's shard of ``params`` model parameters and
+    ``adapters`` LoRA parameters: every parameter trains when there are no adapters, else only they do."""
+    if not adapters:
+        return PARAM_BYTES * params / shard, GRAD_BYTES * params / shard, ADAM_BYTES * params / shard
+    return (
+        (FROZEN_PARAM_BYTES * params + PARAM_BYTES * adapters) / shard,
+        GRAD_BYTES * adapters / shard,
+        ADAM_BYTES * adapters / shard,
+    )
+
+
 def _data_parallel(
     mesh: MeshSpec,
     cluster: Cluster,
@@ -386,6 +452,8 @@ def _data_parallel(
     fsdp_params: float,
     rank_microbatch_s: float,
     layers_on_rank: int,
+    *,
+    reduced_share: float = 1.0,
 ) -> dict[str, CommCost]:
     """FSDP/HSDP traffic and how much of it compute cannot hide.
 
@@ -395,14 +463,15 @@ def _data_parallel(
     forward and reduces once during the last one's backward. ``reshard_after_forward`` moves
     between the two: ``never`` drops the backward's gather, ``always`` with a pipeline gathers
     twice per microbatch. The first gather and last reduce of a layer cannot overlap anything
-    (the ``tail``). ``fsdp_params``: what one gather brings in (``_fsdp_peer_params``).
+    (the ``tail``). ``fsdp_params``: what one gather brings in (``_fsdp_peer_params``);
+    ``reduced_share``: the fraction of it whose gradients are reduced (the adapters under LoRA).
     """
     shard, replicas, m = mesh.fsdp_shards, mesh.dp_replicate, layout.microbatches  # dp_shard x cp
     shard_link, shard_bw = link(mesh, "dp_shard", cluster, assumptions)
     repl_link, repl_bw = link(mesh, "dp_replicate", cluster, assumptions)
     gather_bytes = PARAM_BYTES * fsdp_params
-    reduce_bytes = REDUCE_BYTES * fsdp_params
-    allreduce_bytes = 2 * (replicas - 1) / replicas * REDUCE_BYTES * params_on_rank / shard
+    reduce_bytes = REDUCE_BYTES * fsdp_params * reduced_share
+    allreduce_bytes = 2 * (replicas - 1) / replicas * REDUCE_BYTES * params_on_rank / shard * reduced_share
     gather_s = gather_bytes / shard_bw if shard > 1 else 0.0
     reduce_s = reduce_bytes / shard_bw if shard > 1 else 0.0
     allreduce_s = allreduce_bytes / repl_bw if replicas > 1 else 0.0

@@ -18,6 +18,9 @@ GRAD_BYTES = 2
 ADAM_BYTES = 12
 # FSDP2 reduces (and, with no-sync, accumulates) gradients in fp32.
 REDUCE_BYTES = 4
+# A frozen parameter (a LoRA run's base): FSDP2 keeps its fp32 shard (the bf16 copy is only gathered
+# for compute) and nothing else: no gradient, no Adam moments.
+FROZEN_PARAM_BYTES = 4
 ACTIVATION_BYTES = 2  # bf16
 # Logits kept for the loss: the bf16 logits and their fp32 upcast.
 LOGIT_BYTES = 2 + 4
@@ -53,20 +56,18 @@ def activation_bytes_per_token(model: ModelSpec) -> float:
     return ACTIVATION_BYTES * model.saved_activations_per_token()
 
 
-def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float) -> float:
+def fsdp_buffer_bytes(layout: Layout, stage_params: float, layer_params: float, *, reduced_share: float = 1.0) -> float:
     """FSDP2's unsharded working copies on a rank holding ``stage_params`` (0 without sharding).
 
     Gathered bf16 parameters: the whole stage when they stay gathered (``keeps_gathered``), else
     about two layers (the one running and the one prefetched). fp32 gradients before the
     reduce-scatter: the whole stage with pipelining (the stage skips gradient sync until its last
-    microbatch), else two layers.
+    microbatch), else two layers; of the ``reduced_share`` of the parameters that trains (LoRA's
+    adapters: a frozen base has no gradients).
     """
     if layout.mesh.fsdp_shards == 1:  # FSDP shards over dp_shard x cp
         return 0.0
     pipelined, kept = layout.mesh.pp > 1, layout.keeps_gathered
-    if pipelined and kept:
-        return (PARAM_BYTES + REDUCE_BYTES) * stage_params
-    if not pipelined and not kept:
-        return 2 * (PARAM_BYTES + REDUCE_BYTES) * layer_params
+    gradients = REDUCE_BYTES * reduced_share
     gathered = PARAM_BYTES * stage_params if kept else 2 * PARAM_BYTES * layer_params
-    return gathered + (REDUCE_BYTES * stage_params if pipelined else 2 * REDUCE_BYTES * layer_params)
+    return gathered + (gradients * stage_params if pipelined else 2 * gradients * layer_params)

@@ -30,11 +30,13 @@ from orchestrator.model_source import resolve_model, shipped_preset_spec
 from workers.spec import PRESETS, ModelSpec
 from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
 from workers.spec.pipeline import RULES, PipelineSchedule
+from workers.spec.tokens import Packing
 from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
 PP_SCHEDULES = tuple(schedule.value for schedule in PipelineSchedule)
 RESHARD_AFTER_FORWARD = tuple(choice.value for choice in ReshardAfterForward)
 DATA_SOURCES = ("text", "synthetic", "tokens")
+PACKINGS = tuple(Packing)
 BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -180,6 +182,11 @@ class DataConfig:
     tokenizer: str | None = None
     # Write RUN_DIR/samples.jsonl: per applied step and data-parallel rank, the samples consumed.
     record_samples: bool = False
+    # source=tokens: how samples are cut from the corpus. windows: seq_len + 1 tokens of the stream
+    # (pre-training); documents: whole documents packed up to seq_len, positions restarting and
+    # attention fenced at each. Unset: windows for a text corpus, documents for chat and
+    # prompt-completion corpora (set from the corpus manifest when the job is checked).
+    packing: str | None = field(default=None, metadata=_choices(*PACKINGS))
     # sha256 of the corpus manifest once checked (the config hash names the corpus by it); not a key.
     manifest_sha256: str | None = field(default=None, metadata={"internal": True}, repr=False)
 
@@ -329,6 +336,8 @@ class JobConfig:
         }
         if self.data.source == "tokens":  # the corpus itself, by its manifest (which lists every shard's hash)
             decisive["data"]["tokens_manifest_sha256"] = self.data.manifest_sha256
+            if self.data.packing == Packing.DOCUMENTS:  # other samples; windows hash as before packing existed
+                decisive["data"]["packing"] = str(Packing.DOCUMENTS)
         if self.model.lora is not None:  # adapters change what trains (absent otherwise: older hashes hold)
             decisive["lora"] = self.model.lora.spec().to_dict()
         return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]

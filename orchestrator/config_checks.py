@@ -130,7 +130,26 @@ def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str
             )
     if config.data.source == "tokens":
         problems.extend(token_corpus_problems(config, model))
-    return problems
+    return problems + _packing_layout_problems(config)
+
+
+def _packing_layout_problems(config: JobConfig) -> list[str]:
+    """``data.packing: documents`` against the source and the layout (after the corpus set its default)."""
+    packing, source = config.data.packing, config.data.source
+    if packing != "documents":
+        return []
+    if source != "tokens":
+        return [
+            f"data.packing=documents needs data.source=tokens (a corpus from meshpilot data prepare, which keeps "
+            f"document boundaries); data.source={source} has none: remove data.packing or prepare a corpus"
+        ]
+    if config.parallelism.pp > 1:
+        return [
+            f"data.packing=documents cannot run with parallelism.pp={config.parallelism.pp}: pipeline stages pass "
+            "only hidden states, not the document boundaries attention needs; set parallelism.pp=1 or "
+            "data.packing=windows"
+        ]
+    return []
 
 
 def _elastic_problems(config: JobConfig) -> list[str]:

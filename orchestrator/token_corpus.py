@@ -6,7 +6,9 @@ the current directory and then the config file's, or an ``s3://`` prefix read wi
 checkpoint section's endpoint and region and the standard AWS credentials), whether a
 manifest is there, whether the model's vocabulary holds the corpus tokenizer's, whether
 ``training.seq_len`` fits in the train split, and, when ``data.tokenizer`` names one, whether
-the corpus was prepared with that tokenizer. Every problem is one sentence naming the key.
+the corpus was prepared with that tokenizer. It also settles ``data.packing`` (unset: the corpus
+format's default) and whether the corpus can be packed that way on this layout. Every problem is
+one sentence naming the key.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from typing import TYPE_CHECKING
 
 from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
-from workers.spec.tokens import MANIFEST_KEY, TokenCorpusError, TokenManifest, parse_token_manifest, window_count
+from workers.spec.tokens import (
+    MANIFEST_KEY,
+    Packing,
+    TokenCorpusError,
+    TokenManifest,
+    parse_token_manifest,
+    window_count,
+)
 from workers.spec.train import TokenCorpusSource
 
 if TYPE_CHECKING:
@@ -32,7 +41,8 @@ def token_corpus_source(config: JobConfig) -> TokenCorpusSource | None:
     """Where the ranks read the corpus: a local directory made absolute (ranks share the disk)."""
     if config.data.source != "tokens" or config.data.uri is None:
         return None
-    return TokenCorpusSource(corpus_uri(config), config.checkpoint.endpoint_url, config.checkpoint.region)
+    packing = Packing(config.data.packing or Packing.WINDOWS)  # set from the manifest by the checks
+    return TokenCorpusSource(corpus_uri(config), config.checkpoint.endpoint_url, config.checkpoint.region, packing)
 
 
 def corpus_uri(config: JobConfig) -> str:
@@ -60,7 +70,9 @@ def token_corpus_problems(config: JobConfig, model: ModelSpec) -> list[str]:
     except (TokenCorpusError, CheckpointError, OSError) as error:
         return [str(error)]
     config.data.manifest_sha256 = hashlib.sha256(raw).hexdigest()
-    problems = _shape_problems(config, model, manifest)
+    if config.data.packing is None:
+        config.data.packing = str(Packing.default_for(manifest.corpus_format))
+    problems = _shape_problems(config, model, manifest) + _packing_problems(config, manifest)
     if config.data.tokenizer is not None:
         problems.extend(_tokenizer_problems(config, manifest))
     return problems
@@ -92,13 +104,24 @@ def _shape_problems(config: JobConfig, model: ModelSpec, manifest: TokenManifest
             f"data.uri={uri!r} was prepared with ({vocab} tokens); set model.vocab_size to at least {vocab}"
         )
     train_tokens = manifest.splits["train"].tokens
-    if window_count(train_tokens, seq_len) < 1:
+    if config.data.packing == Packing.WINDOWS and window_count(train_tokens, seq_len) < 1:
         problems.append(
             f"training.seq_len={seq_len} is longer than the corpus at data.uri={uri!r}: its train split holds "
             f"{train_tokens} tokens, and one sample takes seq_len + 1 = {seq_len + 1}; lower training.seq_len or "
             "prepare more documents"
         )
     return problems
+
+
+def _packing_problems(config: JobConfig, manifest: TokenManifest) -> list[str]:
+    """``data.packing: documents`` needs the corpus's document lengths (version 2)."""
+    if config.data.packing == Packing.DOCUMENTS and not manifest.has_documents:
+        return [
+            f"data.packing=documents: the corpus at data.uri={config.data.uri!r} stores no document lengths (a "
+            f"version-{manifest.version} corpus); prepare it again with meshpilot data prepare, or set "
+            "data.packing=windows"
+        ]
+    return []
 
 
 def _tokenizer_problems(config: JobConfig, manifest: TokenManifest) -> list[str]:

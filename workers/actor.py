@@ -406,6 +406,7 @@ class RankActor:
                 checkpoint_stall_s=stall,
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
                 expert_load=result.expert_load,
+                trained_tokens=result.trained_tokens,
             )
             if result.decision.pause:
                 if snapshots is not None:

@@ -10,6 +10,11 @@ Load-balanced causal sharding (Llama 3, TorchTitan): the sequence is cut into ``
 chunks and cp rank ``i`` keeps chunks ``i`` and ``2 * cp - 1 - i``. Under a causal mask a late
 chunk attends to many keys and an early one to few; pairing them gives every rank the same work.
 
+Packed by documents (``data.packing: documents``), a rank keeps the document numbers of the whole
+sequence: its queries' rotary positions restart at their documents' starts, and its mask (global
+positions, ``causal_mask``) also fences each query to keys of its own document
+(``workers.models.llama.model.document_mask``).
+
 ``WHOLE_SEQUENCE`` is the null shard (cp = 1): positions ``0 .. seq - 1``, no communication, and
 attention keeps its ``is_causal`` kernel, so a run without context parallelism is unchanged.
 """

@@ -2,21 +2,24 @@
 
 Runs on every rank: one ``TokenSource`` per generation, built by ``workers/runtime.make_source``
 and closed by the rank actor when the rank leaves the generation. The format is
-``workers/spec/tokens.py``: training sample ``i`` is train window ``WindowOrder(W, seed)``'s
-``window(i)``, ``seq_len + 1`` tokens; evaluation sample ``i`` is validation window
-``i mod W_validation``, in order. The rank reads the manifest once, then only the byte ranges of
-the windows it takes: ``np.memmap`` of the shard files for a corpus on disk, ranged GETs for an
-``s3://`` corpus. The driver never reads the corpus.
+``workers/spec/tokens.py``: training sample ``i`` is train sample ``WindowOrder(W, seed)``'s
+``window(i)`` (a window of ``seq_len + 1`` tokens, or with ``packing: documents`` the whole
+documents of one packed sample); evaluation sample ``i`` is validation sample ``i mod
+W_validation``, in order. The rank reads the manifest once (and, packing by documents, each
+split's document lengths, from which it packs the samples itself), then only the byte ranges of
+the samples it takes, tokens and (a masked corpus) their mask: ``np.memmap`` of the shard files
+for a corpus on disk, ranged GETs for an ``s3://`` corpus. The driver never reads the corpus.
 
 Prefetch: ``local_batch`` (``workers/data.py``) hints the source at the samples this rank's
 data-parallel slice takes in the next step; one background thread reads them while the step
 computes. The cache holds at most the hinted step's samples: a hint drops what the one before
-it left unread. ``sample`` takes a prefetched window (waiting for its read if still running) or
+it left unread. ``sample`` takes a prefetched sample (waiting for its read if still running) or
 reads it there and then. ``stats`` counts both and the seconds spent reading.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -31,12 +34,20 @@ import torch
 
 from checkpointing.local import LocalStorage
 from checkpointing.storage import StorageBackend, open_storage
+from workers.data import Sample
 from workers.spec.tokens import (
+    DOCUMENT_LENGTH_DTYPE,
     MANIFEST_KEY,
-    SplitIndex,
+    MASK_DTYPE,
+    Packing,
+    PackingPlan,
+    ShardEntry,
     TokenCorpusError,
     TokenManifest,
     WindowOrder,
+    documents_key,
+    mask_key,
+    pack_documents,
     parse_token_manifest,
     shard_ranges,
     window_count,
@@ -93,7 +104,7 @@ class RangedShards:
 
 @dataclass
 class ReadStats:
-    """What the source read so far: windows taken from the prefetch cache, windows read when
+    """What the source read so far: samples taken from the prefetch cache, samples read when
     asked (``sample`` found none prefetched), and seconds spent reading (both threads)."""
 
     prefetched: int = 0
@@ -107,29 +118,66 @@ class TokenSource:
     def __init__(self, corpus: TokenCorpusSource, *, seq_len: int, seed: int) -> None:
         self.seq_len = seq_len
         self.uri = corpus.uri
+        self.packing = corpus.packing
         self.storage = open_storage(corpus.uri, endpoint_url=corpus.endpoint_url, region=corpus.region)
         try:
             self.manifest = read_manifest(self.storage)
+            self.plans = self._packing_plans() if self.packing == Packing.DOCUMENTS else {}
             self.train_windows = self._windows("train")
-            self.validation_windows = window_count(self.manifest.splits["validation"].tokens, seq_len)
+            self.validation_windows = self._count("validation")
         except BaseException:
             self.storage.close()
             raise
+        # Every label trains only when nothing is masked and no document boundary drops one.
+        self.every_label_trains = self.packing == Packing.WINDOWS and not self.manifest.loss_mask
         self.order = WindowOrder(self.train_windows, seed=seed)
         dtype = np.dtype(self.manifest.dtype).newbyteorder("<")
-        self.reader: ShardReader = (
-            MappedShards(self.storage.root, dtype)
-            if isinstance(self.storage, LocalStorage)
-            else RangedShards(self.storage, dtype)
-        )
+        self.reader = self._shard_reader(dtype)
+        self.mask_reader = self._shard_reader(np.dtype(MASK_DTYPE)) if self.manifest.loss_mask else None
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
-        self._cache: dict[int, Future[np.ndarray]] = {}
+        self._cache: dict[int, Future[Sample]] = {}
         self._cache_lock = threading.Lock()
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshpilot-prefetch")
 
+    def _shard_reader(self, dtype: np.dtype) -> ShardReader:
+        if isinstance(self.storage, LocalStorage):
+            return MappedShards(self.storage.root, dtype)
+        return RangedShards(self.storage, dtype)
+
+    def _packing_plans(self) -> dict[str, PackingPlan]:
+        """Both splits' documents packed into samples (``packing: documents``), from their lengths."""
+        if not self.manifest.has_documents:
+            raise TokenCorpusError(
+                f"{self.uri} stores no document lengths (a version-1 corpus): data.packing=documents needs them; "
+                "prepare it again with meshpilot data prepare, or set data.packing=windows"
+            )
+        plans = {}
+        for split in ("train", "validation"):
+            lengths = np.frombuffer(self.storage.get(documents_key(split)), dtype=DOCUMENT_LENGTH_DTYPE)
+            if int(lengths.sum()) != self.manifest.splits[split].tokens:
+                raise TokenCorpusError(
+                    f"{self.uri}: {documents_key(split)} counts {int(lengths.sum())} tokens, the manifest "
+                    f"{self.manifest.splits[split].tokens}; prepare the corpus again"
+                )
+            plans[split] = pack_documents(lengths, self.seq_len)
+        log.info(
+            "packed %d train documents into %d samples of <= %d tokens (%d documents cut into pieces)",
+            self.manifest.splits["train"].documents,
+            plans["train"].samples,
+            self.seq_len,
+            plans["train"].cut_documents,
+        )
+        return plans
+
+    def _count(self, split: str) -> int:
+        """Samples of ``split``: windows, or packed samples."""
+        if self.packing == Packing.DOCUMENTS:
+            return self.plans[split].samples
+        return window_count(self.manifest.splits[split].tokens, self.seq_len)
+
     def _windows(self, split: str) -> int:
-        windows = window_count(self.manifest.splits[split].tokens, self.seq_len)
+        windows = self._count(split)
         if windows < 1:
             raise TokenCorpusError(
                 f"{self.uri}: the {split} split holds {self.manifest.splits[split].tokens} tokens, fewer than one "
@@ -138,29 +186,28 @@ class TokenSource:
         return windows
 
     # ------------------------------------------------------------------ samples
-    def sample(self, index: int) -> torch.Tensor:
-        """Training sample ``index``: its window's ``seq_len + 1`` tokens as int64."""
+    def sample(self, index: int) -> Sample:
+        """Training sample ``index``: ``seq_len`` inputs, their labels (and documents when packed)."""
         with self._cache_lock:
             pending = self._cache.pop(index, None)
         if pending is not None:
-            tokens = pending.result()
+            sample = pending.result()
             with self._stats_lock:
                 self.stats.prefetched += 1
         else:
-            tokens = self._read_train(index)
+            sample = self._read_train(index)
             with self._stats_lock:
                 self.stats.read_on_demand += 1
-        return torch.from_numpy(tokens.astype(np.int64))
+        return sample
 
-    def eval_sample(self, index: int) -> torch.Tensor:
-        """Evaluation sample ``index``: the validation stream's windows in order, wrapping around."""
+    def eval_sample(self, index: int) -> Sample:
+        """Evaluation sample ``index``: the validation stream's samples in order, wrapping around."""
         if self.validation_windows < 1:
             raise TokenCorpusError(
                 f"{self.uri}: the validation split holds {self.manifest.splits['validation'].tokens} tokens, fewer "
                 f"than one window of training.seq_len + 1 = {self.seq_len + 1}"
             )
-        window = index % self.validation_windows
-        return torch.from_numpy(self._read_window(self.manifest.splits["validation"], window).astype(np.int64))
+        return self._read_sample("validation", index % self.validation_windows)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Start reading ``indices`` in the background; drop cached samples not among them."""
@@ -178,25 +225,42 @@ class TokenSource:
             self._cache.clear()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self.reader.close()
+        if self.mask_reader is not None:
+            self.mask_reader.close()
         self.storage.close()
 
     # ------------------------------------------------------------------ reading
-    def _read_train(self, index: int) -> np.ndarray:
-        return self._read_window(self.manifest.splits["train"], self.order.window(index))
+    def _read_train(self, index: int) -> Sample:
+        return self._read_sample("train", self.order.window(index))
 
-    def _read_window(self, split: SplitIndex, window: int) -> np.ndarray:
+    def _read_sample(self, split_name: str, number: int) -> Sample:
+        """Window or packed sample ``number`` of a split, tokens and mask read from its shards."""
         started = time.perf_counter()
-        start, stop = window_tokens(window, self.seq_len)
-        pieces = [
-            self.reader.read(key, begin, end)
-            for key, begin, end in shard_ranges(split.shards, start, stop, self.manifest.itemsize)
-        ]
-        tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        split = self.manifest.splits[split_name]
+        plan = self.plans.get(split_name)  # None: windows
+        start, stop = plan.sample_tokens(number) if plan is not None else window_tokens(number, self.seq_len)
+        tokens = self._read_range(self.reader, split.shards, (start, stop), self.manifest.itemsize)
+        trained = None
+        if self.mask_reader is not None:
+            masks = tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
+            trained = torch.from_numpy(self._read_range(self.mask_reader, masks, (start, stop), 1).astype(np.bool_))
         with self._stats_lock:
             self.stats.read_s += time.perf_counter() - started
-        if len(tokens) != stop - start:
-            raise TokenCorpusError(f"{self.uri}: window {window} read {len(tokens)} tokens, expected {stop - start}")
-        return tokens
+        token_ids = torch.from_numpy(tokens.astype(np.int64))
+        if plan is not None:
+            return Sample.packed(token_ids, plan.piece_lengths(number).tolist(), seq_len=self.seq_len, trained=trained)
+        return Sample.window(token_ids, trained)
+
+    def _read_range(
+        self, reader: ShardReader, shards: tuple[ShardEntry, ...], tokens: tuple[int, int], itemsize: int
+    ) -> np.ndarray:
+        """Tokens (or mask bytes) ``[start, stop)`` of a split's stream, across shard boundaries."""
+        start, stop = tokens
+        pieces = [reader.read(key, begin, end) for key, begin, end in shard_ranges(shards, start, stop, itemsize)]
+        values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        if len(values) != stop - start:
+            raise TokenCorpusError(f"{self.uri}: tokens [{start}, {stop}) read {len(values)} values")
+        return values
 
 
 def read_manifest(storage: StorageBackend) -> TokenManifest:

@@ -4,7 +4,8 @@ Runs on every rank, in the rank actor's loop thread (or in a plain torchrun scri
 benchmark's reference uses this same class). Construction is collective (every rank of the
 current process group builds its Trainer at the same time); so is ``train_step``.
 
-A step is: take this data-parallel slice of the step's samples, run forward/backward over
+A step is: take this data-parallel slice of the step's samples, count the trained labels of the
+whole global batch (the loss's denominator), run forward/backward over
 ``microbatches x accumulation`` microbatches (through the pipeline schedule when pp > 1),
 compute the global gradient norm and clip, wait until the device has run all of that, ask the
 committer whether the step may be applied (the one place where a failure elsewhere can veto
@@ -31,7 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from elastic.spec import MeshSpec
 from workers import parallelize as par
-from workers.data import SampleSource, local_batch, local_samples
+from workers.data import IGNORE_INDEX, Batch, SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
 from workers.initial_values import init_weights
 from workers.local_updates import LocalAdamW, clip_to_norm, grad_norm
@@ -69,7 +70,8 @@ class AlwaysCommit:
 @dataclass
 class StepResult:
     step: int
-    # Mean loss of this rank's data-parallel slice; None where this rank does not report it.
+    # This data-parallel slice's share of the step's loss, scaled so that the mean over the slices
+    # is the global batch's loss (see Trainer.microbatch_loss); None where this rank does not report it.
     loss: float | None
     grad_norm: float
     lr: float
@@ -80,6 +82,8 @@ class StepResult:
     # Global sample indices this rank's data-parallel slice consumed.
     samples: range = range(0)
     expert_load: dict[str, float] = field(default_factory=dict)  # see StageModel.expert_load
+    # Labels of the whole global batch that trained (the loss is the mean over them).
+    trained_tokens: int = 0
 
 
 class Trainer(TrainerState):
@@ -127,7 +131,8 @@ class Trainer(TrainerState):
         cache_generation = par.new_cache_generation()
         for module in self.modules:
             par.register_fresh_cache_hooks(module, cache_generation)
-            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))  # as microbatch_loss
+            # Auxiliary losses are a mean per microbatch: averaged over the step's microbatches.
+            module.scale_auxiliary_losses(1 / (spec.microbatches * self.accumulation))
         self.holds_last_stage = self.plans[-1].last
         self.holds_first_stage = self.plans[0].first
         # Tp rank 0 of each cp rank of the last stage holds the loss of its tokens; the loss is
@@ -135,6 +140,9 @@ class Trainer(TrainerState):
         self.holds_loss = self.holds_last_stage and self.coords.tp == 0
         self.reports_loss = self.holds_loss and self.coords.cp == 0
         self.optimizer = self._build_optimizer()
+        # What microbatch_loss multiplies its summed token losses by; set per step (and to 1 by
+        # the evaluation, which wants the plain sum).
+        self.loss_scale = 1.0
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
         # Each stage's parameters as the optimizer holds them (sharded), for after_optimizer_step.
         self._stage_parameters = [dict(module.named_parameters()) for module in self.modules]
@@ -234,7 +242,14 @@ class Trainer(TrainerState):
         return self.spec.batch.accumulation(self.mesh.dp)
 
     def microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The microbatch's mean token cross entropy, in float32, as a plain scalar tensor.
+        """The microbatch's summed token cross entropy over its trained labels (``IGNORE_INDEX``
+        elsewhere), in float32, times ``loss_scale``, as a plain scalar tensor.
+
+        In a step ``loss_scale`` is ``dp x cp / N``, N the trained labels of the whole global batch
+        (``begin_loss``): FSDP averages gradients over the dp x cp ranks, so the gradients it
+        leaves are those of (sum of every trained token's loss) / N: the same on any mesh and any
+        accumulation, however the trained tokens fall between microbatches (a mean of microbatch
+        means would weigh a microbatch with few trained tokens as much as a full one).
 
         With tp > 1 the logits are sharded over the vocabulary (a DTensor, see
         ``apply_tensor_parallel``): each rank upcasts only its shard, and ``loss_parallel``
@@ -242,13 +257,33 @@ class Trainer(TrainerState):
         and sum over the TP group instead of gathering the logits. The replicated result is
         returned as this rank's local scalar, so the schedule and the step see plain tensors.
         """
-        # Each microbatch's mean is divided by the microbatch count of the whole step, so the
-        # summed gradients equal those of the mean over the global batch (scale_grads=False).
-        scale = self.spec.microbatches * self.accumulation
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+        )
         if isinstance(loss, DTensor):
             loss = loss.to_local()
-        return loss / scale
+        return loss * self.loss_scale
+
+    def begin_loss(self, batch: Batch) -> int:
+        """Every rank, before a step's first forward: N, the trained labels of the global batch,
+        and ``loss_scale = dp x cp / N``. Collective over the data-parallel dimensions when the
+        source cannot say N without counting (a loss mask, packing by documents): each rank
+        counts its slice's labels (whole samples: every cp, tp and pp rank of a slice holds the
+        same), summed over the slices."""
+        if self.source.every_label_trains:
+            trained = self.spec.global_batch * self.spec.seq_len
+        else:
+            count = torch.count_nonzero(batch.labels != IGNORE_INDEX).reshape(1)
+            # .item() is a device sync point: once per step, before the first forward; a peer that
+            # never joins the all-reduce leaves this rank waiting on it (the hang blame says so).
+            with self.peer_waits.waiting(PeerWait.RESULT_READ):
+                for name in ("dp_replicate", "dp_shard"):
+                    if getattr(self.mesh, name) > 1:
+                        dist.all_reduce(count, group=self.world_mesh[name].get_group())
+                trained = int(count.item())
+        # A global batch with nothing to train (every label masked) has loss 0 and no gradient.
+        self.loss_scale = self.mesh.dp * self.mesh.cp / max(trained, 1)
+        return trained
 
     @contextlib.contextmanager
     def vocab_parallel_loss(self) -> Iterator[None]:
@@ -276,14 +311,14 @@ class Trainer(TrainerState):
             self.source, step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
         ).to(self.device)
         loaded = time.perf_counter()  # data_s: what reading (or waiting for the prefetch) cost the step
-        # Every cp rank of a slice has the same samples and keeps its part of each sequence.
-        inputs, labels = self.sequence_shard.take(batch[:, :-1]), self.sequence_shard.take(batch[:, 1:])
+        trained_tokens = self.begin_loss(batch)
+        batch = self.rank_part(batch)
         self._begin_step()
         per_round = self.spec.batch.rank_round_samples
         loss_sum = torch.zeros((), device=self.device)
         for index in range(self.accumulation):
             rows = slice(index * per_round, (index + 1) * per_round)
-            loss_sum += self._forward_backward(inputs[rows], labels[rows], last_round=index == self.accumulation - 1)
+            loss_sum += self._forward_backward(batch.rows(rows), last_round=index == self.accumulation - 1)
         computed = time.perf_counter()
         grad_norm = self._clip_gradients()
         # NCCL only enqueues the reductions and the clip: vote once the device has run them, so
@@ -319,25 +354,35 @@ class Trainer(TrainerState):
                 step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp
             ),
             expert_load={key: value for module in self.modules for key, value in module.expert_load().items()},
+            trained_tokens=trained_tokens,
         )
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, last_round: bool = True) -> torch.Tensor:
+    def rank_part(self, batch: Batch) -> Batch:
+        """This rank's part of its slice's samples (no communication): with cp > 1 its chunks of
+        every sequence's inputs and labels; the document numbers stay whole (a query's keys lie
+        anywhere in the sequence, see ``SequenceShard``)."""
+        take = self.sequence_shard.take
+        return Batch(inputs=take(batch.inputs), labels=take(batch.labels), documents=batch.documents)
+
+    def _forward_backward(self, batch: Batch, *, last_round: bool = True) -> torch.Tensor:
         """Forward and backward of one accumulation round; ``last_round``: the step's last.
 
         Without pipelining, only the step's last microbatch reduces gradients across replica
         groups; the schedule does the same for its own microbatches when pp > 1.
         """
         if self.schedule is not None:
+            # The driver refuses data.packing=documents with pp > 1: the schedule carries no documents.
+            assert batch.documents is None, "a pipeline passes hidden states only, no document numbers"
             losses: list[torch.Tensor] = []
-            self.pipeline_pass(inputs, labels, losses, backward=True)
+            self.pipeline_pass(batch.inputs, batch.labels, losses, backward=True)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
         module = self.modules[0]
         total = torch.zeros((), device=self.device)
-        microbatches = list(zip(inputs.chunk(self.spec.microbatches), labels.chunk(self.spec.microbatches)))
-        for index, (x, y) in enumerate(microbatches):
+        microbatches = batch.chunk(self.spec.microbatches)
+        for index, microbatch in enumerate(microbatches):
             self._set_replica_reduction(last_round and index == len(microbatches) - 1)
             with self.vocab_parallel_loss():
-                loss = self.microbatch_loss(module(x), y)
+                loss = self.microbatch_loss(module(microbatch.inputs, microbatch.documents), microbatch.labels)
                 loss.backward()
             total += loss.detach()
         return total
@@ -358,20 +403,23 @@ class Trainer(TrainerState):
             return run(inputs, **kwargs) if self.holds_first_stage else run(**kwargs)
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq].
+    def logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only: the model's logits [batch, seq, vocab] for ``tokens`` [batch, seq]
+        (``documents`` [batch, seq]: packed by documents, see ``workers.data.Sample``).
 
         Collective: every rank of the mesh calls it with the same tokens (with pp > 1 the batch
-        must divide into ``microbatches``; with cp > 1 the length into ``2 x cp`` chunks). Returns
-        the whole logits, gathered over tensor and context parallelism, on the ranks that hold the
-        last stage; None elsewhere.
+        must divide into ``microbatches``, and no documents; with cp > 1 the length into
+        ``2 x cp`` chunks). Returns the whole logits, gathered over tensor and context
+        parallelism, on the ranks that hold the last stage; None elsewhere.
         """
         tokens = self.sequence_shard.take(tokens.to(self.device))
         if self.schedule is not None:
+            if documents is not None:
+                raise ValueError("a pipeline passes hidden states only: logits of packed documents need pp=1")
             # The tokens stand in for labels: the schedule computes a loss, which is dropped.
             output = self.pipeline_pass(tokens, tokens, None, backward=False)
         else:
-            output = self.modules[0](tokens)
+            output = self.modules[0](tokens, None if documents is None else documents.to(self.device))
         self.reshard()  # pipelined stages stay gathered after a forward
         if not self.holds_last_stage or output is None:
             return None
@@ -379,9 +427,10 @@ class Trainer(TrainerState):
         return self.sequence_shard.gather_sequence(output, dim=1)
 
     def _sequence_mean(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The loss over whole sequences: the mean of the cp ranks' losses (each is the mean over
-        the same number of tokens). Collective over the cp group on the last stage's ranks when
-        cp > 1; ``loss_sum`` itself otherwise."""
+        """The slice's loss over whole sequences: the cp ranks' losses summed (each its tokens'
+        share), over cp (each was scaled by dp x cp / N): the slice's token losses x dp / N, whose
+        mean over the dp slices (the driver's) is the global batch's loss. Collective over the cp
+        group on the last stage's ranks when cp > 1; ``loss_sum`` itself otherwise."""
         if not (self.sequence_shard.split and self.holds_last_stage):
             return loss_sum
         summed = loss_sum.clone()

@@ -8,6 +8,7 @@ from flags; ``--endpoint-url`` points at a non-AWS server (SeaweedFS, MinIO, ...
     meshpilot ckpt inspect s3://bucket/run --step 20
     meshpilot ckpt verify s3://bucket/run --all
     meshpilot ckpt export s3://bucket/run --out hf-model/
+    meshpilot ckpt export s3://bucket/lora-run --out adapter/ --format peft   # a LoRA run's adapters
     meshpilot ckpt import hf-model/ s3://bucket/new-run      # a Hugging Face directory as step 0
 """
 
@@ -19,7 +20,9 @@ import time
 
 from checkpointing.catalog import list_committed, load_manifest
 from checkpointing.errors import CheckpointNotFoundError, CorruptCheckpointError
-from checkpointing.storage import open_storage
+from checkpointing.manifest import Manifest
+from checkpointing.storage import StorageBackend, open_storage
+from orchestrator.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", "write a Hugging Face model directory (names and config.json from the model family)", _export
     )
     export.add_argument("--out", required=True, help="output directory")
+    export.add_argument(
+        "--format",
+        default="hf",
+        choices=("hf", "peft"),
+        help="hf: the whole model (a LoRA run's adapters merged into its base); peft: a LoRA run's adapters as "
+        "adapter_config.json + adapter_model.safetensors for peft.PeftModel.from_pretrained (default hf)",
+    )
     export.add_argument(
         "--dtype",
         default=None,
@@ -160,17 +170,61 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from workers.hf_transfer import export_family  # torch: only once an export runs
+    from workers.adapter_export import adapter_settings, export_adapter  # torch: only once an export runs
+    from workers.hf_transfer import export_family
 
     storage = _storage(args)
     manifest = load_manifest(storage, args.step)
+    where = f"{storage.uri} step {manifest.step}"
+    if args.format == "peft":
+        if args.dtype is not None:
+            raise UserError("--dtype applies to --format hf; PEFT adapters are written as trained")
+        adapter_settings(manifest, where)
+        out = export_adapter(storage, args.out, step=manifest.step)
+        print(
+            f"exported the LoRA adapters of {where} to {out} "
+            "(load with peft.PeftModel.from_pretrained(base_model, DIR) on the base the run started from)"
+        )
+        return 0
+    max_shard_bytes = int(args.max_shard_size_mb * (1 << 20))
+    if manifest.lora is not None:
+        return _export_merged(args, storage, manifest, max_shard_bytes)
     out, naming = export_family(
-        storage, args.out, step=manifest.step, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_mb * (1 << 20))
+        storage, args.out, step=manifest.step, dtype=args.dtype, max_shard_bytes=max_shard_bytes
     )
-    print(
-        f"exported {storage.uri} step {manifest.step} ({naming.family_name} family) to {out} "
-        "(load with transformers.AutoModelForCausalLM.from_pretrained)"
-    )
+    print(f"exported {where} ({naming.family_name} family) to {out} {_LOAD_HINT}")
+    return 0
+
+
+_LOAD_HINT = "(load with transformers.AutoModelForCausalLM.from_pretrained)"
+
+
+def _export_merged(args: argparse.Namespace, storage: StorageBackend, manifest: Manifest, max_shard_bytes: int) -> int:
+    """A LoRA checkpoint as one model: its base, read from where the run read it, with the adapters merged."""
+    from orchestrator.model_source import released_weights_sha256
+    from workers.adapter_export import RANDOM_BASE_PREFIX, export_merged
+
+    where = f"{storage.uri} step {manifest.step}"
+    base = manifest.lora_base or {}
+    source = str(base.get("source", ""))
+    if not source or source.startswith(RANDOM_BASE_PREFIX):
+        raise UserError(
+            f"{where} holds LoRA adapters trained beside a seeded random base (no model.init_from), so there are "
+            "no released weights to merge them into; export them with --format peft"
+        )
+    base_storage = open_storage(source, endpoint_url=args.endpoint_url, region=args.region)
+    try:
+        if released_weights_sha256(base_storage) != base.get("sha256"):
+            raise UserError(
+                f"the base model at {source} is not the one {where} was trained beside (its fingerprint differs): "
+                "merging needs those very weights; restore them there, or export the adapters with --format peft"
+            )
+        out, naming = export_merged(
+            storage, base_storage, args.out, step=manifest.step, dtype=args.dtype, max_shard_bytes=max_shard_bytes
+        )
+    finally:
+        base_storage.close()
+    print(f"exported {where} ({naming.family_name} family, LoRA merged into {source}) to {out} {_LOAD_HINT}")
     return 0
 
 

@@ -11,6 +11,7 @@ the reason, one line each. ``--json`` prints one JSON object instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from elastic.plan_explain import format_gb
 from elastic.planner import PIPELINE_SCHEDULES, SEARCHED_SCHEDULES, Constraints, Plan, PlanResult, plan_layouts
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
+from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
 
 DEFAULT_SEQ_LEN = 8192
 # Llama 3 405B's batch: 2,048 sequences of 8,192 tokens = 16M tokens per step.
@@ -104,6 +106,19 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: whichever fits and is faster",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="price LoRA fine-tuning: adapters of this rank train, the base is frozen (default: the config's "
+        "model.lora, else full training)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help=f"comma-separated layers that get adapters (default {','.join(DEFAULT_TARGETS)})",
+    )
 
 
 def _add_assumption_flags(parser: argparse.ArgumentParser) -> None:
@@ -182,6 +197,7 @@ class ModelSource:
     seq_len: int | None = None
     global_batch: int | None = None
     layout: Layout | None = None
+    lora: LoraSpec | None = None
 
 
 def load_model(reference: str) -> ModelSource:
@@ -206,7 +222,12 @@ def load_model(reference: str) -> ModelSource:
             ep=par.ep,
         )
         return ModelSource(
-            f"{config.name} ({path})", config.model_spec, config.training.seq_len, config.training.global_batch, layout
+            f"{config.name} ({path})",
+            config.model_spec,
+            config.training.seq_len,
+            config.training.global_batch,
+            layout,
+            lora=config.model.lora.spec() if config.model.lora is not None else None,
         )
     raise UserError(
         f"--model {reference!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML job config; "
@@ -217,14 +238,23 @@ def load_model(reference: str) -> ModelSource:
 def run_plan(args: argparse.Namespace) -> int:
     source = load_model(args.model)
     workload, cluster, constraints, assumptions = _inputs(args, source.model, source.seq_len, source.global_batch)
+    workload = dataclasses.replace(workload, lora=_lora(args, source))
     result = plan_layouts(workload, cluster, constraints=constraints, assumptions=assumptions)
     shown = result.top(args.top)
     configured = _configured(source, result, constraints, assumptions)
     if args.json:
         document = plan_json(source.name, result, shown)
         document["config_layout"] = configured
+        document["lora"] = _lora_summary(workload)
         print(json.dumps(document, indent=2))
     else:
+        if workload.lora is not None:
+            trainable = workload.model.n_layers * workload.adapter_params_per_layer
+            print(
+                f"LoRA rank {workload.lora.rank} on {', '.join(workload.lora.target_modules)}: "
+                f"{trainable:,} trainable parameters ({trainable / workload.model.num_params:.3%} of the "
+                "model); the base is frozen (no gradients, no optimizer state)"
+            )
         print(format_plan(source.name, result, shown))
         if configured is not None:
             print(f"the config's layout ({configured['layout']}): {configured['verdict']}")
@@ -262,6 +292,40 @@ def _configured(
         "faster_layouts": faster,
         "verdict": verdict,
     }
+
+
+def _lora_summary(workload: Workload) -> dict[str, object] | None:
+    if workload.lora is None:
+        return None
+    trainable = workload.model.n_layers * workload.adapter_params_per_layer
+    return {
+        **dataclasses.asdict(workload.lora),
+        "trainable_params": trainable,
+        "trainable_share": round(trainable / workload.model.num_params, 6),
+    }
+
+
+def _lora(args: argparse.Namespace, source: ModelSource) -> LoraSpec | None:
+    """The adapters priced: ``--lora-rank``/``--lora-targets``, else the config's ``model.lora``."""
+    if args.lora_rank is None and args.lora_targets is None:
+        return source.lora
+    base = source.lora or LoraSpec()
+    rank = base.rank if args.lora_rank is None else args.lora_rank
+    if rank < 1:
+        raise UserError(f"--lora-rank={rank} must be >= 1")
+    targets = base.target_modules
+    if args.lora_targets is not None:
+        targets = tuple(name.strip() for name in args.lora_targets.split(",") if name.strip())
+        known = source.model.adapter_linear_shapes()
+        unknown = [name for name in targets if name not in known]
+        if unknown or not targets:
+            raise UserError(
+                f"--lora-targets={args.lora_targets!r}: {', '.join(unknown) or 'no name'} is not a layer of this "
+                f"model that takes an adapter; name some of {', '.join(known)}"
+            )
+    return dataclasses.replace(
+        base, rank=rank, alpha=2.0 * rank if args.lora_rank is not None else base.alpha, target_modules=targets
+    )
 
 
 def _inputs(

@@ -151,8 +151,11 @@ class ReportRouter:
             "step",
             **extra,
             step=step,
+            # Each slice's loss is its share of the global batch's, scaled by dp (Trainer.microbatch_loss):
+            # their mean is the loss over every trained label of the global batch.
             loss=sum(losses) / len(losses) if losses else None,
             tokens=self.tokens_per_step,
+            trained_tokens=_trained_tokens(ranks.values(), self.tokens_per_step),
             step_time_s=max(r.step_time_s for r in ranks.values()),
             world_size=self.mesh.world_size,
             mesh=self.mesh.as_dict(),
@@ -184,6 +187,13 @@ class ReportRouter:
         self.last_emitted_step = step
         self._evaluated = {evaluated for evaluated in self._evaluated if evaluated <= step}
         self.ledger.rewind(step)
+
+
+def _trained_tokens(reports: Iterable[StepReport], tokens_per_step: int) -> int:
+    """The step's trained labels, as its ranks counted them (every rank the same number); a rank
+    that does not count them (an older report) means every label trained."""
+    counts = [report.trained_tokens for report in reports if report.trained_tokens is not None]
+    return counts[0] if counts else tokens_per_step
 
 
 def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:

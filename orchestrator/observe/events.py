@@ -61,7 +61,16 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     # only when a rank died between applying the step and reporting it; phases_s: per phase of
     # the step, the longest any rank spent in it.
     # expert_load_max_over_mean: a mixture of experts' load per layer, the most uneven slice's.
-    "step": ("grad_norm", "completed_at", "loss_partial", "reported_ranks", "phases_s", "expert_load_max_over_mean"),
+    # trained_tokens: the labels the loss is the mean over (fewer than tokens on masked or packed data).
+    "step": (
+        "grad_norm",
+        "completed_at",
+        "loss_partial",
+        "reported_ranks",
+        "phases_s",
+        "expert_load_max_over_mean",
+        "trained_tokens",
+    ),
     # reason: storage (uploads gave up) | interrupted (the mesh changed before every rank reported)
     "checkpoint_failed": ("reason",),
     # details: {rank: traceback} behind the one-line message

@@ -87,6 +87,9 @@ METRICS: dict[str, MetricSpec] = {
     "learning_rate": _gauge("learning_rate", "Learning rate of the last step."),
     "grad_norm": _gauge("grad_norm", "Gradient norm of the last step, before clipping."),
     "tokens": _counter("tokens", "Tokens trained on."),
+    "trained_tokens": _counter(
+        "trained_tokens", "Labels the loss was taken over (tokens whose loss mask trains; all of them unmasked)."
+    ),
     "tokens_per_second": _gauge("tokens_per_second", "Throughput of the last step, whole job."),
     "step_time": _histogram("step_time_seconds", "Wall time of one optimizer step.", _STEP_BUCKETS),
     "rank_step_time": _gauge("rank_step_time_seconds", "Last step's time as seen by each rank.", ("rank",)),

@@ -179,6 +179,7 @@ class MetricsExporter:
         if event.get("grad_norm") is not None:
             m.grad_norm.set(event["grad_norm"])
         m.tokens.inc(tokens)
+        m.trained_tokens.inc(int(event.get("trained_tokens") or 0))
         m.step_time.observe(step_time)
         self._productive += step_time
         m.effective_seconds.set(self._productive)

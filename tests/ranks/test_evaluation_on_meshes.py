@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from elastic.spec import MeshSpec
 from tests.ranks.eval_ranks import EVAL_BATCHES, GLOBAL_BATCH, MODEL, SEQ_LEN, eval_source, run_rank
 from tests.ranks.spawned_ranks import spawn_ranks
+from workers.data import Batch
 from workers.initial_values import init_weights
 from workers.models import resolve_family
 
@@ -30,10 +31,10 @@ def plain_eval_loss() -> float:
     model = family.build(MODEL)
     init_weights(model, family, MODEL, seed=0)
     source = eval_source()
-    samples = torch.stack([source.eval_sample(index) for index in range(EVAL_BATCHES * GLOBAL_BATCH)])
+    samples = Batch.stack([source.eval_sample(index) for index in range(EVAL_BATCHES * GLOBAL_BATCH)])
     with torch.no_grad():
-        logits = model(samples[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), samples[:, 1:].flatten()).item()
+        logits = model(samples.inputs)
+    return F.cross_entropy(logits.flatten(0, 1), samples.labels.flatten()).item()
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from elastic.spec import MeshSpec
-from workers.data import SyntheticSource
+from workers.data import IGNORE_INDEX, SyntheticSource
 from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
@@ -32,7 +32,9 @@ def run_rank(rank: int, store_path: str, results) -> None:
     trainer = Trainer(SPEC, MeshSpec(tp=2), rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
     tokens = torch.randint(0, SPEC.model.vocab_size, (2, SPEC.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[0, :3] = IGNORE_INDEX  # masked labels: the vocabulary-parallel loss skips them too
+    trainer.loss_scale = 0.25  # as a step sets it: dp x cp / trained labels of the global batch
     with trainer.vocab_parallel_loss():
         logits = trainer.modules[0](inputs)
         loss = trainer.microbatch_loss(logits, labels)
@@ -41,8 +43,7 @@ def run_rank(rank: int, store_path: str, results) -> None:
     placements = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else None
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
     reference_logits = full.detach().float().requires_grad_()
-    scale = SPEC.microbatches * trainer.accumulation
-    reference = F.cross_entropy(reference_logits.flatten(0, 1), labels.flatten()) / scale
+    reference = F.cross_entropy(reference_logits.flatten(0, 1), labels.flatten(), reduction="sum") * 0.25
     (reference_grad,) = torch.autograd.grad(reference, reference_logits)
     grad_held = logits_grad.to_local() if isinstance(logits_grad, DTensor) else logits_grad
     results.put(

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from workers.data import SyntheticSource, TextSource, local_batch, step_samples
+from workers.data import Batch, SyntheticSource, TextSource, local_batch, step_samples
 from workers.spec import PRESETS, TrainSpec
 from workers.spec.train import BatchPlan
 
 
-def _rows(batch: torch.Tensor) -> list[tuple[int, ...]]:
-    return [tuple(row.tolist()) for row in batch]
+def _rows(batch: Batch) -> list[tuple[int, ...]]:
+    return [tuple(row.tolist()) for row in torch.cat([batch.inputs, batch.labels], dim=1)]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
@@ -33,19 +33,21 @@ def test_steps_never_overlap_and_a_mesh_change_neither_skips_nor_repeats():
         dp = 4 if step <= 10 else (2 if step <= 20 else 4)  # shrink, then grow
         for dp_rank in range(dp):
             seen += list(step_samples(step, 8))[dp_rank * (8 // dp) : (dp_rank + 1) * (8 // dp)]
-        batch = torch.cat([local_batch(source, step=step, global_batch=8, dp_rank=r, dp=dp) for r in range(dp)])
-        assert batch.shape == (8, 33)
+        batch = torch.cat([local_batch(source, step=step, global_batch=8, dp_rank=r, dp=dp).inputs for r in range(dp)])
+        assert batch.shape == (8, 32)
     assert seen == list(range(30 * 8))
 
 
 def test_text_windows_cover_each_epoch_once():
     data = bytes(range(256)) * 10
     source = TextSource(data, seq_len=64, seed=1)
-    starts = [bytes(source.sample(i)[:4].to(torch.uint8).tolist()) for i in range(source.windows)]
+    starts = [bytes(source.sample(i).inputs[:4].to(torch.uint8).tolist()) for i in range(source.windows)]
     expected = [data[j * 64 : j * 64 + 4] for j in range(source.windows)]
     assert sorted(starts) == sorted(expected)
     # the next epoch is another permutation of the same windows
-    second = [bytes(source.sample(source.windows + i)[:4].to(torch.uint8).tolist()) for i in range(source.windows)]
+    second = [
+        bytes(source.sample(source.windows + i).inputs[:4].to(torch.uint8).tolist()) for i in range(source.windows)
+    ]
     assert sorted(second) == sorted(expected) and second != starts
 
 

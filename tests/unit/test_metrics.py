@@ -402,3 +402,14 @@ def test_a_mixture_of_experts_load_balance_is_exported_per_layer():
     samples = scrape(fed_exporter(events))
     for layer, ratio in last.items():
         assert value(samples, "meshpilot_expert_load_max_over_mean", layer=layer) == ratio
+
+
+def test_trained_tokens_are_counted_apart_from_tokens():
+    exporter = MetricsExporter()
+    exporter.on_event({"event": "start", "time": 0.0, "world_size": 2})
+    for step, trained in ((1, 40), (2, 25)):
+        event = {"event": "step", "time": float(step), "step": step, "loss": 2.0, "tokens": 128, "step_time_s": 1.0}
+        exporter.on_event({**event, "trained_tokens": trained})
+    samples = scrape(exporter)
+    assert value(samples, "meshpilot_tokens_total") == 256
+    assert value(samples, "meshpilot_trained_tokens_total") == 65

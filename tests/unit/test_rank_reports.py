@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -101,3 +102,15 @@ def test_a_mixture_of_experts_step_reports_the_most_uneven_load_per_layer(tmp_pa
     moe_step, dense_step = read_events(tmp_path / "events.jsonl")
     assert moe_step["expert_load_max_over_mean"] == {"layer0": 1.5, "layer1": 2.0}
     assert "expert_load_max_over_mean" not in dense_step
+
+
+def test_a_step_event_says_how_many_labels_trained(tmp_path):
+    """Masked data: the step's trained labels, as the ranks counted them, beside its tokens."""
+    events = EventLog(tmp_path / "events.jsonl")
+    router = ReportRouter(events, mesh=MeshSpec(dp_shard=2), tokens_per_step=256)
+    router.route([dataclasses.replace(step_report(rank, 1, loss=2.0), trained_tokens=97) for rank in range(2)])
+    router.route([step_report(rank, 2, loss=2.0) for rank in range(2)])  # a rank that does not count them
+    events.close()
+    first, second = read_events(tmp_path / "events.jsonl")
+    assert (first["tokens"], first["trained_tokens"]) == (256, 97)
+    assert second["trained_tokens"] == 256

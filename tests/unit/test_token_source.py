@@ -12,7 +12,7 @@ import torch
 
 from checkpointing.storage import open_storage
 from tests.token_corpus import Corpus, documents, small_corpus, write_corpus
-from workers.data import local_batch, local_samples
+from workers.data import Sample, local_batch, local_samples
 from workers.runtime import make_source
 from workers.spec import PRESETS, TrainSpec
 from workers.spec.tokens import TokenCorpusError, WindowOrder, window_count
@@ -29,17 +29,24 @@ def expected_train(corpus: Corpus, index: int, *, seed: int = 0) -> np.ndarray:
     return corpus.train[start : start + SEQ_LEN + 1]
 
 
+def window_of(sample: Sample) -> np.ndarray:
+    """The ``seq_len + 1`` stream tokens an unmasked window sample was cut from."""
+    assert torch.equal(sample.labels[:-1], sample.inputs[1:]), "every label is the next input"
+    return np.append(sample.inputs.numpy(), sample.labels[-1].item())
+
+
 def assert_stream_windows(source: TokenSource, corpus: Corpus) -> None:
     windows = window_count(len(corpus.train), SEQ_LEN)
     # two epochs: every window once per epoch, each equal to its slice of the stream
     for index in range(2 * windows):
         got = source.sample(index)
-        assert got.dtype == torch.int64 and got.shape == (SEQ_LEN + 1,)
-        assert np.array_equal(got.numpy(), expected_train(corpus, index)), f"sample {index}"
+        assert got.inputs.dtype == torch.int64 and got.inputs.shape == got.labels.shape == (SEQ_LEN,)
+        assert got.documents is None
+        assert np.array_equal(window_of(got), expected_train(corpus, index)), f"sample {index}"
     validation_windows = window_count(len(corpus.validation), SEQ_LEN)
     for index in range(validation_windows + 2):  # in order, wrapping around
         start = (index % validation_windows) * SEQ_LEN
-        assert np.array_equal(source.eval_sample(index).numpy(), corpus.validation[start : start + SEQ_LEN + 1])
+        assert np.array_equal(window_of(source.eval_sample(index)), corpus.validation[start : start + SEQ_LEN + 1])
 
 
 def test_local_corpus_windows_equal_the_stream(tmp_path):
@@ -83,8 +90,8 @@ def test_the_seed_changes_the_order_not_the_windows(tmp_path):
     corpus = small_corpus(open_storage(str(tmp_path)))
     source = TokenSource(TokenCorpusSource(str(tmp_path)), seq_len=SEQ_LEN, seed=5)
     try:
-        assert np.array_equal(source.sample(3).numpy(), expected_train(corpus, 3, seed=5))
-        assert not np.array_equal(source.sample(3).numpy(), expected_train(corpus, 3, seed=0))
+        assert np.array_equal(window_of(source.sample(3)), expected_train(corpus, 3, seed=5))
+        assert not np.array_equal(window_of(source.sample(3)), expected_train(corpus, 3, seed=0))
     finally:
         source.close()
 
@@ -100,10 +107,11 @@ def test_next_steps_samples_are_prefetched_while_a_step_runs(s3_bucket):
         assert (source.stats.read_on_demand, source.stats.prefetched) == (4, 0)
         for step in range(2, 6):
             rows = local_batch(source, step=step, **batch)
-            expected = [expected_train(corpus, i) for i in local_samples(step=step, **batch)]
-            assert np.array_equal(rows.numpy(), np.stack(expected))
+            expected = np.stack([expected_train(corpus, i) for i in local_samples(step=step, **batch)])
+            assert np.array_equal(rows.inputs.numpy(), expected[:, :-1])
+            assert np.array_equal(rows.labels.numpy(), expected[:, 1:])
         assert source.stats.read_on_demand == 4 and source.stats.prefetched == 16  # every later step came prefetched
-        assert first.shape == (4, SEQ_LEN + 1)
+        assert first.inputs.shape == (4, SEQ_LEN)
     finally:
         source.close()
 
@@ -151,7 +159,7 @@ def test_make_source_opens_the_corpus_named_in_the_spec(tmp_path):
     )
     source = make_source(spec, None)
     try:
-        assert np.array_equal(source.sample(0).numpy(), expected_train(corpus, 0))
+        assert np.array_equal(window_of(source.sample(0)), expected_train(corpus, 0))
     finally:
         source.close()
 

@@ -23,7 +23,9 @@ What the rest of meshpilot relies on (``StageModel``):
   attributes only the first stage keeps (embeddings), ``last_stage_modules`` only the last
   (final norm, output projection);
 - ``forward`` takes token ids [batch, seq] on the first stage and hidden states
-  [batch, seq, dim] after it, and returns logits [batch, seq, vocab] on the last stage.
+  [batch, seq, dim] after it, and returns logits [batch, seq, vocab] on the last stage; with
+  ``documents`` (packing by documents, see ``workers.data.Sample``) it hands them to every layer,
+  whose attention restarts positions and stops at each document.
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ class StageModel(nn.Module):
         by name as the optimizer holds them (sharded); ``all_reduce``: sums a tensor over every
         rank holding this stage (collective). A model without such state ignores it."""
 
-    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_or_hidden: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(tokens_or_hidden) if self.is_first_stage else tokens_or_hidden
         for layer in self.layers.values():
-            h = layer(h)
+            # Positional: activation checkpointing's wrapper passes positional arguments on.
+            h = layer(h) if documents is None else layer(h, documents)
         return self.head(h) if self.is_last_stage else h
 
 

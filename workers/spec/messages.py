@@ -128,6 +128,8 @@ class StepReport:
     sample_indices: tuple[int, ...] | None = None
     # A mixture of experts: per layer this rank holds, the busiest expert's tokens over the mean's.
     expert_load: dict[str, float] = field(default_factory=dict)
+    # Labels of the step's whole global batch that trained (the same on every rank of the step).
+    trained_tokens: int | None = None
     kind: ReportKind = ReportKind.STEP
 
 

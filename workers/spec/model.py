@@ -127,6 +127,23 @@ class ModelSpec:
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6.0 * dense + attention
 
+    # ------------------------------------------------------------ adapters
+    def adapter_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of one layer's linear layers a LoRA adapter may target, by
+        Hugging Face name: the attention projections (a family with a dense MLP adds its own)."""
+        queries, keys = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {
+            "q_proj": (self.dim, queries),
+            "k_proj": (self.dim, keys),
+            "v_proj": (self.dim, keys),
+            "o_proj": (queries, self.dim),
+        }
+
+    def adapter_params_per_layer(self, target_modules: tuple[str, ...], rank: int) -> int:
+        """Trainable parameters of one layer's LoRA adapters: ``rank x (in + out)`` per target."""
+        shapes = self.adapter_linear_shapes()
+        return sum(rank * (shapes[name][0] + shapes[name][1]) for name in target_modules if name in shapes)
+
     # ------------------------------------------------------------ memory
     def saved_activations_per_token(self) -> int:
         """Values one token leaves behind in one layer for the backward pass (the memory model

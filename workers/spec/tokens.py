@@ -25,13 +25,24 @@ its shards in order. A document goes to the validation split when a hash of (spl
 number, document number) falls under ``validation_fraction``, so the split never depends on how
 the work was parallelised.
 
-Training samples are windows of ``seq_len + 1`` tokens that start every ``seq_len`` tokens of
-the train stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly
-once per epoch). Windows cross document boundaries (packing; the EOS between two documents
-tells the model where one ends). Global sample ``i`` is window ``order(i mod W)`` of epoch
-``i // W``, where ``order`` is a seeded permutation of the ``W`` windows, computed per index (a
-Feistel network, cycle-walked into ``[0, W)``): nothing of size ``W`` is ever held. Evaluation
-reads the validation stream's windows in order.
+Training samples are packed one of two ways (``data.packing``, ``Packing``):
+
+- ``windows``: windows of ``seq_len + 1`` tokens that start every ``seq_len`` tokens of the train
+  stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly once
+  per epoch, when its mask says it trains). Windows cross document boundaries (the EOS between
+  two documents tells the model where one ends).
+- ``documents``: whole documents, in stream order, packed greedily into samples of at most
+  ``seq_len`` tokens (``PackingPlan``); a document longer than ``seq_len`` is cut into pieces of
+  ``seq_len`` tokens (the last one shorter), each piece packed like a document. A packed sample
+  is a contiguous range of the stream, so it is read like a window; the model restarts
+  positions and fences attention at each piece, no label crosses a boundary (the last token of
+  a piece predicts nothing) and the padding after the last piece trains nothing. The plan
+  depends on the document lengths and ``seq_len`` only, never on the seed or the mesh.
+
+Global sample ``i`` is sample ``order(i mod W)`` of epoch ``i // W`` (``W`` windows or packed
+samples), where ``order`` is a seeded permutation of the ``W``, computed per index (a Feistel
+network, cycle-walked into ``[0, W)``): nothing of size ``W`` is ever held. Evaluation reads the
+validation stream's samples (packed the same way) in order.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ import json
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
+
+import numpy as np
 
 FORMAT = "meshpilot-tokens"
 VERSION = 2
@@ -58,6 +71,18 @@ class CorpusFormat(StrEnum):
     TEXT = "text"  # plain documents, every token trained
     CHAT = "chat"  # message lists rendered with the tokenizer's chat template; assistant turns train
     PROMPT_COMPLETION = "prompt-completion"  # a prompt then a completion + EOS; the completion trains
+
+
+class Packing(StrEnum):
+    """How training samples are cut from a split's stream: ``data.packing`` (see the module)."""
+
+    WINDOWS = "windows"
+    DOCUMENTS = "documents"
+
+    @classmethod
+    def default_for(cls, corpus_format: CorpusFormat) -> Packing:
+        """``windows`` for text (pre-training), ``documents`` for chat and prompt-completion corpora."""
+        return cls.WINDOWS if corpus_format == CorpusFormat.TEXT else cls.DOCUMENTS
 
 
 class TokenCorpusError(ValueError):
@@ -236,6 +261,67 @@ class WindowOrder:
             mixed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & self.mask
             left, right = right, left ^ mixed
         return (left << self.half_bits) | right
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """A split's documents packed into samples of at most ``seq_len`` tokens (``Packing.DOCUMENTS``).
+
+    Computed on every rank from the split's document lengths (``documents.bin``), in stream order,
+    with numpy (a few hundred milliseconds for millions of documents); a pure function of
+    (lengths, seq_len). ``piece_starts`` [pieces + 1]: the stream offset of each piece, then the
+    stream's end; ``first_piece`` [samples + 1]: each sample's first piece, then ``pieces``.
+    """
+
+    seq_len: int
+    piece_starts: np.ndarray
+    first_piece: np.ndarray
+    cut_documents: int  # documents longer than seq_len, cut into pieces
+
+    @property
+    def samples(self) -> int:
+        return len(self.first_piece) - 1
+
+    @property
+    def pieces(self) -> int:
+        return len(self.piece_starts) - 1
+
+    def sample_tokens(self, sample: int) -> tuple[int, int]:
+        """The token range [start, stop) of packed sample ``sample`` in its split's stream."""
+        first, stop = self.first_piece[sample], self.first_piece[sample + 1]
+        return int(self.piece_starts[first]), int(self.piece_starts[stop])
+
+    def piece_lengths(self, sample: int) -> np.ndarray:
+        """The lengths of sample ``sample``'s pieces, in order (they sum to its token count)."""
+        first, stop = self.first_piece[sample], self.first_piece[sample + 1]
+        return np.diff(self.piece_starts[first : stop + 1])
+
+
+def pack_documents(lengths: np.ndarray, seq_len: int) -> PackingPlan:
+    """Greedy packing of documents of ``lengths`` (stream order) into samples of <= ``seq_len``
+    tokens: each sample takes the following pieces while they fit (next fit). Pure arithmetic."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    pieces_per_document = -(-lengths // seq_len)
+    document_starts = np.cumsum(lengths) - lengths
+    first_of_document = np.cumsum(pieces_per_document) - pieces_per_document
+    pieces = int(pieces_per_document.sum())
+    # Piece p of document d starts at its document's start + seq_len x (p's number within d).
+    number_within = np.arange(pieces, dtype=np.int64) - np.repeat(first_of_document, pieces_per_document)
+    piece_starts = np.append(
+        np.repeat(document_starts, pieces_per_document) + seq_len * number_within, int(lengths.sum())
+    )
+    # Pieces i .. next_first[i] - 1 are the most that fit from piece i on (every piece fits alone).
+    next_first = (np.searchsorted(piece_starts, piece_starts[:-1] + seq_len, side="right") - 1).tolist()
+    first_piece = [0]
+    while first_piece[-1] < pieces:  # one pass over the samples, not the pieces
+        first_piece.append(next_first[first_piece[-1]])
+    return PackingPlan(
+        seq_len=seq_len,
+        piece_starts=piece_starts,
+        first_piece=np.asarray(first_piece, dtype=np.int64),
+        cut_documents=int(np.count_nonzero(pieces_per_document > 1)),
+    )
 
 
 def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int) -> list[tuple[str, int, int]]:

@@ -17,6 +17,7 @@ from enum import StrEnum
 from elastic.spec import BatchPlan
 from workers.spec.lora import LoraBase, LoraSpec
 from workers.spec.model import ModelSpec
+from workers.spec.tokens import Packing
 
 __all__ = [
     "BatchPlan",
@@ -111,11 +112,13 @@ class PretrainedSource:
 @dataclass(frozen=True)
 class TokenCorpusSource:
     """A prepared token corpus (``data.source: tokens``): a directory or ``s3://`` prefix holding
-    the manifest and shards of ``workers/spec/tokens.py`` (credentials from the AWS chain, never here)."""
+    the manifest and shards of ``workers/spec/tokens.py`` (credentials from the AWS chain, never here),
+    and how samples are cut from it (``data.packing``, resolved by the driver from the corpus format)."""
 
     uri: str
     endpoint_url: str | None = None
     region: str | None = None
+    packing: Packing = Packing.WINDOWS
 
 
 @dataclass(frozen=True, kw_only=True)

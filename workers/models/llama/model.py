@@ -60,13 +60,14 @@ def rotary_inv_freq(spec: LlamaArgs, device: torch.device) -> torch.Tensor:
 def rotary_cos_sin(
     spec: LlamaArgs, seq_len: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary cos/sin [seq, head_dim] at ``positions`` (global token positions; ``0 .. seq_len - 1``
-    when None, or when the sequence is split over cp ranks, the positions of this rank's tokens)."""
+    """Rotary cos/sin [..., seq, head_dim] at ``positions`` [..., seq] (``0 .. seq_len - 1`` when
+    None; the positions of this rank's tokens when the sequence is split over cp ranks; per row,
+    restarting at each document, when packed by documents)."""
     inv_freq = rotary_inv_freq(spec, device)
     if positions is None:
         positions = torch.arange(seq_len, device=device)
     positions = positions.to(torch.float32)
-    freqs = torch.outer(positions, inv_freq)
+    freqs = positions[..., None] * inv_freq  # one product per element, as torch.outer and HF's matmul
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -77,8 +78,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim], or [batch, 1, seq, head_dim]."""
     return x * cos + _rotate_half(x) * sin
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document, [batch, seq], from document numbers [batch, seq]
+    (runs of equal numbers, see ``workers.data.Sample``): 0 at each document's first token."""
+    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=-1).values
+    return index - first
+
+
+def document_mask(documents: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """[batch, 1, local seq, seq] booleans: a query (one of this rank's tokens) sees a key (any
+    position of the whole sequence) when the key is not after it and of the same document."""
+    local_len = documents.shape[-1] // shard.cp
+    queries = shard.positions(local_len, documents.device)
+    same_document = documents[:, queries, None] == documents[:, None, :]
+    causal = queries[:, None] >= torch.arange(documents.shape[-1], device=documents.device)[None, :]
+    return (same_document & causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -99,22 +120,44 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents`` [batch, whole seq] (packing by documents): positions restart and attention
+        stops at each document; the whole sequence's even when cp splits ``x``."""
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         shard = self.sequence_shard
         positions = shard.positions(seq_len, x.device) if shard.split else None
+        mask: torch.Tensor | None = None
+        if documents is not None:
+            local = shard.positions(seq_len, x.device)
+            positions = document_positions(documents)[:, local]
+            mask = document_mask(documents, shard)
+        elif shard.split:
+            mask = shard.causal_mask(seq_len, x.device)
         cos, sin = rotary_cos_sin(self.spec, seq_len, x.device, q.dtype, positions)
+        if cos.dim() == 3:  # per row: [batch, seq, head_dim] -> broadcast over the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if shard.split:
             k, v = shard.gather_sequence(k, dim=2), shard.gather_sequence(v, dim=2)
-            mask = shard.causal_mask(seq_len, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self.o_proj(_attend(q, k, v, mask).transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention, or attention under ``mask`` (True: the query sees the key)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:  # the plain causal kernel (flash on GPU): a run without packing or cp is unchanged
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa and q.device.type != "cpu":
+        # Flash takes no mask, and the memory-efficient kernel (which does) no grouped heads: on
+        # a GPU the keys and values are repeated per query head rather than fall back to the
+        # math kernel, which would hold [batch, heads, seq, seq] scores.
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -139,8 +182,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.dim, spec.norm_eps)
         self.mlp = make_mlp(spec)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h))
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        # documents by keyword: the tensor-parallel plan prepares the attention's positional input only.
+        h = h + self.self_attn(self.input_layernorm(h), documents=documents)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

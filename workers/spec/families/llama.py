@@ -59,6 +59,15 @@ class LlamaArgs(ModelSpec):
     def params_per_layer(self) -> int:
         return self.attention_and_norm_params + self.feed_forward_params_per_layer
 
+    def adapter_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """The attention projections and the SwiGLU MLP's three."""
+        return {
+            **super().adapter_linear_shapes(),
+            "gate_proj": (self.dim, self.ffn_dim),
+            "up_proj": (self.dim, self.ffn_dim),
+            "down_proj": (self.ffn_dim, self.dim),
+        }
+
     @property
     def embedding_params(self) -> int:
         return self.vocab_size * self.dim

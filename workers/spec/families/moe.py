@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.spec.families.llama import LlamaArgs
+from workers.spec.model import ModelSpec
 
 # How a router turns its logits into expert scores.
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -60,6 +61,10 @@ class MoeArgs(LlamaArgs):
         router = self.n_experts * self.dim
         shared = 3 * self.dim * self.shared_ffn_dim + (self.dim if self.n_shared_experts else 0)
         return router + routed_experts * 3 * self.dim * self.expert_ffn_dim + shared
+
+    def adapter_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """The attention projections only: the experts' MLPs are routed, not adapted."""
+        return ModelSpec.adapter_linear_shapes(self)
 
     @property
     def feed_forward_params_per_layer(self) -> int:
