@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from orchestrator.data_prep.chat import TrainOn
 from orchestrator.data_prep.inputs import DEFAULT_CHUNK_BYTES
+from workers.spec.tokens import CorpusFormat
 
 if TYPE_CHECKING:
     from orchestrator.data_prep.pipeline import PrepareResult
@@ -35,7 +37,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE_OR_GLOB",
         help="local or s3:// files or globs: .txt (one document per file), .jsonl, .parquet",
     )
+    prepare.add_argument(
+        "--format",
+        dest="corpus_format",
+        choices=[str(value) for value in CorpusFormat],
+        default=str(CorpusFormat.TEXT),
+        help="text: documents; chat: message lists rendered with the tokenizer's chat template; "
+        "prompt-completion: a prompt and its completion (default text)",
+    )
     prepare.add_argument("--text-field", default="text", help="the .jsonl field / .parquet column of the text")
+    prepare.add_argument(
+        "--messages-field", default="messages", help="--format chat: the field of the message list (default messages)"
+    )
+    prepare.add_argument(
+        "--prompt-field", default="prompt", help="--format prompt-completion: the prompt's field (default prompt)"
+    )
+    prepare.add_argument(
+        "--completion-field",
+        default="completion",
+        help="--format prompt-completion: the completion's field (default completion)",
+    )
+    prepare.add_argument(
+        "--train-on",
+        choices=[str(value) for value in TrainOn],
+        default=None,
+        help="the tokens that train: assistant (chat's default: assistant turns and their end-of-turn tokens), "
+        "completion (prompt-completion's default: the completion and its EOS), or all",
+    )
     prepare.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
     prepare.add_argument("--eos-token", default=None, help="the end-of-text token, when the tokenizer names none")
     prepare.add_argument("--out", required=True, help="a directory or s3://bucket/prefix for the corpus")
@@ -72,6 +100,11 @@ def handle(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         out=args.out,
         text_field=args.text_field,
+        corpus_format=CorpusFormat(args.corpus_format),
+        messages_field=args.messages_field,
+        prompt_field=args.prompt_field,
+        completion_field=args.completion_field,
+        train_on=TrainOn(args.train_on) if args.train_on else None,
         eos_token=args.eos_token,
         validation_fraction=args.validation_fraction,
         split_seed=args.split_seed,
@@ -102,9 +135,12 @@ def _summarise(result: PrepareResult) -> None:
         f"({manifest.dtype}, vocab {info.vocab_size:,}, eos {info.eos_token!r} = {info.eos_id})",
         markup=False,
     )
+    mask = "loss mask stored" if manifest.loss_mask else "every token trains"
+    console.print(f"  format {manifest.corpus_format}, {mask}", markup=False)
     for name, split in manifest.splits.items():
         console.print(
-            f"  {name:<10} {split.documents:>12,} documents {split.tokens:>14,} tokens {len(split.shards):>6} shard(s)"
+            f"  {name:<10} {split.documents:>12,} documents {split.tokens:>14,} tokens "
+            f"{split.trained:>14,} trained {len(split.shards):>6} shard(s)"
         )
     seconds = max(result.seconds, 1e-9)
     rates = f"{result.documents / seconds:,.0f} documents/s, {result.tokens / seconds:,.0f} tokens/s"

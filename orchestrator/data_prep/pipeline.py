@@ -29,10 +29,11 @@ from typing import Any
 
 from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
+from orchestrator.data_prep.chat import DEFAULT_TRAIN_ON, DocumentRecipe, TrainOn
 from orchestrator.data_prep.inputs import DEFAULT_CHUNK_BYTES, InputFile, locate, plan_chunks, resolve_inputs
 from orchestrator.data_prep.progress import ProgressSink, SilentProgress
-from orchestrator.data_prep.reading import ReadChunk, read_documents
-from orchestrator.data_prep.tokenize import TokenizerFile, load_tokenizer, tokenize_documents
+from orchestrator.data_prep.reading import ReadChunk, RecordFields, read_documents
+from orchestrator.data_prep.tokenize import TokenizerFile, load_chat_template, load_tokenizer, tokenize_documents
 from orchestrator.data_prep.writing import (
     ShardUploader,
     SplitWriter,
@@ -44,7 +45,7 @@ from orchestrator.data_prep.writing import (
 )
 from orchestrator.driver.cluster import WORKER_PACKAGES, connect_to
 from orchestrator.errors import UserError
-from workers.spec.tokens import DTYPES, SPLITS, TokenManifest, is_validation
+from workers.spec.tokens import DTYPES, SPLITS, CorpusFormat, TokenManifest, is_validation
 
 log = logging.getLogger("meshpilot")
 # The tasks run orchestrator.data_prep's reading and tokenizing functions: a remote cluster gets it too.
@@ -59,6 +60,11 @@ class PrepareRequest:
     tokenizer: str
     out: str
     text_field: str = "text"
+    corpus_format: CorpusFormat = CorpusFormat.TEXT
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    train_on: TrainOn | None = None  # None: the format's default (DEFAULT_TRAIN_ON)
     eos_token: str | None = None
     validation_fraction: float = 0.01
     split_seed: int = 0
@@ -68,6 +74,15 @@ class PrepareRequest:
     region: str | None = None
     workers: int | None = None  # concurrent read+tokenize tasks; None: as many as the cluster's CPUs allow
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    @property
+    def fields(self) -> RecordFields:
+        names = {
+            CorpusFormat.TEXT: (self.text_field,),
+            CorpusFormat.CHAT: (self.messages_field,),
+            CorpusFormat.PROMPT_COMPLETION: (self.prompt_field, self.completion_field),
+        }
+        return RecordFields(self.corpus_format, names[self.corpus_format])
 
 
 @dataclass(frozen=True)
@@ -94,9 +109,17 @@ def prepare_corpus(request: PrepareRequest, *, progress: ProgressSink | None = N
     where = {"endpoint_url": request.endpoint_url, "region": request.region}
     with _storage_errors_of("--input"):
         files = resolve_inputs(list(request.inputs), **where)
-        chunks = plan_chunks(files, text_field=request.text_field, chunk_bytes=request.chunk_bytes, **where)
+        chunks = plan_chunks(files, fields=request.fields, chunk_bytes=request.chunk_bytes, **where)
     with _storage_errors_of("--tokenizer"):
         tokenizer = load_tokenizer(request.tokenizer, eos_token=request.eos_token, **where)
+        template = (
+            load_chat_template(request.tokenizer, **where) if request.corpus_format == CorpusFormat.CHAT else None
+        )
+    recipe = DocumentRecipe(
+        corpus_format=request.corpus_format,
+        train_on=request.train_on or DEFAULT_TRAIN_ON[request.corpus_format],
+        template=template,
+    )
     draft = TokenManifest(
         dtype=tokenizer.dtype,
         tokenizer=tokenizer.info,
@@ -104,6 +127,10 @@ def prepare_corpus(request: PrepareRequest, *, progress: ProgressSink | None = N
         split_seed=request.split_seed,
         splits={},
         inputs=tuple(file.uri for file in files),
+        corpus_format=request.corpus_format,
+        loss_mask=recipe.masked,
+        fields=request.fields.names,
+        chat_template_sha256=template.sha256 if template is not None else None,
     )
     with _storage_errors_of("--out"):
         out = open_storage(request.out, endpoint_url=request.endpoint_url, region=request.region)
@@ -113,7 +140,9 @@ def prepare_corpus(request: PrepareRequest, *, progress: ProgressSink | None = N
         out.check_access()
     started_cluster = connect_to(request.address, num_cpus=os.cpu_count() or 1, packages=DATA_PACKAGES)
     try:
-        return _write_corpus(request, out, files, chunks, tokenizer, draft, existing, progress or SilentProgress())
+        return _write_corpus(
+            request, out, files, chunks, (tokenizer, recipe), draft, existing, progress or SilentProgress()
+        )
     finally:
         if started_cluster:
             import ray
@@ -137,8 +166,15 @@ def _check_request(request: PrepareRequest) -> None:
         raise UserError(f"--shard-mb {request.shard_mb}: give a positive size in MiB, e.g. 128")
     if request.workers is not None and request.workers < 1:
         raise UserError(f"--workers {request.workers}: give at least 1, or leave it out")
-    if not request.text_field:
-        raise UserError("--text-field is empty: name the field (or column) that holds each document's text")
+    for name, flag in zip(request.fields.names, request.fields.flags):
+        if not name:
+            raise UserError(f"{flag} is empty: name the field (or column) of each record that holds it")
+    allowed = (TrainOn.ALL, DEFAULT_TRAIN_ON[request.corpus_format])
+    if request.train_on is not None and request.train_on not in allowed:
+        raise UserError(
+            f"--train-on {request.train_on} does not apply to --format {request.corpus_format}; "
+            f"give {' or '.join(sorted(set(allowed)))}"
+        )
 
 
 def _write_corpus(
@@ -146,20 +182,25 @@ def _write_corpus(
     out: StorageBackend,
     files: list[InputFile],
     chunks: list[ReadChunk],
-    tokenizer: TokenizerFile,
+    encoding: tuple[TokenizerFile, DocumentRecipe],
     draft: TokenManifest,
     existing: TokenManifest | None,
     progress: ProgressSink,
 ) -> PrepareResult:
+    tokenizer, recipe = encoding
     uploader = ShardUploader(out, committed=existing)
     itemsize = DTYPES[tokenizer.dtype]
     shard_tokens = max(1, int(request.shard_mb * 2**20) // itemsize)
-    writers = {split: SplitWriter(split, uploader, itemsize=itemsize, shard_tokens=shard_tokens) for split in SPLITS}
+    writers = {
+        split: SplitWriter(split, uploader, itemsize=itemsize, shard_tokens=shard_tokens, masked=recipe.masked)
+        for split in SPLITS
+    }
     try:
         began = time.monotonic()
         progress.start(sum(file.size for file in files))
         try:
-            _route_documents(_documents(request, chunks, tokenizer), request, files, writers, progress)
+            batches = _documents(request, chunks, tokenizer, recipe)
+            _route_documents(batches, request, files, writers, progress)
         finally:
             progress.finish()
         seconds = time.monotonic() - began
@@ -193,7 +234,7 @@ def _route_documents(
     counts = [0] * len(files)
     itemsize = writers["train"].itemsize
     for batch in batches:
-        errors, numbers, tokens = batch["error"], batch["input"], batch["tokens"]
+        errors, numbers, tokens, masks = batch["error"], batch["input"], batch["tokens"], batch["mask"]
         batch_tokens = 0
         for row in range(len(errors)):
             number = int(numbers[row])
@@ -205,7 +246,7 @@ def _route_documents(
             document = counts[number]
             counts[number] += 1
             held_out = is_validation(request.split_seed, number, document, request.validation_fraction)
-            writers["validation" if held_out else "train"].append(tokens[row])
+            writers["validation" if held_out else "train"].append(tokens[row], masks[row])
             batch_tokens += len(tokens[row]) // itemsize
         progress.advance(documents=len(errors), tokens=batch_tokens, nbytes=int(batch["span"].sum()))
     empty = [file.uri for file, count in zip(files, counts) if count == 0]
@@ -213,20 +254,21 @@ def _route_documents(
         raise UserError(f"input {empty[0]} holds no documents (only blank lines); remove it from --input")
 
 
-def _documents(request: PrepareRequest, chunks: list[ReadChunk], tokenizer: TokenizerFile) -> Iterator[dict]:
+def _documents(
+    request: PrepareRequest, chunks: list[ReadChunk], tokenizer: TokenizerFile, recipe: DocumentRecipe
+) -> Iterator[dict]:
     """The tokenized documents, one batch per chunk, in input order (Ray Data tasks do the work)."""
     import ray.data
 
     compute = ray.data.TaskPoolStrategy(size=request.workers) if request.workers else None
-    read = partial(
-        read_documents, text_field=request.text_field, endpoint_url=request.endpoint_url, region=request.region
-    )
+    read = partial(read_documents, fields=request.fields, endpoint_url=request.endpoint_url, region=request.region)
     tokenize = partial(
         tokenize_documents,
         tokenizer_json=tokenizer.data,
         tokenizer_sha256=tokenizer.info.sha256,
         eos_id=tokenizer.info.eos_id,
         dtype=tokenizer.dtype,
+        recipe=recipe,
     )
     with _quiet_ray_data(), ray.data.DataContext.current(_ordered_context()):
         rows = [chunk.to_row() for chunk in chunks]

@@ -25,58 +25,76 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from array import array
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from checkpointing.storage import StorageBackend
 from orchestrator.errors import UserError
 from workers.spec.tokens import (
+    DOCUMENT_LENGTH_DTYPE,
     MANIFEST_KEY,
     SPLITS,
+    VERSION,
     ShardEntry,
     SplitIndex,
     TokenCorpusError,
     TokenManifest,
+    documents_key,
+    mask_key,
     parse_token_manifest,
     shard_key,
 )
 
 log = logging.getLogger("meshpilot")
-_SHARD_KEY = re.compile(r"^(train|validation)/\d{5}\.bin$")
-_SETTINGS = ("tokenizer", "dtype", "validation_fraction", "split_seed", "inputs")
+_SHARD_KEY = re.compile(r"^(train|validation)/\d{5}\.(bin|mask)$")
+_SETTINGS = (
+    "tokenizer",
+    "dtype",
+    "validation_fraction",
+    "split_seed",
+    "inputs",
+    "corpus_format",
+    "loss_mask",
+    "fields",
+    "chat_template_sha256",
+)
 
 
 class ShardUploader:
-    """Uploads (or, against a committed corpus, checks) shards on background threads."""
+    """Uploads (or, against a committed corpus, checks) shards, masks and document lengths on background threads."""
 
     def __init__(self, storage: StorageBackend, *, committed: TokenManifest | None, max_pending: int = 2) -> None:
         self.storage = storage
         self.written: list[str] = []  # keys this run created: deleted again if it fails before its commit
-        self.kept = 0  # committed shards found intact
-        self.repaired = 0  # committed shards that were missing, written again with the same bytes
-        self._committed = {s.key: s for split in committed.splits.values() for s in split.shards} if committed else None
+        self.kept = 0  # committed objects found intact
+        self.repaired = 0  # committed objects that were missing, written again with the same bytes
+        self._committed = committed_objects(committed) if committed else None
         self._stored = {info.key: info.size for info in storage.list()} if committed else {}
         self._pool = ThreadPoolExecutor(max_workers=max_pending, thread_name_prefix="shard-upload")
         self._pending: deque[Future] = deque()
         self._max_pending = max_pending
 
-    def submit(self, key: str, data: bytes, tokens: int) -> Future[ShardEntry]:
+    def submit(self, key: str, data: bytes) -> Future[str]:
+        """Store ``data`` under ``key`` in the background; the future gives its sha256."""
         while len(self._pending) >= self._max_pending:  # back-pressure: at most this many shards in memory
             self._pending.popleft().result()
-        future = self._pool.submit(self._store, key, data, tokens)
+        future = self._pool.submit(self._store, key, data)
         self._pending.append(future)
         return future
 
-    def _store(self, key: str, data: bytes, tokens: int) -> ShardEntry:
-        entry = ShardEntry(key=key, tokens=tokens, sha256=hashlib.sha256(data).hexdigest())
+    def _store(self, key: str, data: bytes) -> str:
+        sha256 = hashlib.sha256(data).hexdigest()
         if self._committed is None:
             self.storage.put_stream(key, [data], size=len(data))
             self.written.append(key)
-            return entry
-        if self._committed.get(key) != entry:
+            return sha256
+        if self._committed.get(key) != sha256:
             raise UserError(
-                f"{self.storage.uri} holds a corpus of these inputs and settings, but its shard {key} differs from "
+                f"{self.storage.uri} holds a corpus of these inputs and settings, but its {key} differs from "
                 "what they give now (the inputs changed since); prepare into another --out, or delete the old corpus"
             )
         if self._stored.get(key) == len(data):
@@ -84,7 +102,7 @@ class ShardUploader:
         else:  # the committed bytes are gone: write them again, identical
             self.storage.put_stream(key, [data], size=len(data))
             self.repaired += 1
-        return entry
+        return sha256
 
     def discard_written(self) -> None:
         """After a failure before the commit: wait for the uploads, then delete what this run wrote."""
@@ -97,40 +115,93 @@ class ShardUploader:
         self._pool.shutdown(wait=True)
 
 
-class SplitWriter:
-    """One split's token stream, cut into shards of ``shard_tokens`` tokens as documents arrive."""
+def committed_objects(manifest: TokenManifest) -> dict[str, str]:
+    """Every object a committed corpus lists (shards, mask shards, document lengths) -> its sha256."""
+    objects = {}
+    for name, split in manifest.splits.items():
+        for shard in split.shards:
+            objects[shard.key] = shard.sha256
+            if shard.mask_sha256 is not None:
+                objects[mask_key(shard.key)] = shard.mask_sha256
+        if split.documents_sha256 is not None:
+            objects[documents_key(name)] = split.documents_sha256
+    return objects
 
-    def __init__(self, split: str, uploader: ShardUploader, *, itemsize: int, shard_tokens: int) -> None:
+
+@dataclass
+class _PendingShard:
+    key: str
+    tokens: int
+    sha256: Future[str]
+    mask_sha256: Future[str] | None
+
+    def entry(self) -> ShardEntry:
+        mask = self.mask_sha256.result() if self.mask_sha256 is not None else None
+        return ShardEntry(key=self.key, tokens=self.tokens, sha256=self.sha256.result(), mask_sha256=mask)
+
+
+class SplitWriter:
+    """One split's token stream (and mask stream) cut into shards of ``shard_tokens`` tokens as documents arrive."""
+
+    def __init__(
+        self, split: str, uploader: ShardUploader, *, itemsize: int, shard_tokens: int, masked: bool = False
+    ) -> None:
         self.split = split
         self.documents = 0
         self.tokens = 0
+        self.trained_tokens = 0
+        self.masked = masked
         self._uploader = uploader
         self.itemsize = itemsize
-        self._shard_bytes = shard_tokens * itemsize
+        self._shard_tokens = shard_tokens
         self._buffer = bytearray()
-        self._shards: list[Future[ShardEntry]] = []
+        self._mask_buffer = bytearray()
+        self._lengths = array("I")  # each document's token count: 4 bytes a document on the driver
+        self._shards: list[_PendingShard] = []
 
-    def append(self, document_tokens: bytes) -> None:
-        """One document's tokens (its EOS included), as shard bytes."""
+    def append(self, document_tokens: bytes, mask: bytes | None = None) -> None:
+        """One document's tokens (its EOS included) as shard bytes, and (masked) its mask, a byte per token."""
+        count = len(document_tokens) // self.itemsize
         self.documents += 1
-        self.tokens += len(document_tokens) // self.itemsize
+        self.tokens += count
+        self._lengths.append(count)
         self._buffer += document_tokens
-        while len(self._buffer) >= self._shard_bytes:
-            self._cut(self._shard_bytes)
+        if self.masked:
+            assert mask is not None and len(mask) == count, "a masked corpus has a mask byte per token"
+            self.trained_tokens += count - mask.count(0)
+            self._mask_buffer += mask
+        else:
+            self.trained_tokens += count
+        while len(self._buffer) >= self._shard_tokens * self.itemsize:
+            self._cut(self._shard_tokens)
 
-    def _cut(self, size: int) -> None:
+    def _cut(self, tokens: int) -> None:
+        size = tokens * self.itemsize
         with memoryview(self._buffer) as whole, whole[:size] as head:  # one copy of the shard, not two
             data = bytes(head)
         del self._buffer[:size]
         key = shard_key(self.split, len(self._shards))
-        self._shards.append(self._uploader.submit(key, data, size // self.itemsize))
+        mask_sha256 = None
+        if self.masked:
+            mask = bytes(self._mask_buffer[:tokens])
+            del self._mask_buffer[:tokens]
+            mask_sha256 = self._uploader.submit(mask_key(key), mask)
+        self._shards.append(_PendingShard(key, tokens, self._uploader.submit(key, data), mask_sha256))
 
     def finish(self) -> SplitIndex:
-        """Upload the last, shorter shard; wait for every upload; the split's index for the manifest."""
+        """Upload the last, shorter shard and the document lengths; wait for every upload; the split's index."""
         if self._buffer:
-            self._cut(len(self._buffer))
-        shards = tuple(future.result() for future in self._shards)
-        return SplitIndex(documents=self.documents, tokens=self.tokens, shards=shards)
+            self._cut(len(self._buffer) // self.itemsize)
+        lengths = np.asarray(self._lengths, dtype=DOCUMENT_LENGTH_DTYPE).tobytes()
+        documents_sha256 = self._uploader.submit(documents_key(self.split), lengths)
+        shards = tuple(shard.entry() for shard in self._shards)
+        return SplitIndex(
+            documents=self.documents,
+            tokens=self.tokens,
+            shards=shards,
+            trained_tokens=self.trained_tokens,
+            documents_sha256=documents_sha256.result(),
+        )
 
 
 def committed_manifest(storage: StorageBackend) -> TokenManifest | None:
@@ -146,6 +217,11 @@ def committed_manifest(storage: StorageBackend) -> TokenManifest | None:
 
 def refuse_other_corpus(existing: TokenManifest, draft: TokenManifest, uri: str) -> None:
     """``UserError`` when the committed corpus was prepared with other settings or inputs than ``draft``."""
+    if existing.version != VERSION:
+        raise UserError(
+            f"{uri} holds a token corpus of version {existing.version} (an earlier meshpilot): it still trains as it "
+            f"is; to prepare it again as version {VERSION}, give another --out"
+        )
     differences = [name.replace("_", " ") for name in _SETTINGS if getattr(existing, name) != getattr(draft, name)]
     if differences:
         raise UserError(
@@ -168,8 +244,8 @@ def commit_manifest(storage: StorageBackend, manifest: TokenManifest) -> bool:
 
 
 def remove_strays(storage: StorageBackend, manifest: TokenManifest) -> int:
-    """Delete shards that the committed manifest does not list (left by an earlier, failed attempt)."""
-    listed = {shard.key for split in manifest.splits.values() for shard in split.shards}
+    """Delete shards and mask shards that the committed manifest does not list (left by an earlier, failed attempt)."""
+    listed = set(committed_objects(manifest))
     strays = [
         info.key
         for split in SPLITS

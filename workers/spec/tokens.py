@@ -123,6 +123,11 @@ class TokenManifest:
     inputs: tuple[str, ...] = ()
     corpus_format: CorpusFormat = CorpusFormat.TEXT
     loss_mask: bool = False  # mask shards exist beside the token shards
+    # How the records were read (version 2; empty in version 1): the fields taken from each record, in
+    # order (text: the text field; chat: the messages field; prompt-completion: prompt, completion),
+    # and the sha256 of the chat template rendered (chat only). A re-prepare into the same place compares them.
+    fields: tuple[str, ...] = ()
+    chat_template_sha256: str | None = None
     version: int = VERSION  # the version it was read as (written: always VERSION)
 
     @property
@@ -173,6 +178,8 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
             inputs=tuple(body.get("inputs", ())),
             corpus_format=CorpusFormat(body.get("corpus_format", CorpusFormat.TEXT)),
             loss_mask=bool(body.get("loss_mask", False)),
+            fields=tuple(str(name) for name in body.get("fields", ())),
+            chat_template_sha256=body.get("chat_template_sha256"),
             version=int(body["version"]),
         )
     except TokenCorpusError:
