@@ -56,7 +56,7 @@ def load_tokenizer(
     location: str, *, eos_token: str | None, endpoint_url: str | None, region: str | None
 ) -> TokenizerFile:
     """Read and check ``--tokenizer``; ``UserError`` naming the file when it does not load or has no EOS."""
-    root, name = _split_location(location)
+    root, name = split_location(location)
     storage = open_input_storage(root, endpoint_url, region)
     uri = f"{root.rstrip('/')}/{name}"
     try:
@@ -77,7 +77,7 @@ def load_tokenizer(
     return TokenizerFile(uri=uri, data=data, info=info)
 
 
-def _split_location(location: str) -> tuple[str, str]:
+def split_location(location: str) -> tuple[str, str]:
     """(directory or s3 prefix, file name) of the tokenizer file ``location`` names."""
     if location.startswith("s3://"):
         stripped = location.rstrip("/")
@@ -153,7 +153,7 @@ def load_chat_template(location: str, *, endpoint_url: str | None, region: str |
     named ``default``). The named special tokens (``bos_token`` ...) come from ``tokenizer_config.json``,
     else ``special_tokens_map.json``. ``UserError`` naming the files looked for when there is none.
     """
-    root, _ = _split_location(location)
+    root, _ = split_location(location)
     storage = open_input_storage(root, endpoint_url, region)
     configs = {name: _json_object(storage, name) for name in CONFIG_FILES}
     special_tokens = _special_tokens(configs)

@@ -10,9 +10,7 @@ No Ray: the functions the tokenize tasks run, against two tokenizers built here 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from itertools import groupby
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,29 +28,9 @@ from orchestrator.data_prep.chat import (
 from orchestrator.data_prep.reading import RecordFields, json_document
 from orchestrator.data_prep.tokenize import load_chat_template, tokenize_documents
 from orchestrator.errors import UserError
+from tests.chat_tokenizers import ChatTokenizer, chatml_tokenizer, llama3_tokenizer, save_tokenizer
 from workers.spec.tokens import CorpusFormat
 
-LLAMA3_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role ' + message['role'] + ': use system, user or assistant') }}{% endif %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-TEXTS = [
-    "You are a helpful assistant. Answer briefly.",
-    "What is the capital of France? Paris is the capital of France.",
-    "Tokens, masks and templates: naïve café über 東京 🚀",
-    "def add(a, b):\n    return a + b\n",
-]
 CONVERSATIONS = {
     "user and assistant": [
         {"role": "user", "content": "What is the capital of France?"},
@@ -69,55 +47,14 @@ CONVERSATIONS = {
 }
 
 
-@dataclass(frozen=True)
-class ChatTokenizer:
-    directory: Path
-    end_of_turn: str
-
-    @property
-    def tokenizer(self) -> Any:
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(self.directory / "tokenizer.json"))
-
-    def reference(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(self.directory))
-
-
-def _save_tokenizer(directory: Path, specials: list[str], config: dict[str, Any]) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(TEXTS * 20, trainer=trainer)
-    directory.mkdir()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config})
-    )
-
-
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory) -> ChatTokenizer:
-    directory = tmp_path_factory.mktemp("tokenizers") / "llama3"
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE}
-    _save_tokenizer(directory, specials, config)
-    return ChatTokenizer(directory, "<|eot_id|>")
+    return llama3_tokenizer(tmp_path_factory.mktemp("tokenizers") / "llama3")
 
 
 @pytest.fixture(scope="module")
 def chatml(tmp_path_factory) -> ChatTokenizer:
-    directory = tmp_path_factory.mktemp("tokenizers") / "chatml"
-    _save_tokenizer(directory, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>"})
-    (directory / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # the newer place transformers saves it
-    return ChatTokenizer(directory, "<|im_end|>")
+    return chatml_tokenizer(tmp_path_factory.mktemp("tokenizers") / "chatml")
 
 
 @pytest.fixture(params=["llama3", "chatml"])
@@ -201,7 +138,7 @@ def test_a_template_that_rewrites_earlier_turns_cannot_be_masked(llama3):
 
 def test_a_tokenizer_without_a_chat_template_is_named_with_the_files_looked_for(tmp_path):
     directory = tmp_path / "plain"
-    _save_tokenizer(directory, ["<|endoftext|>"], {"eos_token": "<|endoftext|>"})
+    save_tokenizer(directory, ["<|endoftext|>"], {"eos_token": "<|endoftext|>"})
     with pytest.raises(UserError) as error:
         load_chat_template(str(directory), endpoint_url=None, region=None)
     assert str(error.value) == (
