@@ -120,7 +120,7 @@ def test_a_document_is_read_back_by_byte_ranges_only(corpus):
     storage, manifest = open_corpus(str(out), endpoint_url=None, region=None)
     for number, (ids, mask) in enumerate(documents):
         recording = RecordingStorage(storage)
-        document = read_document(recording, manifest, "train", number)  # type: ignore[arg-type]
+        document = read_document(recording, manifest, "train", number)
         assert (list(document.tokens), list(document.loss_mask)) == (ids, mask)
         assert recording.whole == [] and recording.ranged == 4 * (number + 1) + 3 * len(ids)
 
