@@ -2,13 +2,15 @@
 
 Runs on the driver. The order of the steps is the contract:
 
-    1. check the request; resolve the inputs; load the tokenizer; plan the read chunks   (no Ray yet)
+    1. check the request; resolve the inputs; load the tokenizer (and chat template); plan the read chunks
+       (no Ray yet)
     2. read --out: a committed corpus of other settings is refused here, before any work
     3. connect to Ray (--address, RAY_ADDRESS, else an embedded cluster) and run one dataset:
        from_items(chunks) -> map_batches(read_documents) -> map_batches(tokenize_documents),
        with ``preserve_order`` so documents reach the driver in input order, whatever ran first
     4. the driver numbers each input's documents, puts each in its split by
        ``is_validation(split_seed, input, document)``, and feeds the split's shard writer
+       (tokens, and for a masked corpus the mask bytes, cut into shards at the same places)
     5. every shard durable -> the manifest with put-if-absent (the commit)
 
 Any failure before 5 deletes the shards this run wrote and leaves no manifest; the first bad line

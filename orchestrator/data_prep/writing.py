@@ -1,5 +1,8 @@
 """Token shards and the manifest: each split's stream cut into shards, uploaded, then the commit (driver).
 
+Besides the token shards: a mask shard beside each (masked corpora; the same cut, a byte per token)
+and each split's ``documents.bin`` (every document's length), all written and checked alike.
+
 Runs on the driver, fed documents in input order. A split's shards hold exactly ``shard_tokens``
 tokens each (the last fewer), cut from the split's stream wherever that falls, documents included:
 the shard boundaries depend only on the tokens, never on how the work was parallelised. Uploads
