@@ -401,4 +401,4 @@ def test_mistakes_found_while_reading_leave_nothing(case, ray_cluster, corpus, t
     assert expected in message
     assert files_under(out) == {}
     if case == "bad json after shards were written":
-        assert "shard(s) of the failed run" in caplog.text  # written, then taken back
+        assert "piece(s) of the failed run" in caplog.text  # written, then taken back

@@ -2,8 +2,9 @@
 
     python -m pytest tests/unit/test_data_prep_inspect.py -q
 
-No Ray: a chat corpus is written by the same shard writer the prepare pipeline feeds (shards of a few
-tokens, so documents straddle shards), then read back one document at a time by byte ranges.
+No Ray: a chat corpus is written by the stages the prepare pipeline runs in its tasks (pieces, then
+shards of a few tokens assembled from them, so documents straddle shards), then read back one
+document at a time by byte ranges.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,8 +21,9 @@ from checkpointing.storage import open_storage
 from orchestrator.cli import main
 from orchestrator.data_prep.chat import encode_conversation
 from orchestrator.data_prep.inspect_corpus import open_corpus, read_document
+from orchestrator.data_prep.pieces import Stored, assemble_shards, write_pieces
 from orchestrator.data_prep.tokenize import load_chat_template
-from orchestrator.data_prep.writing import ShardUploader, SplitWriter, commit_manifest, with_splits
+from orchestrator.data_prep.writing import ShardOutcome, SplitPlan, commit_manifest, split_index, store_document_lengths
 from tests.chat_tokenizers import TEXTS, ChatTokenizer, llama3_tokenizer
 from workers.spec.tokens import (
     DOCUMENT_LENGTH_DTYPE,
@@ -56,13 +59,35 @@ def corpus(tmp_path_factory) -> tuple[ChatTokenizer, Path, list[tuple[list[int],
         ids, mask = encode_conversation(tokenizer.tokenizer, template, messages, masked=True)
         assert mask is not None
         documents.append((ids, mask))
-    storage = open_storage(str(root / "corpus"))
-    uploader = ShardUploader(storage, committed=None)
-    writers = {
-        split: SplitWriter(split, uploader, itemsize=2, shard_tokens=SHARD_TOKENS, masked=True) for split in SPLITS
+    out = str(root / "corpus")
+    batch: dict[str, np.ndarray] = {
+        "input": np.zeros(len(documents), np.int32),
+        "offset": np.arange(len(documents)),
+        "span": np.ones(len(documents), np.int64),
+        "error": _objects([""] * len(documents)),
+        "tokens": _objects([np.asarray(ids, "<u2").tobytes() for ids, _ in documents]),
+        "mask": _objects([np.asarray(mask, np.uint8).tobytes() for _, mask in documents]),
     }
-    for ids, mask in documents:
-        writers["train"].append(np.asarray(ids, "<u2").tobytes(), np.asarray(mask, np.uint8).tobytes())
+    where: dict[str, Any] = {"out_root": out, "itemsize": 2, "masked": True, "endpoint_url": None, "region": None}
+    placed = write_pieces(batch, run="test", **where)
+    plans = {split: SplitPlan(split, SHARD_TOKENS) for split in SPLITS}
+    for row in range(len(documents)):
+        piece, position, length, trained = (placed[name][row] for name in ("piece", "position", "length", "trained"))
+        plans["train"].append(str(piece), int(position), int(length), int(trained))
+    rows = [shard.to_row(None, {}) for shard in plans["train"].finish()]
+    stored = assemble_shards({name: _objects([row[name] for row in rows]) for name in rows[0]}, **where)
+    outcomes = {
+        key: ShardOutcome(sha256, mask_sha256, Stored(outcome))
+        for key, sha256, mask_sha256, outcome in zip(
+            *(stored[name] for name in ("key", "sha256", "mask_sha256", "stored"))
+        )
+    }
+    storage = open_storage(out)
+    splits = {
+        split: split_index(plan, outcomes, store_document_lengths(storage, plan, None, {})[0], masked=True)
+        for split, plan in plans.items()
+    }
+    storage.delete([info.key for info in storage.list(".pieces/")])
     data = (tokenizer.directory / "tokenizer.json").read_bytes()
     info = TokenizerInfo(hashlib.sha256(data).hexdigest(), tokenizer.tokenizer.get_vocab_size(), "<|end_of_text|>", 1)
     draft = TokenManifest(
@@ -70,14 +95,13 @@ def corpus(tmp_path_factory) -> tuple[ChatTokenizer, Path, list[tuple[list[int],
         tokenizer=info,
         validation_fraction=0.0,
         split_seed=0,
-        splits={},
+        splits=splits,
         corpus_format=CorpusFormat.CHAT,
         loss_mask=True,
         fields=("messages",),
         chat_template_sha256=template.sha256,
     )
-    assert commit_manifest(storage, with_splits(draft, writers))
-    uploader.close()
+    assert commit_manifest(storage, draft)
     return tokenizer, root / "corpus", documents
 
 
@@ -95,6 +119,12 @@ def test_mask_shards_are_cut_like_token_shards_with_lengths_and_trained_counts(c
     lengths = np.frombuffer((out / documents_key("train")).read_bytes(), DOCUMENT_LENGTH_DTYPE).tolist()
     assert lengths == [len(ids) for ids, _ in documents]
     assert (out / documents_key("validation")).read_bytes() == b"" and manifest.splits["validation"].documents == 0
+
+
+def _objects(values: list) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
 
 
 class RecordingStorage:
