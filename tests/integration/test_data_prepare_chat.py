@@ -20,6 +20,7 @@ import pytest
 
 from checkpointing.storage import open_storage
 from orchestrator.cli import main
+from orchestrator.data_prep import pipeline
 from orchestrator.data_prep.chat import encode_conversation, encode_prompt_completion
 from orchestrator.data_prep.tokenize import load_chat_template
 from tests.chat_tokenizers import TEXTS, ChatTokenizer, llama3_tokenizer
@@ -132,12 +133,15 @@ def test_a_chat_corpus_holds_transformers_tokens_and_the_assistant_masks(ray_clu
     before = files_under(out)
     assert main(_args(tokenizer, [path], out, "--format", "chat")) == 0
     assert "already prepared (identical, nothing rewritten)" in capsys.readouterr().out
+    (out / mask_key(manifest.splits["train"].shards[2].key)).unlink()  # a lost mask shard: written again, same bytes
+    assert main(_args(tokenizer, [path], out, "--format", "chat")) == 0
+    assert "1 missing shard(s) written again" in capsys.readouterr().out
     message = cli_error(capsys, _args(tokenizer, [path], out, "--format", "chat", "--train-on", "all"))
     assert "already holds a token corpus prepared with other settings (loss mask differ)" in message
     assert files_under(out) == before
 
 
-def test_a_prompt_completion_corpus_trains_the_completion_and_its_eos(ray_cluster, chat_data, tmp_path):
+def test_a_prompt_completion_corpus_trains_the_completion_and_its_eos(ray_cluster, chat_data, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -147,7 +151,22 @@ def test_a_prompt_completion_corpus_trains_the_completion_and_its_eos(ray_cluste
     pq.write_table(pa.table({"q": [p for p, _ in pairs], "a": [c for _, c in pairs]}), path, row_group_size=50)
     out = tmp_path / "pair-tokens"
     args = ["--format", "prompt-completion", "--prompt-field", "q", "--completion-field", "a"]
+    seen_by_the_driver: set[str] = set()
+    route = pipeline._route_documents
+
+    def recording(batches, *rest):
+        def columns():
+            for batch in batches:
+                seen_by_the_driver.update(batch)
+                yield batch
+
+        return route(columns(), *rest)
+
+    monkeypatch.setattr(pipeline, "_route_documents", recording)
     assert main(_args(tokenizer, [path], out, *args)) == 0
+    # The driver sees where each document is, never its tokens; the tasks' pieces are gone.
+    assert seen_by_the_driver == {"input", "offset", "span", "error", "piece", "position", "length", "trained"}
+    assert not [name for name in files_under(out) if name.startswith(".pieces/")]
 
     eos = tokenizer.tokenizer.token_to_id("<|end_of_text|>")
     expected: dict[str, tuple[list[int], list[int]]] = {split: ([], []) for split in SPLITS}
