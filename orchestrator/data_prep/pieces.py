@@ -28,6 +28,7 @@ from orchestrator.data_prep.reading import RecordFields, open_input_storage, rea
 from workers.spec.tokens import mask_key
 
 PIECES_PREFIX = ".pieces/"
+GAP_BYTES = 256 << 10  # ranges of a piece closer than this are read together: about one request's latency
 
 
 class Stored(StrEnum):
@@ -151,13 +152,13 @@ def assemble_shards(
     for row in range(rows):
         key = str(batch["key"][row])
         segments = json.loads(str(batch["segments"][row]))
-        data = b"".join(storage.get_range(piece, start * itemsize, stop * itemsize) for piece, start, stop in segments)
+        data = join_segments(storage, segments, itemsize, lambda piece: piece)
         checking = bool(batch["checking"][row])
         expected = str(batch["expected"][row]) if checking else None
         sha256, outcome = store(storage, key, data, expected=expected, stored_size=int(batch["stored_size"][row]))
         mask_sha256 = ""
         if masked and outcome != Stored.DIFFERS:
-            mask = b"".join(storage.get_range(mask_piece(piece), start, stop) for piece, start, stop in segments)
+            mask = join_segments(storage, segments, 1, mask_piece)
             expected_mask = str(batch["expected_mask"][row]) if checking else None
             stored_mask = int(batch["stored_mask_size"][row])
             mask_sha256, mask_outcome = store(
@@ -170,3 +171,29 @@ def assemble_shards(
         out["mask_sha256"].append(mask_sha256)
         out["stored"].append(str(outcome))
     return {name: np.asarray(values, dtype=object) for name, values in out.items()}
+
+
+def join_segments(storage: Any, segments: list[list[Any]], itemsize: int, key_of: Any) -> bytes:
+    """The segments' bytes, in order, reading neighbouring ranges of a piece together.
+
+    A piece's segments in one shard are its documents of this split; documents of the other split lie
+    between them. Two ranges less than ``GAP_BYTES`` apart are read as one (the gap costs less than
+    another request); farther ones apart (a held-out document here and there in the validation split)
+    are read alone, so no piece is read whole for a few documents.
+    """
+    reads: list[tuple[str, int, int]] = []  # (piece, first, last) in tokens
+    where: list[tuple[int, int]] = []  # each segment: (which read, its offset in it)
+    by_piece: dict[str, int] = {}  # the last read of each piece
+    for piece, start, stop in segments:
+        last = by_piece.get(piece)
+        if last is not None and 0 <= (start - reads[last][2]) * itemsize <= GAP_BYTES:
+            reads[last] = (piece, reads[last][1], max(reads[last][2], stop))
+        else:
+            by_piece[piece] = last = len(reads)
+            reads.append((piece, start, stop))
+        where.append((last, start - reads[last][1]))
+    data = [storage.get_range(key_of(piece), first * itemsize, last * itemsize) for piece, first, last in reads]
+    return b"".join(
+        data[read][offset * itemsize : (offset + stop - start) * itemsize]
+        for (read, offset), (_, start, stop) in zip(where, segments)
+    )
