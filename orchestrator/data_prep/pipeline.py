@@ -353,6 +353,7 @@ def _store_shards(
     rows = [shard.to_row(committed, stored_sizes) for plan in plans.values() for shard in plan.shards]
     outcomes: dict[str, ShardOutcome] = {}
     if rows:
+        log.info("%s %d shard(s) from the pieces", "checking" if existing else "building", len(rows))
         compute = ray.data.TaskPoolStrategy(size=request.workers) if request.workers else None
         assemble = partial(
             assemble_shards,
