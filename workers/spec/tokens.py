@@ -19,11 +19,12 @@ document, its token count (EOS included): the document boundaries that packing b
 (``data.packing: documents``) keeps. Version 1 manifests (no ``format``, masks or document
 lengths) still load: a text corpus, every token trained, packable only as windows.
 
-Documents are concatenated in input order, each followed by the tokenizer's end-of-text token
-(a chat document also ends with its template's end-of-turn tokens); a split's token stream is
-its shards in order. A document goes to the validation split when a hash of (split seed, input
-number, document number) falls under ``validation_fraction``, so the split never depends on how
-the work was parallelised.
+Documents are concatenated in input order: a text document followed by the tokenizer's
+end-of-text token, a prompt-completion document with the EOS after its completion, a chat document
+exactly as its template renders it (each turn ends with the template's end-of-turn tokens; no EOS is
+added); a split's token stream is its shards in order. A document goes to the validation split
+when a hash of (split seed, input number, document number) falls under ``validation_fraction``, so
+the split never depends on how the work was parallelised.
 
 Training samples are windows of ``seq_len + 1`` tokens that start every ``seq_len`` tokens of
 the train stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly
