@@ -17,9 +17,11 @@ assistant turn with, e.g. ``<|start_header_id|>assistant<|end_header_id|>\\n\\n`
 ends where ``messages[:i + 1]`` ends, less trailing whitespace: ChatML's ``<|im_end|>`` trains, the
 ``\\n`` the template writes after it (before the next turn) does not; Llama 3's ``<|eot_id|>`` trains.
 A token trains when its characters overlap an assistant span: the rule ``transformers`` uses for
-``{% generation %}`` blocks. A template that renders a prefix of a conversation differently from the
-start of the whole one (it rewrites earlier turns as later ones arrive) cannot be masked this way, and
-the conversation is refused with that reason.
+``{% generation %}`` blocks. A template that renders the last assistant turn apart (Qwen3's adds an
+empty reasoning block that earlier turns lose) is followed through the turn's content: the span runs
+from the generation prompt's end over the content to the end-of-turn text that follows it. A template
+that rewrites what comes *before* an assistant turn as later turns arrive cannot be masked this way,
+and the conversation is refused with that reason.
 
 **Prompt-completion.** The prompt is encoded like a text document (the tokenizer's own special tokens,
 e.g. a BOS), the completion on its own without special tokens, then the EOS: ``ids(prompt) +
@@ -127,16 +129,43 @@ def render_conversation(
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        opened = render(template, messages[:index], add_generation_prompt=True)
-        closed = render(template, messages[: index + 1], add_generation_prompt=False)
-        if not (closed.startswith(opened) and text.startswith(closed)):
+        span = _assistant_span(template, messages, index, text)
+        if span is None:
             raise ConversationError(
                 f"cannot be masked: the chat template of {template.source} renders the conversation up to message "
                 f"{index + 1} differently from the start of the whole one, so the assistant turn has no fixed place; "
                 "use --train-on all, or a template that renders earlier turns the same whatever follows"
             )
-        spans.append((len(opened), len(closed.rstrip())))
+        spans.append(span)
     return RenderedConversation(text, tuple(spans))
+
+
+def _assistant_span(
+    template: ChatTemplate, messages: Sequence[dict[str, Any]], index: int, text: str
+) -> tuple[int, int] | None:
+    """Where assistant turn ``index`` lies in ``text``, the whole conversation rendered; None if it cannot be told.
+
+    It starts where the conversation before it, rendered with the generation prompt, ends. It ends where
+    the conversation through it ends (less trailing whitespace) when that is a prefix of ``text``; when
+    it is not (templates that render the last assistant turn apart, e.g. with an empty reasoning block
+    that earlier turns lose), it ends after the turn's content and the end-of-turn text that follows the
+    content in that rendering, both found in ``text`` right after the start.
+    """
+    opened = render(template, messages[:index], add_generation_prompt=True)
+    closed = render(template, messages[: index + 1], add_generation_prompt=False)
+    if not (closed.startswith(opened) and text.startswith(opened)):
+        return None
+    if text.startswith(closed):
+        return len(opened), len(closed.rstrip())
+    content = messages[index].get("content")
+    if not isinstance(content, str) or not content.strip():
+        return None
+    content = content.strip()
+    end_of_turn = closed[closed.rfind(content) + len(content) :].rstrip()
+    found = text.find(content, len(opened))
+    if closed.rfind(content) < len(opened) or found < 0 or not text.startswith(end_of_turn, found + len(content)):
+        return None
+    return len(opened), found + len(content) + len(end_of_turn)
 
 
 def trained_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:

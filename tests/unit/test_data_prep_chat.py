@@ -126,6 +126,30 @@ def test_a_role_the_template_rejects_is_reported_in_its_words(llama3, chatml):
         encode_conversation(chatml.tokenizer, _template(chatml), messages, masked=False)
 
 
+# Like Qwen3's: the assistant turns after the last user message open with an empty reasoning block,
+# so the conversation through an earlier assistant turn renders that turn differently from the whole.
+REASONING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_is_followed_through_the_content(chatml):
+    messages = CONVERSATIONS["system, multi-turn"]
+    template = ChatTemplate("reasoning.jinja", REASONING_TEMPLATE)
+    ids, mask = encode_conversation(chatml.tokenizer, template, messages, masked=True)
+    reference = chatml.reference().apply_chat_template(messages, chat_template=REASONING_TEMPLATE)["input_ids"]
+    assert ids == reference and mask is not None
+    assert _trained_runs(chatml.tokenizer, ids, mask) == [
+        "Hello, how can I help?<|im_end|>",
+        "<think>\n\n</think>\n\ndef add(a, b):\n    return a + b<|im_end|>",
+    ]
+
+
 def test_a_template_that_rewrites_earlier_turns_cannot_be_masked(llama3):
     # Numbers each turn from the end: a prefix renders differently from the start of the whole conversation.
     template = ChatTemplate(
