@@ -253,3 +253,19 @@ def test_chat_mistakes_found_while_tokenizing_leave_nothing(case, ray_cluster, c
     message = cli_error(capsys, _args(tokenizer, [bad], out, "--format", "chat"))
     assert message == f"meshpilot: input {bad} " + expected.format(tokenizer=tokenizer.directory)
     assert files_under(out) == {}
+
+
+def test_the_chat_template_is_read_beside_a_tokenizer_on_s3(s3_bucket, chat_data):
+    tokenizer, _, conversations = chat_data
+    storage = open_storage(f"s3://{s3_bucket.name}", endpoint_url=s3_bucket.endpoint_url)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        storage.put_bytes(f"models/llama3/{name}", (tokenizer.directory / name).read_bytes())
+    template = load_chat_template(
+        f"s3://{s3_bucket.name}/models/llama3", endpoint_url=s3_bucket.endpoint_url, region=None
+    )
+    local = load_chat_template(str(tokenizer.directory), endpoint_url=None, region=None)
+    assert template.source == f"s3://{s3_bucket.name}/models/llama3/tokenizer_config.json"
+    assert (template.text, template.special_tokens) == (local.text, local.special_tokens)
+    assert template.special_tokens == (("bos_token", "<|begin_of_text|>"), ("eos_token", "<|end_of_text|>"))
+    ids, _ = encode_conversation(tokenizer.tokenizer, template, conversations[0], masked=False)
+    assert ids == tokenizer.reference().apply_chat_template(conversations[0])["input_ids"]
