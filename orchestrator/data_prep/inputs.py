@@ -7,7 +7,8 @@ files always gives the same split and the same shards. Local paths are recorded 
 remote cluster they must be visible to every node (a shared filesystem), else use ``s3://``.
 
     files = resolve_inputs(["corpus/*.jsonl", "s3://bucket/web/part-*.parquet"], endpoint_url=None, region=None)
-    chunks = plan_chunks(files, text_field="text", chunk_bytes=DEFAULT_CHUNK_BYTES, endpoint_url=None, region=None)
+    fields = RecordFields(CorpusFormat.TEXT, ("text",))
+    chunks = plan_chunks(files, fields=fields, chunk_bytes=DEFAULT_CHUNK_BYTES, endpoint_url=None, region=None)
 
 Globs: ``*``, ``?`` and ``[...]`` stay within one ``/`` level, ``**`` crosses levels (on S3 as on disk).
 """
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from checkpointing.errors import CheckpointError
-from orchestrator.data_prep.reading import RangeFile, ReadChunk, open_input_storage, spread
+from orchestrator.data_prep.reading import RangeFile, ReadChunk, RecordFields, open_input_storage, spread
 from orchestrator.errors import UserError
+from workers.spec.tokens import CorpusFormat
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 DEFAULT_CHUNK_BYTES = 4 << 20  # one task's share of a .jsonl file or of a .parquet file's row groups
@@ -114,11 +116,16 @@ def _glob_match(key: str, pattern: str) -> bool:
 
 
 def plan_chunks(
-    files: list[InputFile], *, text_field: str, chunk_bytes: int, endpoint_url: str | None, region: str | None
+    files: list[InputFile], *, fields: RecordFields, chunk_bytes: int, endpoint_url: str | None, region: str | None
 ) -> list[ReadChunk]:
     """The read tasks, in input order: byte ranges of ``.jsonl``, whole ``.txt``, runs of Parquet row groups."""
     chunks: list[ReadChunk] = []
     for file in files:
+        if file.format == "txt" and fields.corpus_format != CorpusFormat.TEXT:
+            raise UserError(
+                f"input {file.uri}: --format {fields.corpus_format} reads records from .jsonl or .parquet files, "
+                "not .txt; give those, or --format text"
+            )
         if file.format == "txt":
             chunks.append(_chunk(file, 0, file.size, file.size))
         elif file.format == "jsonl":
@@ -126,7 +133,7 @@ def plan_chunks(
                 end = min(file.size, start + chunk_bytes)
                 chunks.append(_chunk(file, start, end, end - start))
         else:
-            groups = _row_group_runs(file, text_field, chunk_bytes, endpoint_url, region)
+            groups = _row_group_runs(file, fields, chunk_bytes, endpoint_url, region)
             weights = spread(file.size, len(groups))
             chunks += [_chunk(file, start, end, weight) for (start, end), weight in zip(groups, weights)]
     return chunks
@@ -146,9 +153,9 @@ def _chunk(file: InputFile, start: int, end: int, weight: int) -> ReadChunk:
 
 
 def _row_group_runs(
-    file: InputFile, text_field: str, chunk_bytes: int, endpoint_url: str | None, region: str | None
+    file: InputFile, fields: RecordFields, chunk_bytes: int, endpoint_url: str | None, region: str | None
 ) -> list[tuple[int, int]]:
-    """Row-group ranges of about ``chunk_bytes`` each; checks here that the text column exists."""
+    """Row-group ranges of about ``chunk_bytes`` each; checks here that the record's columns exist."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -158,15 +165,14 @@ def _row_group_runs(
         schema = metadata.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as error:
         raise UserError(f"input {file.uri} is not a readable Parquet file ({error})") from None
-    if text_field not in schema.names:
-        columns = ", ".join(repr(name) for name in schema.names[:8])
-        raise UserError(
-            f"input {file.uri} has no column {text_field!r} (its columns: {columns}); "
-            "name the text column with --text-field"
-        )
-    kind = str(schema.field(text_field).type)
-    if kind not in _TEXT_TYPES:
-        raise UserError(f"input {file.uri}: column {text_field!r} holds {kind}, not text; name a string column")
+    for name, flag in zip(fields.names, fields.flags):
+        if name not in schema.names:
+            columns = ", ".join(repr(column) for column in schema.names[:8])
+            raise UserError(f"input {file.uri} has no column {name!r} (its columns: {columns}); name it with {flag}")
+        kind = str(schema.field(name).type)
+        # A chat column holds a list of message structs; each row's messages are checked as they are read.
+        if fields.corpus_format != CorpusFormat.CHAT and kind not in _TEXT_TYPES:
+            raise UserError(f"input {file.uri}: column {name!r} holds {kind}, not text; name a string column")
     if metadata.num_rows == 0:
         raise UserError(f"input {file.uri} holds no rows; remove it from --input")
     runs: list[tuple[int, int]] = []

@@ -30,6 +30,7 @@ import numpy as np
 
 from checkpointing.errors import CheckpointError
 from checkpointing.storage import StorageBackend, open_storage
+from workers.spec.tokens import CorpusFormat
 
 # The columns of a documents batch; ``offset`` is -1 when an error has no place in the file.
 DOCUMENT_COLUMNS = ("input", "offset", "span", "text", "error")
@@ -67,6 +68,67 @@ class ReadChunk:
             end=int(batch["end"][index]),
             weight=int(batch["weight"][index]),
         )
+
+
+@dataclass(frozen=True)
+class RecordFields:
+    """Which fields of a record make its document, per ``--format``, and the flag that names each.
+
+    The document crosses to the tokenize stage as one string: the text itself (text), the JSON of
+    the message list (chat: each message an object with a string ``role`` and a ``content``; keys
+    holding null are dropped, as ``apply_chat_template`` drops them), or the JSON of ``[prompt,
+    completion]`` (prompt-completion).
+    """
+
+    corpus_format: CorpusFormat
+    names: tuple[str, ...]
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return _FLAGS[self.corpus_format]
+
+    def document(self, record: dict[str, Any]) -> tuple[str, str]:
+        """(document, "") or ("", why the record gives none, with the fix)."""
+        for name, flag in zip(self.names, self.flags):
+            if name not in record:
+                fields = ", ".join(repr(key) for key in list(record)[:8]) or "none"
+                what = flag.removeprefix("--").removesuffix("-field")
+                return "", f"has no field {name!r} (its fields: {fields}); name the {what} field with {flag}"
+        if self.corpus_format == CorpusFormat.CHAT:
+            return _messages_json(record[self.names[0]], self.names[0])
+        values = [record[name] for name in self.names]
+        for name, value in zip(self.names, values):
+            if not isinstance(value, str):
+                return "", f"field {name!r} holds {_json_kind(value)}, not a string"
+        return (values[0], "") if self.corpus_format == CorpusFormat.TEXT else (json.dumps(values), "")
+
+
+_FLAGS = {
+    CorpusFormat.TEXT: ("--text-field",),
+    CorpusFormat.CHAT: ("--messages-field",),
+    CorpusFormat.PROMPT_COMPLETION: ("--prompt-field", "--completion-field"),
+}
+
+
+def _messages_json(value: Any, name: str) -> tuple[str, str]:
+    if not isinstance(value, list) or not value:
+        kind = "an empty list" if isinstance(value, list) else _json_kind(value)
+        return "", f'field {name!r} holds {kind}, not a list of messages ({{"role": ..., "content": ...}})'
+    messages = []
+    for number, message in enumerate(value, start=1):
+        if not isinstance(message, dict):
+            return (
+                "",
+                f"message {number} of field {name!r} is {_json_kind(message)}, not an object with role and content",
+            )
+        message = {key: item for key, item in message.items() if item is not None}
+        for key in ("role", "content"):
+            if key not in message:
+                return "", f"message {number} of field {name!r} has no {key!r}; each message needs a role and a content"
+        if not isinstance(message["role"], str):
+            return "", f"message {number} of field {name!r}: 'role' holds {_json_kind(message['role'])}, not a string"
+        messages.append(message)
+    return json.dumps(messages, ensure_ascii=False), ""
 
 
 @functools.lru_cache(maxsize=16)
@@ -108,7 +170,7 @@ class RangeFile(io.RawIOBase):
 
 
 def read_documents(
-    batch: dict[str, np.ndarray], *, text_field: str, endpoint_url: str | None, region: str | None
+    batch: dict[str, np.ndarray], *, fields: RecordFields, endpoint_url: str | None, region: str | None
 ) -> dict[str, np.ndarray]:
     """Ray Data stage: the chunks of ``batch`` -> their documents, in order (``DOCUMENT_COLUMNS``)."""
     inputs: list[int] = []
@@ -118,7 +180,7 @@ def read_documents(
     errors: list[str] = []
     for index in range(len(batch["input"])):
         chunk = ReadChunk.from_batch(batch, index)
-        found = _read_chunk(chunk, text_field, endpoint_url, region)
+        found = _read_chunk(chunk, fields, endpoint_url, region)
         inputs += [chunk.input] * len(found)
         spans += spread(chunk.weight, len(found))
         for offset, text, error in found:
@@ -151,13 +213,13 @@ def spread(weight: int, count: int) -> list[int]:
 Found = list[tuple[int, str, str]]  # (offset, text, error): documents in order, at most one error, last
 
 
-def _read_chunk(chunk: ReadChunk, text_field: str, endpoint_url: str | None, region: str | None) -> Found:
+def _read_chunk(chunk: ReadChunk, fields: RecordFields, endpoint_url: str | None, region: str | None) -> Found:
     try:
         storage = open_input_storage(chunk.root, endpoint_url, region)
         if chunk.format == "jsonl":
-            return _jsonl(storage, chunk, text_field)
+            return _jsonl(storage, chunk, fields)
         if chunk.format == "parquet":
-            return _parquet(storage, chunk, text_field)
+            return _parquet(storage, chunk, fields)
         return _txt(storage, chunk)
     except CheckpointError as error:  # the storage refused or lost the input: reported like a bad line
         return [(-1, "", f"cannot be read: {error}")]
@@ -188,7 +250,7 @@ def owned_lines(
     return first, bytes(body)
 
 
-def _jsonl(storage: StorageBackend, chunk: ReadChunk, text_field: str) -> Found:
+def _jsonl(storage: StorageBackend, chunk: ReadChunk, fields: RecordFields) -> Found:
     first, body = owned_lines(
         lambda begin, stop: storage.get_range(chunk.key, begin, stop), chunk.start, chunk.end, chunk.size
     )
@@ -200,7 +262,7 @@ def _jsonl(storage: StorageBackend, chunk: ReadChunk, text_field: str) -> Found:
             line = line[len(codecs.BOM_UTF8) :]
         if not line.strip():
             continue
-        text, error = json_text(line, text_field)
+        text, error = json_document(line, fields)
         found.append((here, text, error))
         if error:
             break
@@ -208,7 +270,12 @@ def _jsonl(storage: StorageBackend, chunk: ReadChunk, text_field: str) -> Found:
 
 
 def json_text(line: bytes, text_field: str) -> tuple[str, str]:
-    """The text of one ``.jsonl`` line, or why the line cannot give one (with the fix)."""
+    """The text of one ``.jsonl`` line of a text corpus, or why the line cannot give one (with the fix)."""
+    return json_document(line, RecordFields(CorpusFormat.TEXT, (text_field,)))
+
+
+def json_document(line: bytes, fields: RecordFields) -> tuple[str, str]:
+    """One ``.jsonl`` line -> its document (``RecordFields.document``), or why the line cannot give one."""
     try:
         decoded = line.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -218,18 +285,12 @@ def json_text(line: bytes, text_field: str) -> tuple[str, str]:
     except json.JSONDecodeError as error:
         return "", f"is not JSON ({error.msg} at column {error.colno}); fix the line or remove it"
     if not isinstance(record, dict):
-        return "", f"is {_json_kind(record)}, not a JSON object with a {text_field!r} field"
-    if text_field not in record:
-        fields = ", ".join(repr(name) for name in list(record)[:8]) or "none"
-        return "", f"has no field {text_field!r} (its fields: {fields}); name the text field with --text-field"
-    value = record[text_field]
-    if not isinstance(value, str):
-        return "", f"field {text_field!r} holds {_json_kind(value)}, not a string"
-    return value, ""
+        return "", f"is {_json_kind(record)}, not a JSON object with a {fields.names[0]!r} field"
+    return fields.document(record)
 
 
 def _json_kind(value: Any) -> str:
-    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
@@ -244,18 +305,30 @@ def _txt(storage: StorageBackend, chunk: ReadChunk) -> Found:
         return [(-1, "", f"is not valid UTF-8 (byte 0x{data[error.start]:02x} at byte {error.start}); " + _REENCODE)]
 
 
-def _parquet(storage: StorageBackend, chunk: ReadChunk, text_field: str) -> Found:
+def _parquet(storage: StorageBackend, chunk: ReadChunk, fields: RecordFields) -> Found:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(RangeFile(storage, chunk.key, chunk.size))
         first_row = sum(parquet.metadata.row_group(group).num_rows for group in range(chunk.start))
-        table = parquet.read_row_groups(list(range(chunk.start, chunk.end)), columns=[text_field])
-        # As bytes, decoded here: Parquet does not promise valid UTF-8, and the bad row is named.
-        values = table.column(0).cast(pa.large_binary()).to_pylist()
+        table = parquet.read_row_groups(list(range(chunk.start, chunk.end)), columns=list(fields.names))
+        if fields.corpus_format == CorpusFormat.TEXT:
+            # As bytes, decoded here: Parquet does not promise valid UTF-8, and the bad row is named.
+            return _parquet_texts(table.column(0).cast(pa.large_binary()).to_pylist(), first_row, fields.names[0])
+        records = table.to_pylist()
     except (pa.ArrowException, OSError) as error:
         return [(-1, "", f"is not a readable Parquet file ({error})")]
+    found: Found = []
+    for row, record in enumerate(records, start=first_row):
+        document, problem = fields.document(record)
+        found.append((row, document, problem))
+        if problem:
+            break
+    return found
+
+
+def _parquet_texts(values: list[bytes | None], first_row: int, text_field: str) -> Found:
     found: Found = []
     for row, value in enumerate(values, start=first_row):
         if value is None:

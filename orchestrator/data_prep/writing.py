@@ -1,20 +1,22 @@
-"""Token shards and the manifest: each split's stream cut into shards, uploaded, then the commit (driver).
+"""Shard plans, the shard outcomes, and the manifest: the driver's side of writing a corpus (driver).
 
-Runs on the driver, fed documents in input order. A split's shards hold exactly ``shard_tokens``
-tokens each (the last fewer), cut from the split's stream wherever that falls, documents included:
-the shard boundaries depend only on the tokens, never on how the work was parallelised. Uploads
-run on background threads (``put_stream``: visible only once complete), at most ``max_pending`` at
-a time so memory stays bounded, while the driver keeps taking documents.
+Runs on the driver, fed each document's place in a piece (``pieces.write_pieces``) in input order. A
+split's shards hold exactly ``shard_tokens`` tokens each (the last fewer), cut from the split's stream
+wherever that falls, documents included: the shard boundaries depend only on the tokens, never on how
+the work was parallelised. ``SplitPlan`` turns the documents into shard plans (lists of piece ranges);
+``pieces.assemble_shards`` builds and stores them in Ray Data tasks. The driver itself writes only each
+split's ``documents.bin`` (every document's length: 4 bytes a document) and the manifest. A masked
+corpus has a mask shard beside each token shard, cut at the same places.
 
 The manifest is written last, with ``put_if_absent``: it is the commit, as for checkpoints
 (``checkpointing/commit.py``). What a run does with ``--out``:
 
 * no ``manifest.json``: a fresh corpus. Shards are written (over any left by an interrupted run);
-  if the run fails before its commit, the shards it wrote are deleted again; after the commit,
-  stray shards of an earlier, longer attempt are deleted.
-* a manifest with the same tokenizer, dtype, split settings and inputs: the run *checks* it. Every
-  shard must come out identical to the committed one (a missing one is written again, same bytes)
-  and then the manifest must be byte-identical; nothing committed is ever rewritten.
+  if the run fails before its commit, the shards it planned are deleted again; after the commit,
+  stray shards of an earlier, longer attempt, and pieces of a killed one, are deleted.
+* a manifest with the same tokenizer, dtype, split settings, inputs, format and fields: the run
+  *checks* it. Every shard must come out identical to the committed one (a missing one is written
+  again, same bytes) and then the manifest must be byte-identical; nothing committed is ever rewritten.
 * a manifest with other settings or inputs, or one the inputs no longer reproduce: refused. Shard
   names are fixed by the format, so a corpus cannot be replaced in place without a window in which
   its manifest points at other bytes; the user chooses another ``--out`` or deletes the old one.
@@ -22,115 +24,184 @@ The manifest is written last, with ``put_if_absent``: it is the commit, as for c
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
 import re
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from checkpointing.storage import StorageBackend
+from orchestrator.data_prep.pieces import PIECES_PREFIX, Stored, store
 from orchestrator.errors import UserError
 from workers.spec.tokens import (
+    DOCUMENT_LENGTH_DTYPE,
     MANIFEST_KEY,
     SPLITS,
+    VERSION,
     ShardEntry,
     SplitIndex,
     TokenCorpusError,
     TokenManifest,
+    documents_key,
+    mask_key,
     parse_token_manifest,
     shard_key,
 )
 
 log = logging.getLogger("meshpilot")
-_SHARD_KEY = re.compile(r"^(train|validation)/\d{5}\.bin$")
-_SETTINGS = ("tokenizer", "dtype", "validation_fraction", "split_seed", "inputs")
+_SHARD_KEY = re.compile(r"^(train|validation)/\d{5}\.(bin|mask)$")
+_SETTINGS = (
+    "tokenizer",
+    "dtype",
+    "validation_fraction",
+    "split_seed",
+    "inputs",
+    "corpus_format",
+    "loss_mask",
+    "fields",
+    "chat_template_sha256",
+)
 
 
-class ShardUploader:
-    """Uploads (or, against a committed corpus, checks) shards on background threads."""
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard to build: its key, its token count, and the piece ranges [start, stop) (in tokens) it joins."""
 
-    def __init__(self, storage: StorageBackend, *, committed: TokenManifest | None, max_pending: int = 2) -> None:
-        self.storage = storage
-        self.written: list[str] = []  # keys this run created: deleted again if it fails before its commit
-        self.kept = 0  # committed shards found intact
-        self.repaired = 0  # committed shards that were missing, written again with the same bytes
-        self._committed = {s.key: s for split in committed.splits.values() for s in split.shards} if committed else None
-        self._stored = {info.key: info.size for info in storage.list()} if committed else {}
-        self._pool = ThreadPoolExecutor(max_workers=max_pending, thread_name_prefix="shard-upload")
-        self._pending: deque[Future] = deque()
-        self._max_pending = max_pending
+    key: str
+    tokens: int
+    segments: tuple[tuple[str, int, int], ...]
 
-    def submit(self, key: str, data: bytes, tokens: int) -> Future[ShardEntry]:
-        while len(self._pending) >= self._max_pending:  # back-pressure: at most this many shards in memory
-            self._pending.popleft().result()
-        future = self._pool.submit(self._store, key, data, tokens)
-        self._pending.append(future)
-        return future
-
-    def _store(self, key: str, data: bytes, tokens: int) -> ShardEntry:
-        entry = ShardEntry(key=key, tokens=tokens, sha256=hashlib.sha256(data).hexdigest())
-        if self._committed is None:
-            self.storage.put_stream(key, [data], size=len(data))
-            self.written.append(key)
-            return entry
-        if self._committed.get(key) != entry:
-            raise UserError(
-                f"{self.storage.uri} holds a corpus of these inputs and settings, but its shard {key} differs from "
-                "what they give now (the inputs changed since); prepare into another --out, or delete the old corpus"
-            )
-        if self._stored.get(key) == len(data):
-            self.kept += 1
-        else:  # the committed bytes are gone: write them again, identical
-            self.storage.put_stream(key, [data], size=len(data))
-            self.repaired += 1
-        return entry
-
-    def discard_written(self) -> None:
-        """After a failure before the commit: wait for the uploads, then delete what this run wrote."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self.written:
-            self.storage.delete(list(self.written))
-            log.info("removed %d shard(s) of the failed run from %s", len(self.written), self.storage.uri)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def to_row(self, committed: dict[str, str] | None, stored: dict[str, int]) -> dict[str, Any]:
+        """The row ``pieces.assemble_shards`` takes: with the committed sha256s and stored sizes to check against."""
+        masks = mask_key(self.key)
+        checking = committed is not None  # against a committed corpus: a key it does not list differs
+        committed = {} if committed is None else committed
+        return {
+            "key": self.key,
+            "segments": json.dumps(self.segments),
+            "checking": checking,
+            "expected": committed.get(self.key, ""),
+            "stored_size": stored.get(self.key, -1),
+            "expected_mask": committed.get(masks, ""),
+            "stored_mask_size": stored.get(masks, -1),
+        }
 
 
-class SplitWriter:
-    """One split's token stream, cut into shards of ``shard_tokens`` tokens as documents arrive."""
+@dataclass
+class SplitPlan:
+    """One split's documents, in order, planned into shards of ``shard_tokens`` tokens."""
 
-    def __init__(self, split: str, uploader: ShardUploader, *, itemsize: int, shard_tokens: int) -> None:
-        self.split = split
-        self.documents = 0
-        self.tokens = 0
-        self._uploader = uploader
-        self.itemsize = itemsize
-        self._shard_bytes = shard_tokens * itemsize
-        self._buffer = bytearray()
-        self._shards: list[Future[ShardEntry]] = []
+    split: str
+    shard_tokens: int
+    documents: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    shards: list[ShardPlan] = field(default_factory=list)
+    lengths: array = field(default_factory=lambda: array("I"))  # each document's token count, in order
+    _segments: list[list[Any]] = field(default_factory=list)  # of the shard being filled: [piece, start, stop]
+    _filled: int = 0
 
-    def append(self, document_tokens: bytes) -> None:
-        """One document's tokens (its EOS included), as shard bytes."""
+    def append(self, piece: str, position: int, length: int, trained: int) -> None:
+        """The split's next document: ``length`` tokens at ``position`` of ``piece``, ``trained`` of them trained."""
         self.documents += 1
-        self.tokens += len(document_tokens) // self.itemsize
-        self._buffer += document_tokens
-        while len(self._buffer) >= self._shard_bytes:
-            self._cut(self._shard_bytes)
+        self.tokens += length
+        self.trained_tokens += trained
+        self.lengths.append(length)
+        while length > 0:
+            take = min(length, self.shard_tokens - self._filled)
+            last = self._segments[-1] if self._segments else None
+            if last is not None and last[0] == piece and last[2] == position:
+                last[2] += take  # the next document of the same piece: one range, one read
+            else:
+                self._segments.append([piece, position, position + take])
+            position, length, self._filled = position + take, length - take, self._filled + take
+            if self._filled == self.shard_tokens:
+                self._close()
 
-    def _cut(self, size: int) -> None:
-        with memoryview(self._buffer) as whole, whole[:size] as head:  # one copy of the shard, not two
-            data = bytes(head)
-        del self._buffer[:size]
-        key = shard_key(self.split, len(self._shards))
-        self._shards.append(self._uploader.submit(key, data, size // self.itemsize))
+    def finish(self) -> list[ShardPlan]:
+        if self._filled:
+            self._close()
+        return self.shards
 
-    def finish(self) -> SplitIndex:
-        """Upload the last, shorter shard; wait for every upload; the split's index for the manifest."""
-        if self._buffer:
-            self._cut(len(self._buffer))
-        shards = tuple(future.result() for future in self._shards)
-        return SplitIndex(documents=self.documents, tokens=self.tokens, shards=shards)
+    def _close(self) -> None:
+        segments = tuple((str(piece), int(start), int(stop)) for piece, start, stop in self._segments)
+        self.shards.append(ShardPlan(shard_key(self.split, len(self.shards)), self._filled, segments))
+        self._segments, self._filled = [], 0
+
+    def document_lengths(self) -> bytes:
+        return np.asarray(self.lengths, dtype=DOCUMENT_LENGTH_DTYPE).tobytes()
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What ``pieces.assemble_shards`` did with one shard."""
+
+    sha256: str
+    mask_sha256: str | None
+    stored: Stored
+
+
+def split_index(
+    plan: SplitPlan, outcomes: dict[str, ShardOutcome], documents_sha256: str, *, masked: bool
+) -> SplitIndex:
+    """The manifest's entry for a split, from its plan and what the tasks stored."""
+    shards = tuple(
+        ShardEntry(
+            key=shard.key,
+            tokens=shard.tokens,
+            sha256=outcomes[shard.key].sha256,
+            mask_sha256=outcomes[shard.key].mask_sha256 if masked else None,
+        )
+        for shard in plan.shards
+    )
+    return SplitIndex(
+        documents=plan.documents,
+        tokens=plan.tokens,
+        shards=shards,
+        trained_tokens=plan.trained_tokens,
+        documents_sha256=documents_sha256,
+    )
+
+
+def store_document_lengths(
+    storage: StorageBackend, plan: SplitPlan, committed: dict[str, str] | None, stored: dict[str, int]
+) -> tuple[str, Stored]:
+    """Write (or check) a split's ``documents.bin`` from the driver: 4 bytes a document, no tokens."""
+    key = documents_key(plan.split)
+    expected = None if committed is None else committed.get(key, "")
+    return store(storage, key, plan.document_lengths(), expected=expected, stored_size=stored.get(key, -1))
+
+
+def planned_keys(plans: dict[str, SplitPlan]) -> list[str]:
+    """Every object a run's plans would write: deleted again when a fresh run fails before its commit."""
+    keys = [documents_key(split) for split in plans]
+    for plan in plans.values():
+        for shard in plan.shards:
+            keys += [shard.key, mask_key(shard.key)]
+    return keys
+
+
+def committed_objects(manifest: TokenManifest) -> dict[str, str]:
+    """Every object a committed corpus lists (shards, mask shards, document lengths) -> its sha256."""
+    objects = {}
+    for name, split in manifest.splits.items():
+        for shard in split.shards:
+            objects[shard.key] = shard.sha256
+            if shard.mask_sha256 is not None:
+                objects[mask_key(shard.key)] = shard.mask_sha256
+        if split.documents_sha256 is not None:
+            objects[documents_key(name)] = split.documents_sha256
+    return objects
+
+
+def refuse_changed_inputs(uri: str, key: str) -> UserError:
+    return UserError(
+        f"{uri} holds a corpus of these inputs and settings, but its {key} differs from what they give now "
+        "(the inputs changed since); prepare into another --out, or delete the old corpus"
+    )
 
 
 def committed_manifest(storage: StorageBackend) -> TokenManifest | None:
@@ -146,6 +217,11 @@ def committed_manifest(storage: StorageBackend) -> TokenManifest | None:
 
 def refuse_other_corpus(existing: TokenManifest, draft: TokenManifest, uri: str) -> None:
     """``UserError`` when the committed corpus was prepared with other settings or inputs than ``draft``."""
+    if existing.version != VERSION:
+        raise UserError(
+            f"{uri} holds a token corpus of version {existing.version} (an earlier meshpilot): it still trains as it "
+            f"is; to prepare it again as version {VERSION}, give another --out"
+        )
     differences = [name.replace("_", " ") for name in _SETTINGS if getattr(existing, name) != getattr(draft, name)]
     if differences:
         raise UserError(
@@ -168,19 +244,15 @@ def commit_manifest(storage: StorageBackend, manifest: TokenManifest) -> bool:
 
 
 def remove_strays(storage: StorageBackend, manifest: TokenManifest) -> int:
-    """Delete shards that the committed manifest does not list (left by an earlier, failed attempt)."""
-    listed = {shard.key for split in manifest.splits.values() for shard in split.shards}
+    """Delete shards and mask shards that the committed manifest does not list (left by an earlier, failed attempt)."""
+    listed = set(committed_objects(manifest))
     strays = [
         info.key
         for split in SPLITS
         for info in storage.list(f"{split}/")
         if _SHARD_KEY.match(info.key) and info.key not in listed
     ]
+    strays += [info.key for info in storage.list(PIECES_PREFIX)]  # of a killed run
     if strays:
         storage.delete(strays)
     return len(strays)
-
-
-def with_splits(draft: TokenManifest, writers: dict[str, SplitWriter]) -> TokenManifest:
-    """The manifest: ``draft`` (settings and inputs) with every split's finished index."""
-    return replace(draft, splits={split: writers[split].finish() for split in SPLITS})

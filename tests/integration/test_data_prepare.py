@@ -25,11 +25,14 @@ from orchestrator.data_prep import pipeline
 from orchestrator.data_prep.pipeline import PrepareRequest, prepare_corpus
 from tests.jobs import losses, single_rank, train
 from workers.spec.tokens import (
+    DOCUMENT_LENGTH_DTYPE,
     MANIFEST_KEY,
     SPLITS,
+    CorpusFormat,
     SplitIndex,
     TokenizerInfo,
     TokenManifest,
+    documents_key,
     is_validation,
     parse_token_manifest,
 )
@@ -160,6 +163,14 @@ def test_local_corpus_holds_every_document_in_order_and_reruns_identically(ray_c
     for split in SPLITS:
         np.testing.assert_array_equal(streams[split], expected[split])
     assert manifest.splits["train"].documents + manifest.splits["validation"].documents == 8000
+    # Version 2 for text too: no masks, every token trained, each document's length (EOS included) stored.
+    assert manifest.corpus_format == CorpusFormat.TEXT and not manifest.loss_mask and manifest.fields == ("text",)
+    for split in SPLITS:
+        index = manifest.splits[split]
+        assert index.trained_tokens == index.tokens and all(shard.mask_sha256 is None for shard in index.shards)
+        lengths = np.frombuffer((out / documents_key(split)).read_bytes(), dtype=DOCUMENT_LENGTH_DTYPE)
+        assert len(lengths) == index.documents and int(lengths.sum()) == index.tokens
+    assert not list(out.rglob("*.mask"))
     assert 0.05 < manifest.splits["validation"].documents / 8000 < 0.15  # held out by document, ~10%
     tokenizer_bytes = (corpus.tokenizer_dir / "tokenizer.json").read_bytes()
     assert manifest.tokenizer == TokenizerInfo(
@@ -264,7 +275,7 @@ def test_a_run_interrupted_before_its_manifest_leaves_no_corpus(ray_cluster, cor
     assert prepare_corpus(request).committed
     manifest, _ = read_corpus(str(out))
     listed = {shard.key for split in manifest.splits.values() for shard in split.shards}
-    assert set(files_under(out)) == listed | {MANIFEST_KEY}
+    assert set(files_under(out)) == listed | {MANIFEST_KEY, *map(documents_key, SPLITS)}
 
 
 # ----------------------------------------------------------------------------- mistakes
@@ -340,6 +351,7 @@ def test_a_committed_corpus_of_other_inputs_is_refused(corpus, tmp_path, capsys)
         split_seed=0,
         splits={split: SplitIndex(documents=0, tokens=0, shards=()) for split in SPLITS},
         inputs=("/elsewhere/old.jsonl",),
+        fields=("text",),
     )
     (out / MANIFEST_KEY).write_bytes(other.to_json())
     message = cli_error(capsys, corpus.args(str(out)))
@@ -389,4 +401,4 @@ def test_mistakes_found_while_reading_leave_nothing(case, ray_cluster, corpus, t
     assert expected in message
     assert files_under(out) == {}
     if case == "bad json after shards were written":
-        assert "shard(s) of the failed run" in caplog.text  # written, then taken back
+        assert "piece(s) of the failed run" in caplog.text  # written, then taken back

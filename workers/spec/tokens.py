@@ -19,11 +19,12 @@ document, its token count (EOS included): the document boundaries that packing b
 (``data.packing: documents``) keeps. Version 1 manifests (no ``format``, masks or document
 lengths) still load: a text corpus, every token trained, packable only as windows.
 
-Documents are concatenated in input order, each followed by the tokenizer's end-of-text token
-(a chat document also ends with its template's end-of-turn tokens); a split's token stream is
-its shards in order. A document goes to the validation split when a hash of (split seed, input
-number, document number) falls under ``validation_fraction``, so the split never depends on how
-the work was parallelised.
+Documents are concatenated in input order: a text document followed by the tokenizer's
+end-of-text token, a prompt-completion document with the EOS after its completion, a chat document
+exactly as its template renders it (each turn ends with the template's end-of-turn tokens; no EOS is
+added); a split's token stream is its shards in order. A document goes to the validation split
+when a hash of (split seed, input number, document number) falls under ``validation_fraction``, so
+the split never depends on how the work was parallelised.
 
 Training samples are packed one of two ways (``data.packing``, ``Packing``):
 
@@ -148,6 +149,11 @@ class TokenManifest:
     inputs: tuple[str, ...] = ()
     corpus_format: CorpusFormat = CorpusFormat.TEXT
     loss_mask: bool = False  # mask shards exist beside the token shards
+    # How the records were read (version 2; empty in version 1): the fields taken from each record, in
+    # order (text: the text field; chat: the messages field; prompt-completion: prompt, completion),
+    # and the sha256 of the chat template rendered (chat only). A re-prepare into the same place compares them.
+    fields: tuple[str, ...] = ()
+    chat_template_sha256: str | None = None
     version: int = VERSION  # the version it was read as (written: always VERSION)
 
     @property
@@ -198,6 +204,8 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
             inputs=tuple(body.get("inputs", ())),
             corpus_format=CorpusFormat(body.get("corpus_format", CorpusFormat.TEXT)),
             loss_mask=bool(body.get("loss_mask", False)),
+            fields=tuple(str(name) for name in body.get("fields", ())),
+            chat_template_sha256=body.get("chat_template_sha256"),
             version=int(body["version"]),
         )
     except TokenCorpusError:
