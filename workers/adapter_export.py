@@ -8,14 +8,17 @@ their optimizer state and names its frozen base (``Manifest.lora``, ``Manifest.l
   loads them onto the released model with no missing or unexpected keys;
 * ``export_merged`` reads the base from its source (the released Hugging Face directory the run
   started from) and writes the merged model ``W + scaling * B @ A`` in the family's Hugging Face
-  layout, one output file at a time, loadable by ``transformers`` without PEFT.
+  layout, one output file at a time, with the base's config.json, generation config and tokenizer
+  files: a model directory ``transformers`` loads and generates with, without PEFT.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +36,18 @@ from workers.spec.lora import ADAPTER_SUFFIXES, LoraSpec, is_adapter
 
 # The source a LoRA run without ``model.init_from`` names as its base (``workers.spec.lora.LoraBase``).
 RANDOM_BASE_PREFIX = "random-init:"
+# Files of a released model directory that a merged export copies as they are: how it generates and
+# its tokenizer (the merged weights are the same architecture with the same vocabulary).
+BASE_COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 class NotAdapterCheckpointError(ForeignCheckpointError):
@@ -121,8 +136,7 @@ def export_merged(
                 )
         return tensors
 
-    stored = set(base_dtype.values())
-    config = naming.hf_config(manifest.model, dtype or (stored.pop() if len(stored) == 1 else "float32"))
+    config = _base_config(base_storage, dtype)
     out = write_hf_directory(
         out_dir,
         renamed,
@@ -133,7 +147,21 @@ def export_merged(
         max_shard_bytes=max_shard_bytes,
         metadata={"meshpilot_step": manifest.step, "meshpilot_merged_lora": True},
     )
+    for name in BASE_COMPANION_FILES:  # the merged model generates as the base does, with its tokenizer
+        if base_storage.exists(name):
+            (out / name).write_bytes(base_storage.get(name))
     return out, naming
+
+
+def _base_config(base_storage: StorageBackend, dtype: str | None) -> dict[str, Any]:
+    """The base's own config.json (its token ids and settings stay as released), with ``dtype``
+    recorded when the export casts the weights."""
+    config = json.loads(base_storage.get("config.json"))
+    if dtype is not None:
+        for key in ("torch_dtype", "dtype"):
+            if key in config:
+                config[key] = dtype
+    return config
 
 
 def _read_adapters(storage: StorageBackend, manifest: Manifest) -> dict[str, torch.Tensor]:

@@ -122,9 +122,12 @@ def test_peft_adapter_loads_with_no_missing_or_unexpected_key_and_gives_our_logi
 
 
 def test_merged_export_loads_in_transformers_and_gives_our_logits(lora_checkpoint, tmp_path):
-    _, ckpt_dir, ours, tokens = lora_checkpoint
+    base_dir, ckpt_dir, ours, tokens = lora_checkpoint
     out = tmp_path / "merged"
     assert main(["ckpt", "export", str(ckpt_dir), "--out", str(out)]) == 0
+    # The base's own config (token ids, settings) and generation config travel with the merged weights.
+    assert json.loads((out / "config.json").read_text()) == json.loads((base_dir / "config.json").read_text())
+    assert (out / "generation_config.json").read_bytes() == (base_dir / "generation_config.json").read_bytes()
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     torch.testing.assert_close(reference_logits(merged, tokens), ours, rtol=1e-5, atol=1e-5)
 
