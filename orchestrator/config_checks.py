@@ -178,13 +178,23 @@ SNAPSHOT_BYTES_PER_PARAM = 12
 SNAPSHOTS_HELD = 4
 
 
+def _trained_params(config: JobConfig) -> int:
+    """The parameters whose state a snapshot holds: every one, or with LoRA only the adapters (the
+    frozen base is re-read from its source, never snapshotted)."""
+    model = config.model_spec
+    if config.model.lora is None:
+        return model.num_params
+    lora = config.model.lora.spec()
+    return model.n_layers * model.adapter_params_per_layer(lora.target_modules, lora.rank)
+
+
 def _snapshot_memory_problems(config: JobConfig) -> list[str]:
     """Peer-memory snapshots that cannot fit ``elastic.snapshot_memory_limit_mb``, estimated from
     the model's size (the ranks check their exact layout again when they start)."""
     el, mesh = config.elastic, config.mesh
     if el.snapshot_interval_steps <= 0 or el.snapshot_memory_limit_mb is None or el.snapshot_memory_limit_mb <= 0:
         return []
-    state = SNAPSHOT_BYTES_PER_PARAM * config.model_spec.num_params / (mesh.fsdp_shards * mesh.tp * mesh.pp)
+    state = SNAPSHOT_BYTES_PER_PARAM * _trained_params(config) / (mesh.fsdp_shards * mesh.tp * mesh.pp)
     needed = SNAPSHOTS_HELD * state
     if needed <= el.snapshot_memory_limit_mb * 2**20:
         return []

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from orchestrator.api.training import build_config
 from orchestrator.cli import main
 from orchestrator.driver.train_spec import train_spec
+from orchestrator.errors import ConfigError
 from tests.hf_models import save_random_model
 from tests.jobs import DEMO_CONFIG, REPO
 from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
@@ -110,3 +111,14 @@ def test_released_weights_are_named_by_their_directory_and_a_hash_of_their_conte
 def _safetensors_header(path) -> bytes:
     data = path.read_bytes()
     return data[8 : 8 + int.from_bytes(data[:8], "little")]
+
+
+def test_the_snapshot_memory_check_prices_the_adapters_only(monkeypatch):
+    """A limit full training's snapshots exceed (1 MiB: the demo model's need 1.3 MiB a rank) holds a
+    LoRA run's, whose snapshots are the adapters and their optimizer state."""
+    monkeypatch.chdir(REPO)
+    limit = "elastic.snapshot_memory_limit_mb=1"
+    with pytest.raises(ConfigError, match="too small for peer-memory snapshots"):
+        build_config(DEMO_CONFIG, overrides=[limit])
+    config = build_config(DEMO_CONFIG, overrides=[limit, "model.lora.rank=8"])
+    assert config.model.lora is not None and config.elastic.snapshot_memory_limit_mb == 1
