@@ -12,8 +12,9 @@ into a temporary directory. Then, in one run:
 
     - ours: ``prepare_corpus`` (what ``meshpilot data prepare`` runs) on an embedded Ray cluster of
       this machine's CPUs, started once before the rounds: its start-up is reported apart, not in the
-      figure. Timed around the call: inputs, tokenizer, the Ray Data pass (read + tokenize tasks), the
-      driver's routing into shards, every shard fsynced, the manifest. Three kinds: no ``--workers``
+      figure. Timed around the call: inputs, tokenizer, the Ray Data passes (read + tokenize tasks
+      writing pieces, then the tasks building each shard from its pieces), the driver's shard plan,
+      every shard fsynced, the manifest. Three kinds: no ``--workers``
       (as a user runs it: one task per cluster CPU), ``--workers 1`` and ``--workers 2``.
     - reference: one process, no Ray: load the same ``tokenizer.json``, read the ``.jsonl`` line by line,
       ``encode_batch`` 1,024 documents at a time, append the EOS id, write the same ``uint16`` tokens to
