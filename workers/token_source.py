@@ -162,10 +162,11 @@ class TokenSource:
                 )
             plans[split] = pack_documents(lengths, self.seq_len)
         log.info(
-            "packed %d train documents into %d samples of <= %d tokens (%d documents cut into pieces)",
+            "packed %d train documents into %d samples of <= %d tokens, %.1f%% filled (%d documents cut into pieces)",
             self.manifest.splits["train"].documents,
             plans["train"].samples,
             self.seq_len,
+            100 * plans["train"].fill,
             plans["train"].cut_documents,
         )
         return plans
@@ -238,18 +239,25 @@ class TokenSource:
         started = time.perf_counter()
         split = self.manifest.splits[split_name]
         plan = self.plans.get(split_name)  # None: windows
-        start, stop = plan.sample_tokens(number) if plan is not None else window_tokens(number, self.seq_len)
-        tokens = self._read_range(self.reader, split.shards, (start, stop), self.manifest.itemsize)
+        ranges = merged(plan.piece_ranges(number)) if plan is not None else [window_tokens(number, self.seq_len)]
+        tokens = self._read_ranges(self.reader, split.shards, ranges, self.manifest.itemsize)
         trained = None
         if self.mask_reader is not None:
             masks = tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
-            trained = torch.from_numpy(self._read_range(self.mask_reader, masks, (start, stop), 1).astype(np.bool_))
+            trained = torch.from_numpy(self._read_ranges(self.mask_reader, masks, ranges, 1).astype(np.bool_))
         with self._stats_lock:
             self.stats.read_s += time.perf_counter() - started
         token_ids = torch.from_numpy(tokens.astype(np.int64))
         if plan is not None:
             return Sample.packed(token_ids, plan.piece_lengths(number).tolist(), seq_len=self.seq_len, trained=trained)
         return Sample.window(token_ids, trained)
+
+    def _read_ranges(
+        self, reader: ShardReader, shards: tuple[ShardEntry, ...], ranges: list[tuple[int, int]], itemsize: int
+    ) -> np.ndarray:
+        """Tokens (or mask bytes) of the stream ranges [start, stop), one after another."""
+        values = [self._read_range(reader, shards, tokens, itemsize) for tokens in ranges]
+        return values[0] if len(values) == 1 else np.concatenate(values)
 
     def _read_range(
         self, reader: ShardReader, shards: tuple[ShardEntry, ...], tokens: tuple[int, int], itemsize: int
@@ -261,6 +269,17 @@ class TokenSource:
         if len(values) != stop - start:
             raise TokenCorpusError(f"{self.uri}: tokens [{start}, {stop}) read {len(values)} values")
         return values
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Stream ranges in order with each run of adjacent ones joined: one read where pieces touch."""
+    joined = ranges[:1]
+    for start, stop in ranges[1:]:
+        if start == joined[-1][1]:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined
 
 
 def read_manifest(storage: StorageBackend) -> TokenManifest:
