@@ -11,10 +11,12 @@ the samples it takes, tokens and (a masked corpus) their mask: ``np.memmap`` of 
 for a corpus on disk, ranged GETs for an ``s3://`` corpus. The driver never reads the corpus.
 
 Prefetch: ``local_batch`` (``workers/data.py``) hints the source at the samples this rank's
-data-parallel slice takes in the next step; one background thread reads them while the step
-computes. The cache holds at most the hinted step's samples: a hint drops what the one before
-it left unread. ``sample`` takes a prefetched sample (waiting for its read if still running) or
-reads it there and then. ``stats`` counts both and the seconds spent reading.
+data-parallel slice takes in the next step; background threads read them while the step
+computes: one for a corpus on disk, ``RANGED_PREFETCH_THREADS`` side by side for ranged GETs (a
+packed sample is a few pieces from anywhere in the stream: a GET each, tokens and mask). The
+cache holds at most the hinted step's samples: a hint drops what the one before it left unread.
+``sample`` takes a prefetched sample (waiting for its read if still running) or reads it there
+and then. ``stats`` counts both and the seconds spent reading.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ from workers.spec.tokens import (
 from workers.spec.train import TokenCorpusSource
 
 log = logging.getLogger("meshpilot.data")
+
+# Samples read side by side from object storage: a ranged GET waits on the network, not the CPU.
+RANGED_PREFETCH_THREADS = 8
 
 
 class ShardReader(Protocol):
@@ -105,7 +110,7 @@ class RangedShards:
 @dataclass
 class ReadStats:
     """What the source read so far: samples taken from the prefetch cache, samples read when
-    asked (``sample`` found none prefetched), and seconds spent reading (both threads)."""
+    asked (``sample`` found none prefetched), and seconds spent reading (summed over threads)."""
 
     prefetched: int = 0
     read_on_demand: int = 0
@@ -138,7 +143,8 @@ class TokenSource:
         self._stats_lock = threading.Lock()
         self._cache: dict[int, Future[Sample]] = {}
         self._cache_lock = threading.Lock()
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshpilot-prefetch")
+        threads = 1 if isinstance(self.reader, MappedShards) else RANGED_PREFETCH_THREADS
+        self._prefetcher = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="meshpilot-prefetch")
 
     def _shard_reader(self, dtype: np.dtype) -> ShardReader:
         if isinstance(self.storage, LocalStorage):
@@ -221,7 +227,7 @@ class TokenSource:
                     self._cache[index] = self._prefetcher.submit(self._read_train, index)
 
     def close(self) -> None:
-        """Cancel reads not started, wait for the one in flight (the thread ends), release storage."""
+        """Cancel reads not started, wait for those in flight (the threads end), release storage."""
         with self._cache_lock:
             self._cache.clear()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)

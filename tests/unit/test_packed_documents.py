@@ -197,6 +197,27 @@ def test_exactly_once_across_a_kill_and_a_grow_with_documents_packing(tmp_path):
         source.close()
 
 
+def test_packed_samples_read_from_s3_ahead_of_time_equal_those_read_from_disk(tmp_path, s3_bucket):
+    """Ranged GETs piece by piece (tokens and mask), several samples at once in the prefetch
+    threads: the same samples, bit for bit, as the mapped files on disk give."""
+    storage = open_storage(s3_bucket.uri, endpoint_url=s3_bucket.endpoint_url)
+    masked_corpus(storage, shard_tokens=300)
+    storage.close()
+    on_disk, _ = packed_source(tmp_path)
+    in_s3 = TokenSource(
+        TokenCorpusSource(s3_bucket.uri, s3_bucket.endpoint_url, packing=Packing.DOCUMENTS), seq_len=SEQ_LEN, seed=0
+    )
+    try:
+        for step in range(1, 4):
+            ours = local_batch(in_s3, step=step, global_batch=8, dp_rank=1, dp=2)
+            theirs = local_batch(on_disk, step=step, global_batch=8, dp_rank=1, dp=2)
+            assert all(torch.equal(a, b) for a, b in zip(vars(ours).values(), vars(theirs).values()))
+        assert (in_s3.stats.read_on_demand, in_s3.stats.prefetched) == (4, 8)  # after step 1, read ahead
+    finally:
+        in_s3.close()
+        on_disk.close()
+
+
 def test_documents_packing_refuses_a_corpus_without_document_lengths(tmp_path):
     small_corpus(open_storage(str(tmp_path)))
     (tmp_path / "train" / "documents.bin").unlink()
