@@ -45,6 +45,8 @@ def test_every_document_piece_is_packed_once_and_long_documents_are_cut():
     by_sample = [plan.pieces_of(sample) for sample in range(plan.samples)]
     assert sorted(np.concatenate(by_sample).tolist()) == list(range(plan.pieces))
     assert all(np.all(np.diff(pieces) > 0) for pieces in by_sample)
+    # Samples come in the order of their first pieces (evaluation reads a split's first samples).
+    assert np.all(np.diff([pieces[0] for pieces in by_sample]) > 0) and by_sample[0][0] == 0
     for sample in range(plan.samples):
         ranges = plan.piece_ranges(sample)
         assert [stop - start for start, stop in ranges] == plan.piece_lengths(sample).tolist()

@@ -274,7 +274,8 @@ class PackingPlan:
 
     Computed on every rank from the split's document lengths (``documents.bin``) by
     ``pack_documents``: a pure function of (lengths, seq_len). The pieces tile the stream in
-    order; a sample is an ordered list of pieces, wherever they lie in the stream.
+    order; a sample is an ordered list of pieces, wherever they lie in the stream. Samples are
+    numbered in the order of their first pieces.
 
     ``piece_starts`` [pieces + 1]: the stream offset of each piece (stream order), then the
     stream's end. ``sample_pieces`` [pieces]: piece numbers, sample by sample, each sample's in
@@ -331,10 +332,17 @@ def pack_documents(lengths: np.ndarray, seq_len: int) -> PackingPlan:
     piece_starts = np.append(
         np.repeat(document_starts, pieces_per_document) + seq_len * number_within, int(lengths.sum())
     )
-    sample_of_piece, samples = best_fit_decreasing(np.diff(piece_starts), seq_len)
-    sample_pieces = stable_order(sample_of_piece, samples)  # each sample's pieces stay in stream order
+    bins, samples = best_fit_decreasing(np.diff(piece_starts), seq_len)
+    by_bin = stable_order(bins, samples)  # the pieces bin by bin, each bin's in stream order
+    counts = np.bincount(bins, minlength=samples)
+    bin_starts = np.cumsum(counts) - counts
+    # Samples numbered by their first piece in the stream, not as their bins opened (the longest
+    # pieces first): evaluation reads a split's first samples, which should look like its stream.
+    renumbered = stable_order(by_bin[bin_starts], max(1, pieces))
+    counts = counts[renumbered]
     first_piece = np.zeros(samples + 1, dtype=np.int64)
-    np.cumsum(np.bincount(sample_of_piece, minlength=samples), out=first_piece[1:])
+    np.cumsum(counts, out=first_piece[1:])
+    sample_pieces = by_bin[np.repeat(bin_starts[renumbered] - first_piece[:-1], counts) + np.arange(pieces)]
     return PackingPlan(
         seq_len=seq_len,
         piece_starts=piece_starts,
