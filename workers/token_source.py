@@ -51,6 +51,7 @@ from workers.spec.tokens import (
     mask_key,
     pack_documents,
     parse_token_manifest,
+    shard_ends,
     shard_ranges,
     window_count,
     window_tokens,
@@ -139,6 +140,7 @@ class TokenSource:
         dtype = np.dtype(self.manifest.dtype).newbyteorder("<")
         self.reader = self._shard_reader(dtype)
         self.mask_reader = self._shard_reader(np.dtype(MASK_DTYPE)) if self.manifest.loss_mask else None
+        self.shard_ends = {name: shard_ends(split.shards) for name, split in self.manifest.splits.items()}
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
         self._cache: dict[int, Future[Sample]] = {}
@@ -246,11 +248,12 @@ class TokenSource:
         split = self.manifest.splits[split_name]
         plan = self.plans.get(split_name)  # None: windows
         ranges = merged(plan.piece_ranges(number)) if plan is not None else [window_tokens(number, self.seq_len)]
-        tokens = self._read_ranges(self.reader, split.shards, ranges, self.manifest.itemsize)
+        ends = self.shard_ends[split_name]
+        tokens = self._read_ranges(self.reader, split.shards, ends, ranges, self.manifest.itemsize)
         trained = None
         if self.mask_reader is not None:
             masks = tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
-            trained = torch.from_numpy(self._read_ranges(self.mask_reader, masks, ranges, 1).astype(np.bool_))
+            trained = torch.from_numpy(self._read_ranges(self.mask_reader, masks, ends, ranges, 1).astype(np.bool_))
         with self._stats_lock:
             self.stats.read_s += time.perf_counter() - started
         token_ids = torch.from_numpy(tokens.astype(np.int64))
@@ -259,18 +262,29 @@ class TokenSource:
         return Sample.window(token_ids, trained)
 
     def _read_ranges(
-        self, reader: ShardReader, shards: tuple[ShardEntry, ...], ranges: list[tuple[int, int]], itemsize: int
+        self,
+        reader: ShardReader,
+        shards: tuple[ShardEntry, ...],
+        ends: np.ndarray,
+        ranges: list[tuple[int, int]],
+        itemsize: int,
     ) -> np.ndarray:
-        """Tokens (or mask bytes) of the stream ranges [start, stop), one after another."""
-        values = [self._read_range(reader, shards, tokens, itemsize) for tokens in ranges]
+        """Tokens (or mask bytes) of the stream ranges [start, stop), one after another (``ends``:
+        the shards' ``shard_ends``)."""
+        values = [self._read_range(reader, shards, ends, tokens, itemsize) for tokens in ranges]
         return values[0] if len(values) == 1 else np.concatenate(values)
 
     def _read_range(
-        self, reader: ShardReader, shards: tuple[ShardEntry, ...], tokens: tuple[int, int], itemsize: int
+        self,
+        reader: ShardReader,
+        shards: tuple[ShardEntry, ...],
+        ends: np.ndarray,
+        tokens: tuple[int, int],
+        itemsize: int,
     ) -> np.ndarray:
         """Tokens (or mask bytes) ``[start, stop)`` of a split's stream, across shard boundaries."""
         start, stop = tokens
-        pieces = [reader.read(key, begin, end) for key, begin, end in shard_ranges(shards, start, stop, itemsize)]
+        pieces = [reader.read(key, begin, end) for key, begin, end in shard_ranges(shards, start, stop, itemsize, ends)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         if len(values) != stop - start:
             raise TokenCorpusError(f"{self.uri}: tokens [{start}, {stop}) read {len(values)} values")

@@ -24,7 +24,7 @@ from tests.token_corpus import Corpus, masked_corpus, small_corpus
 from workers.data import IGNORE_INDEX, Batch, Sample, local_batch, local_samples
 from workers.models import LlamaFamily
 from workers.spec.messages import StepReport
-from workers.spec.tokens import Packing, best_fit_decreasing, pack_documents
+from workers.spec.tokens import Packing, ShardEntry, best_fit_decreasing, pack_documents, shard_ends, shard_ranges
 from workers.spec.train import TokenCorpusSource
 from workers.token_source import TokenSource
 
@@ -99,6 +99,18 @@ def test_best_fit_decreasing_by_sizes_equals_the_textbook_one_item_at_a_time():
         bins, count = best_fit_decreasing(sizes, capacity)
         expected = textbook_best_fit_decreasing(sizes.tolist(), capacity)
         assert bins.tolist() == expected and count == len(set(expected)), (capacity, sizes.tolist())
+
+
+def test_a_pieces_shards_found_by_bisection_are_those_a_walk_from_the_first_shard_finds():
+    generator = np.random.default_rng(3)
+    shards = tuple(
+        ShardEntry(f"train/{n:05d}.bin", int(tokens), "") for n, tokens in enumerate(generator.integers(1, 50, 80))
+    )
+    ends = shard_ends(shards)
+    for _ in range(2_000):
+        start = int(generator.integers(0, ends[-1]))
+        stop = int(generator.integers(start + 1, ends[-1] + 1))
+        assert shard_ranges(shards, start, stop, 2, ends) == shard_ranges(shards, start, stop, 2)
 
 
 def test_a_packed_sample_restarts_at_each_document_and_pads_with_nothing_to_train():

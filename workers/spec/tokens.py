@@ -458,11 +458,17 @@ class _Rooms:
         self.count[room] += len(bins)
 
 
-def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int) -> list[tuple[str, int, int]]:
-    """The byte ranges (key, begin, end) that hold tokens [start, stop) of a split's stream."""
+def shard_ranges(
+    shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int, ends: np.ndarray | None = None
+) -> list[tuple[str, int, int]]:
+    """The byte ranges (key, begin, end) that hold tokens [start, stop) of a split's stream.
+
+    ``ends``: the shards' ``shard_ends``, to find the first shard by bisection rather than by
+    walking from the first one (a packed sample reads several ranges of a long stream)."""
     ranges = []
-    offset = 0
-    for shard in shards:
+    skipped = 0 if ends is None else int(np.searchsorted(ends, start, side="right"))
+    offset = 0 if skipped == 0 or ends is None else int(ends[skipped - 1])
+    for shard in shards[skipped:]:
         first, last = max(start, offset), min(stop, offset + shard.tokens)
         if first < last:
             ranges.append((shard.key, (first - offset) * itemsize, (last - offset) * itemsize))
@@ -470,6 +476,11 @@ def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize
         if offset >= stop:
             break
     return ranges
+
+
+def shard_ends(shards: tuple[ShardEntry, ...]) -> np.ndarray:
+    """Where each shard ends in its split's stream: the running sum of their token counts."""
+    return np.cumsum([shard.tokens for shard in shards], dtype=np.int64)
 
 
 def describe(manifest: TokenManifest) -> dict[str, Any]:
