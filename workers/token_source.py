@@ -140,7 +140,13 @@ class TokenSource:
         dtype = np.dtype(self.manifest.dtype).newbyteorder("<")
         self.reader = self._shard_reader(dtype)
         self.mask_reader = self._shard_reader(np.dtype(MASK_DTYPE)) if self.manifest.loss_mask else None
-        self.shard_ends = {name: shard_ends(split.shards) for name, split in self.manifest.splits.items()}
+        splits = self.manifest.splits
+        self.shard_ends = {name: shard_ends(split.shards) for name, split in splits.items()}
+        # The mask shard beside each token shard (same cut), named once rather than per sample.
+        self.mask_shards = {
+            name: tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
+            for name, split in splits.items()
+        }
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
         self._cache: dict[int, Future[Sample]] = {}
@@ -252,7 +258,7 @@ class TokenSource:
         tokens = self._read_ranges(self.reader, split.shards, ends, ranges, self.manifest.itemsize)
         trained = None
         if self.mask_reader is not None:
-            masks = tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
+            masks = self.mask_shards[split_name]
             trained = torch.from_numpy(self._read_ranges(self.mask_reader, masks, ends, ranges, 1).astype(np.bool_))
         with self._stats_lock:
             self.stats.read_s += time.perf_counter() - started
