@@ -51,6 +51,7 @@ validation stream's samples (packed the same way) in order.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections import deque
@@ -338,7 +339,9 @@ def pack_documents(lengths: np.ndarray, seq_len: int) -> PackingPlan:
     bin_starts = np.cumsum(counts) - counts
     # Samples numbered by their first piece in the stream, not as their bins opened (the longest
     # pieces first): evaluation reads a split's first samples, which should look like its stream.
-    renumbered = stable_order(by_bin[bin_starts], max(1, pieces))
+    bin_at_first_piece = np.full(pieces, -1, dtype=np.int64)
+    bin_at_first_piece[by_bin[bin_starts]] = np.arange(samples)
+    renumbered = bin_at_first_piece[bin_at_first_piece >= 0]  # the bins in the order of their first pieces
     counts = counts[renumbered]
     first_piece = np.zeros(samples + 1, dtype=np.int64)
     np.cumsum(counts, out=first_piece[1:])
@@ -394,36 +397,41 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
 
 
 class _Rooms:
-    """The open bins of ``best_fit_decreasing`` by room left: a queue of bin-number arrays per room."""
+    """The open bins of ``best_fit_decreasing`` by room left: a queue of bin-number arrays per room
+    that some bin has, and those rooms in a sorted list (work per size grows with the rooms it
+    touches, not with ``capacity``). Full bins are forgotten: nothing fits in them."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.count = np.zeros(capacity + 1, dtype=np.int64)  # open bins with each room
-        self.queues: list[deque[np.ndarray]] = [deque() for _ in range(capacity + 1)]
+        self.rooms: list[int] = []  # the rooms some open bin has, ascending
+        self.queues: dict[int, deque[np.ndarray]] = {}
+        self.count: dict[int, int] = {}  # open bins per room
         self.bins = 0
 
     def fill_open(self, size: int, items: int, assigned: list[np.ndarray]) -> int:
         """Put up to ``items`` items of ``size`` in the open bins, best fit first; the items left."""
-        fitting = np.flatnonzero(self.count[size:]) + size  # rooms that hold one, least first
-        if not len(fitting):
-            return items
-        each = fitting // size
-        # Rooms whose bins all fill, and the one after (partly): nothing beyond is touched.
-        touched = int(np.searchsorted(np.cumsum(self.count[fitting] * each), items, side="left")) + 1
-        for room, per_bin in zip(fitting[:touched].tolist(), each[:touched].tolist()):
-            full_bins = min(int(self.count[room]), items // per_bin)
+        moved: list[tuple[int, np.ndarray]] = []  # bins to requeue, all below ``size``: after the walk
+        index = bisect.bisect_left(self.rooms, size)  # the least room that holds one
+        while items and index < len(self.rooms):
+            room = self.rooms[index]
+            per_bin = room // size
+            full_bins = min(self.count[room], items // per_bin)
             if full_bins:
                 taken = self._take(room, full_bins)
                 assigned.append(np.repeat(taken, per_bin))
-                self._put(room - per_bin * size, taken)
+                moved.append((room - per_bin * size, taken))
                 items -= full_bins * per_bin
             if 0 < items < per_bin and self.count[room]:  # the last items, in one more bin
                 taken = self._take(room, 1)
                 assigned.append(np.repeat(taken, items))
-                self._put(room - items * size, taken)
+                moved.append((room - items * size, taken))
                 items = 0
-            if not items:
-                break
+            if self.count[room]:
+                index += 1
+            else:
+                del self.rooms[index], self.queues[room], self.count[room]
+        for room, bins in moved:
+            self._put(room, bins)
         return items
 
     def open(self, size: int, items: int, assigned: list[np.ndarray]) -> None:
@@ -454,6 +462,11 @@ class _Rooms:
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
     def _put(self, room: int, bins: np.ndarray) -> None:
+        if room == 0:
+            return
+        if room not in self.queues:
+            bisect.insort(self.rooms, room)
+            self.queues[room], self.count[room] = deque(), 0
         self.queues[room].append(bins)
         self.count[room] += len(bins)
 
