@@ -11,10 +11,12 @@ the samples it takes, tokens and (a masked corpus) their mask: ``np.memmap`` of 
 for a corpus on disk, ranged GETs for an ``s3://`` corpus. The driver never reads the corpus.
 
 Prefetch: ``local_batch`` (``workers/data.py``) hints the source at the samples this rank's
-data-parallel slice takes in the next step; one background thread reads them while the step
-computes. The cache holds at most the hinted step's samples: a hint drops what the one before
-it left unread. ``sample`` takes a prefetched sample (waiting for its read if still running) or
-reads it there and then. ``stats`` counts both and the seconds spent reading.
+data-parallel slice takes in the next step; background threads read them while the step
+computes: one for a corpus on disk, ``RANGED_PREFETCH_THREADS`` side by side for ranged GETs (a
+packed sample is a few pieces from anywhere in the stream: a GET each, tokens and mask). The
+cache holds at most the hinted step's samples: a hint drops what the one before it left unread.
+``sample`` takes a prefetched sample (waiting for its read if still running) or reads it there
+and then. ``stats`` counts both and the seconds spent reading.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from workers.spec.tokens import (
     mask_key,
     pack_documents,
     parse_token_manifest,
+    shard_ends,
     shard_ranges,
     window_count,
     window_tokens,
@@ -56,6 +59,9 @@ from workers.spec.tokens import (
 from workers.spec.train import TokenCorpusSource
 
 log = logging.getLogger("meshpilot.data")
+
+# Samples read side by side from object storage: a ranged GET waits on the network, not the CPU.
+RANGED_PREFETCH_THREADS = 8
 
 
 class ShardReader(Protocol):
@@ -105,7 +111,7 @@ class RangedShards:
 @dataclass
 class ReadStats:
     """What the source read so far: samples taken from the prefetch cache, samples read when
-    asked (``sample`` found none prefetched), and seconds spent reading (both threads)."""
+    asked (``sample`` found none prefetched), and seconds spent reading (summed over threads)."""
 
     prefetched: int = 0
     read_on_demand: int = 0
@@ -134,11 +140,19 @@ class TokenSource:
         dtype = np.dtype(self.manifest.dtype).newbyteorder("<")
         self.reader = self._shard_reader(dtype)
         self.mask_reader = self._shard_reader(np.dtype(MASK_DTYPE)) if self.manifest.loss_mask else None
+        splits = self.manifest.splits
+        self.shard_ends = {name: shard_ends(split.shards) for name, split in splits.items()}
+        # The mask shard beside each token shard (same cut), named once rather than per sample.
+        self.mask_shards = {
+            name: tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
+            for name, split in splits.items()
+        }
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
         self._cache: dict[int, Future[Sample]] = {}
         self._cache_lock = threading.Lock()
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshpilot-prefetch")
+        threads = 1 if isinstance(self.reader, MappedShards) else RANGED_PREFETCH_THREADS
+        self._prefetcher = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="meshpilot-prefetch")
 
     def _shard_reader(self, dtype: np.dtype) -> ShardReader:
         if isinstance(self.storage, LocalStorage):
@@ -162,10 +176,11 @@ class TokenSource:
                 )
             plans[split] = pack_documents(lengths, self.seq_len)
         log.info(
-            "packed %d train documents into %d samples of <= %d tokens (%d documents cut into pieces)",
+            "packed %d train documents into %d samples of <= %d tokens, %.1f%% filled (%d documents cut into pieces)",
             self.manifest.splits["train"].documents,
             plans["train"].samples,
             self.seq_len,
+            100 * plans["train"].fill,
             plans["train"].cut_documents,
         )
         return plans
@@ -220,7 +235,7 @@ class TokenSource:
                     self._cache[index] = self._prefetcher.submit(self._read_train, index)
 
     def close(self) -> None:
-        """Cancel reads not started, wait for the one in flight (the thread ends), release storage."""
+        """Cancel reads not started, wait for those in flight (the threads end), release storage."""
         with self._cache_lock:
             self._cache.clear()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
@@ -238,12 +253,13 @@ class TokenSource:
         started = time.perf_counter()
         split = self.manifest.splits[split_name]
         plan = self.plans.get(split_name)  # None: windows
-        start, stop = plan.sample_tokens(number) if plan is not None else window_tokens(number, self.seq_len)
-        tokens = self._read_range(self.reader, split.shards, (start, stop), self.manifest.itemsize)
+        ranges = merged(plan.piece_ranges(number)) if plan is not None else [window_tokens(number, self.seq_len)]
+        ends = self.shard_ends[split_name]
+        tokens = self._read_ranges(self.reader, split.shards, ends, ranges, self.manifest.itemsize)
         trained = None
         if self.mask_reader is not None:
-            masks = tuple(dataclasses.replace(shard, key=mask_key(shard.key)) for shard in split.shards)
-            trained = torch.from_numpy(self._read_range(self.mask_reader, masks, (start, stop), 1).astype(np.bool_))
+            masks = self.mask_shards[split_name]
+            trained = torch.from_numpy(self._read_ranges(self.mask_reader, masks, ends, ranges, 1).astype(np.bool_))
         with self._stats_lock:
             self.stats.read_s += time.perf_counter() - started
         token_ids = torch.from_numpy(tokens.astype(np.int64))
@@ -251,16 +267,45 @@ class TokenSource:
             return Sample.packed(token_ids, plan.piece_lengths(number).tolist(), seq_len=self.seq_len, trained=trained)
         return Sample.window(token_ids, trained)
 
+    def _read_ranges(
+        self,
+        reader: ShardReader,
+        shards: tuple[ShardEntry, ...],
+        ends: np.ndarray,
+        ranges: list[tuple[int, int]],
+        itemsize: int,
+    ) -> np.ndarray:
+        """Tokens (or mask bytes) of the stream ranges [start, stop), one after another (``ends``:
+        the shards' ``shard_ends``)."""
+        values = [self._read_range(reader, shards, ends, tokens, itemsize) for tokens in ranges]
+        return values[0] if len(values) == 1 else np.concatenate(values)
+
     def _read_range(
-        self, reader: ShardReader, shards: tuple[ShardEntry, ...], tokens: tuple[int, int], itemsize: int
+        self,
+        reader: ShardReader,
+        shards: tuple[ShardEntry, ...],
+        ends: np.ndarray,
+        tokens: tuple[int, int],
+        itemsize: int,
     ) -> np.ndarray:
         """Tokens (or mask bytes) ``[start, stop)`` of a split's stream, across shard boundaries."""
         start, stop = tokens
-        pieces = [reader.read(key, begin, end) for key, begin, end in shard_ranges(shards, start, stop, itemsize)]
+        pieces = [reader.read(key, begin, end) for key, begin, end in shard_ranges(shards, start, stop, itemsize, ends)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         if len(values) != stop - start:
             raise TokenCorpusError(f"{self.uri}: tokens [{start}, {stop}) read {len(values)} values")
         return values
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Stream ranges in order with each run of adjacent ones joined: one read where pieces touch."""
+    joined = ranges[:1]
+    for start, stop in ranges[1:]:
+        if start == joined[-1][1]:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined
 
 
 def read_manifest(storage: StorageBackend) -> TokenManifest:

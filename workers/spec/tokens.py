@@ -32,13 +32,17 @@ Training samples are packed one of two ways (``data.packing``, ``Packing``):
   stream (inputs ``[:-1]``, labels ``[1:]``: every token but the first is a label exactly once
   per epoch, when its mask says it trains). Windows cross document boundaries (the EOS between
   two documents tells the model where one ends).
-- ``documents``: whole documents, in stream order, packed greedily into samples of at most
-  ``seq_len`` tokens (``PackingPlan``); a document longer than ``seq_len`` is cut into pieces of
-  ``seq_len`` tokens (the last one shorter), each piece packed like a document. A packed sample
-  is a contiguous range of the stream, so it is read like a window; the model restarts
-  positions and fences attention at each piece, no label crosses a boundary (the last token of
-  a piece predicts nothing) and the padding after the last piece trains nothing. The plan
-  depends on the document lengths and ``seq_len`` only, never on the seed or the mesh.
+- ``documents``: whole documents packed into samples of at most ``seq_len`` tokens
+  (``PackingPlan``); a document longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens
+  (the last one shorter), each piece packed like a document. The pieces go into samples by best
+  fit decreasing (longest first, each into the sample with the least room that holds it), which
+  leaves well under 1% padding on realistic length mixes where taking the pieces in stream order
+  left about a fifth. A packed sample is a few pieces from anywhere in the stream, laid end to
+  end in stream order and read piece by piece; the model restarts positions and fences
+  attention at each piece, no label crosses a boundary (the last token of a piece predicts
+  nothing) and the padding after the last piece trains nothing. Every piece is in exactly one
+  sample. The plan depends on the document lengths and ``seq_len`` only, never on the seed or
+  the mesh.
 
 Global sample ``i`` is sample ``order(i mod W)`` of epoch ``i // W`` (``W`` windows or packed
 samples), where ``order`` is a seeded permutation of the ``W``, computed per index (a Feistel
@@ -48,8 +52,10 @@ validation stream's samples (packed the same way) in order.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+from collections import deque
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -275,14 +281,20 @@ class WindowOrder:
 class PackingPlan:
     """A split's documents packed into samples of at most ``seq_len`` tokens (``Packing.DOCUMENTS``).
 
-    Computed on every rank from the split's document lengths (``documents.bin``), in stream order,
-    with numpy (a few hundred milliseconds for millions of documents); a pure function of
-    (lengths, seq_len). ``piece_starts`` [pieces + 1]: the stream offset of each piece, then the
-    stream's end; ``first_piece`` [samples + 1]: each sample's first piece, then ``pieces``.
+    Computed on every rank from the split's document lengths (``documents.bin``) by
+    ``pack_documents``: a pure function of (lengths, seq_len). The pieces tile the stream in
+    order; a sample is an ordered list of pieces, wherever they lie in the stream. Samples are
+    numbered in the order of their first pieces.
+
+    ``piece_starts`` [pieces + 1]: the stream offset of each piece (stream order), then the
+    stream's end. ``sample_pieces`` [pieces]: piece numbers, sample by sample, each sample's in
+    stream order. ``first_piece`` [samples + 1]: where each sample's pieces begin in
+    ``sample_pieces``, then ``pieces``.
     """
 
     seq_len: int
     piece_starts: np.ndarray
+    sample_pieces: np.ndarray
     first_piece: np.ndarray
     cut_documents: int  # documents longer than seq_len, cut into pieces
 
@@ -294,20 +306,30 @@ class PackingPlan:
     def pieces(self) -> int:
         return len(self.piece_starts) - 1
 
-    def sample_tokens(self, sample: int) -> tuple[int, int]:
-        """The token range [start, stop) of packed sample ``sample`` in its split's stream."""
-        first, stop = self.first_piece[sample], self.first_piece[sample + 1]
-        return int(self.piece_starts[first]), int(self.piece_starts[stop])
+    @property
+    def fill(self) -> float:
+        """The share of the samples' ``samples x seq_len`` tokens that are documents, not padding."""
+        return float(self.piece_starts[-1] - self.piece_starts[0]) / max(1, self.samples * self.seq_len)
+
+    def pieces_of(self, sample: int) -> np.ndarray:
+        """The piece numbers of sample ``sample``, in stream order."""
+        return self.sample_pieces[self.first_piece[sample] : self.first_piece[sample + 1]]
+
+    def piece_ranges(self, sample: int) -> list[tuple[int, int]]:
+        """The token ranges [start, stop) of sample ``sample``'s pieces in its split's stream, in order."""
+        pieces = self.pieces_of(sample)
+        return list(zip(self.piece_starts[pieces].tolist(), self.piece_starts[pieces + 1].tolist()))
 
     def piece_lengths(self, sample: int) -> np.ndarray:
         """The lengths of sample ``sample``'s pieces, in order (they sum to its token count)."""
-        first, stop = self.first_piece[sample], self.first_piece[sample + 1]
-        return np.diff(self.piece_starts[first : stop + 1])
+        pieces = self.pieces_of(sample)
+        return self.piece_starts[pieces + 1] - self.piece_starts[pieces]
 
 
 def pack_documents(lengths: np.ndarray, seq_len: int) -> PackingPlan:
-    """Greedy packing of documents of ``lengths`` (stream order) into samples of <= ``seq_len``
-    tokens: each sample takes the following pieces while they fit (next fit). Pure arithmetic."""
+    """Documents of ``lengths`` (stream order) packed into samples of <= ``seq_len`` tokens by best
+    fit decreasing (``best_fit_decreasing``); a document longer than ``seq_len`` is first cut into
+    ``seq_len`` pieces (the last one shorter). Pure arithmetic, on every rank."""
     lengths = np.asarray(lengths, dtype=np.int64)
     lengths = lengths[lengths > 0]
     pieces_per_document = -(-lengths // seq_len)
@@ -319,24 +341,155 @@ def pack_documents(lengths: np.ndarray, seq_len: int) -> PackingPlan:
     piece_starts = np.append(
         np.repeat(document_starts, pieces_per_document) + seq_len * number_within, int(lengths.sum())
     )
-    # Pieces i .. next_first[i] - 1 are the most that fit from piece i on (every piece fits alone).
-    next_first = (np.searchsorted(piece_starts, piece_starts[:-1] + seq_len, side="right") - 1).tolist()
-    first_piece = [0]
-    while first_piece[-1] < pieces:  # one pass over the samples, not the pieces
-        first_piece.append(next_first[first_piece[-1]])
+    bins, samples = best_fit_decreasing(np.diff(piece_starts), seq_len)
+    by_bin = stable_order(bins, samples)  # the pieces bin by bin, each bin's in stream order
+    counts = np.bincount(bins, minlength=samples)
+    bin_starts = np.cumsum(counts) - counts
+    # Samples numbered by their first piece in the stream, not as their bins opened (the longest
+    # pieces first): evaluation reads a split's first samples, which should look like its stream.
+    bin_at_first_piece = np.full(pieces, -1, dtype=np.int64)
+    bin_at_first_piece[by_bin[bin_starts]] = np.arange(samples)
+    renumbered = bin_at_first_piece[bin_at_first_piece >= 0]  # the bins in the order of their first pieces
+    counts = counts[renumbered]
+    first_piece = np.zeros(samples + 1, dtype=np.int64)
+    np.cumsum(counts, out=first_piece[1:])
+    sample_pieces = by_bin[np.repeat(bin_starts[renumbered] - first_piece[:-1], counts) + np.arange(pieces)]
     return PackingPlan(
         seq_len=seq_len,
         piece_starts=piece_starts,
-        first_piece=np.asarray(first_piece, dtype=np.int64),
+        sample_pieces=sample_pieces,
+        first_piece=first_piece,
         cut_documents=int(np.count_nonzero(pieces_per_document > 1)),
     )
 
 
-def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int) -> list[tuple[str, int, int]]:
-    """The byte ranges (key, begin, end) that hold tokens [start, stop) of a split's stream."""
+def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Items of ``sizes`` (each 1..capacity) put in bins of ``capacity``: (each item's bin, bins).
+
+    Best fit decreasing: the items in order of size, largest first (ties: lower item number
+    first), each into the open bin with the least room that still holds it (ties: the bin that
+    came to that room first), else into a new bin. Bins are numbered as they open.
+
+    Worked one size at a time, never one item at a time: a bin of room ``r`` that is the best
+    fit for an item of size ``s`` stays the best fit (its room ``r - s`` is below every other
+    room that holds ``s``) until it holds ``r // s`` of them, so the bins of each room, least
+    room first, take ``r // s`` items each until the size's items run out, and new bins take
+    ``capacity // s`` each. Bins of equal room queue in arrays, first come first served.
+    """
+    order = stable_order(capacity - sizes, capacity)  # largest first, ties by item number
+    ordered = sizes[order]
+    group_starts = np.flatnonzero(np.diff(ordered, prepend=-1))
+    group_stops = np.append(group_starts[1:], len(ordered))
+    rooms = _Rooms(capacity)
+    assigned: list[np.ndarray] = []  # the bins of the items in ``order``, in runs
+    for size, start, stop in zip(ordered[group_starts].tolist(), group_starts.tolist(), group_stops.tolist()):
+        left = rooms.fill_open(size, stop - start, assigned)
+        if left:
+            rooms.open(size, left, assigned)
+    bins = np.empty(len(sizes), dtype=np.int64)
+    bins[order] = np.concatenate(assigned) if assigned else np.empty(0, dtype=np.int64)
+    return bins, rooms.bins
+
+
+def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for integer keys in [0, bound), by 16-bit radix passes:
+    numpy sorts 16-bit keys by counting (a few times faster than its merge sort of wider ones)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    order = np.arange(len(keys), dtype=np.int64)
+    shift = 0
+    while shift == 0 or bound > 1 << shift:  # least significant 16 bits first
+        digits = ((keys[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digits, kind="stable")]
+        shift += 16
+    return order
+
+
+class _Rooms:
+    """The open bins of ``best_fit_decreasing`` by room left: a queue of bin-number arrays per room
+    that some bin has, and those rooms in a sorted list (work per size grows with the rooms it
+    touches, not with ``capacity``). Full bins are forgotten: nothing fits in them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rooms: list[int] = []  # the rooms some open bin has, ascending
+        self.queues: dict[int, deque[np.ndarray]] = {}
+        self.count: dict[int, int] = {}  # open bins per room
+        self.bins = 0
+
+    def fill_open(self, size: int, items: int, assigned: list[np.ndarray]) -> int:
+        """Put up to ``items`` items of ``size`` in the open bins, best fit first; the items left."""
+        moved: list[tuple[int, np.ndarray]] = []  # bins to requeue, all below ``size``: after the walk
+        index = bisect.bisect_left(self.rooms, size)  # the least room that holds one
+        while items and index < len(self.rooms):
+            room = self.rooms[index]
+            per_bin = room // size
+            full_bins = min(self.count[room], items // per_bin)
+            if full_bins:
+                taken = self._take(room, full_bins)
+                assigned.append(np.repeat(taken, per_bin))
+                moved.append((room - per_bin * size, taken))
+                items -= full_bins * per_bin
+            if 0 < items < per_bin and self.count[room]:  # the last items, in one more bin
+                taken = self._take(room, 1)
+                assigned.append(np.repeat(taken, items))
+                moved.append((room - items * size, taken))
+                items = 0
+            if self.count[room]:
+                index += 1
+            else:
+                del self.rooms[index], self.queues[room], self.count[room]
+        for room, bins in moved:
+            self._put(room, bins)
+        return items
+
+    def open(self, size: int, items: int, assigned: list[np.ndarray]) -> None:
+        """Put ``items`` items of ``size`` in new bins, ``capacity // size`` each (the last maybe fewer)."""
+        per_bin = self.capacity // size
+        full_bins, rest = divmod(items, per_bin)
+        opened = np.arange(self.bins, self.bins + full_bins + (rest > 0), dtype=np.int64)
+        self.bins += len(opened)
+        assigned.append(np.repeat(opened, per_bin)[:items])
+        if full_bins:
+            self._put(self.capacity - per_bin * size, opened[:full_bins])
+        if rest:
+            self._put(self.capacity - rest * size, opened[full_bins:])
+
+    def _take(self, room: int, bins: int) -> np.ndarray:
+        """The first ``bins`` bins queued at ``room``."""
+        queue, taken = self.queues[room], []
+        self.count[room] -= bins
+        while bins:
+            head = queue[0]
+            if len(head) <= bins:
+                taken.append(queue.popleft())
+                bins -= len(head)
+            else:
+                taken.append(head[:bins])
+                queue[0] = head[bins:]
+                bins = 0
+        return taken[0] if len(taken) == 1 else np.concatenate(taken)
+
+    def _put(self, room: int, bins: np.ndarray) -> None:
+        if room == 0:
+            return
+        if room not in self.queues:
+            bisect.insort(self.rooms, room)
+            self.queues[room], self.count[room] = deque(), 0
+        self.queues[room].append(bins)
+        self.count[room] += len(bins)
+
+
+def shard_ranges(
+    shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize: int, ends: np.ndarray | None = None
+) -> list[tuple[str, int, int]]:
+    """The byte ranges (key, begin, end) that hold tokens [start, stop) of a split's stream.
+
+    ``ends``: the shards' ``shard_ends``, to find the first shard by bisection rather than by
+    walking from the first one (a packed sample reads several ranges of a long stream)."""
     ranges = []
-    offset = 0
-    for shard in shards:
+    skipped = 0 if ends is None else int(np.searchsorted(ends, start, side="right"))
+    offset = 0 if skipped == 0 or ends is None else int(ends[skipped - 1])
+    for shard in shards[skipped:]:
         first, last = max(start, offset), min(stop, offset + shard.tokens)
         if first < last:
             ranges.append((shard.key, (first - offset) * itemsize, (last - offset) * itemsize))
@@ -344,6 +497,11 @@ def shard_ranges(shards: tuple[ShardEntry, ...], start: int, stop: int, itemsize
         if offset >= stop:
             break
     return ranges
+
+
+def shard_ends(shards: tuple[ShardEntry, ...]) -> np.ndarray:
+    """Where each shard ends in its split's stream: the running sum of their token counts."""
+    return np.cumsum([shard.tokens for shard in shards], dtype=np.int64)
 
 
 def describe(manifest: TokenManifest) -> dict[str, Any]:
