@@ -45,6 +45,7 @@ def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
         assert recovered["mttr_s"] < 15
 
 
+@pytest.mark.slow  # CI's tier: make test keeps the in-place shrink; the spares' choice is a fake-group test
 def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp_path):
     result, events = run_job(
         tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "elastic.spare_actors=2", faults=("kill@4:2",)

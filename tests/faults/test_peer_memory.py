@@ -50,6 +50,7 @@ def reference(ray_cluster, tmp_path_factory):
     return of
 
 
+@pytest.mark.slow  # CI's tier: 60 s; make test keeps the peer-memory books (tests/unit/test_peer_memory.py)
 def test_killed_rank_is_rebuilt_from_peer_memory_with_bitwise_equal_state(reference, tmp_path):
     """A warm spare takes the lost rank's place on the same mesh: after the restore every loss is
     the uninterrupted run's to the bit, which it is only if the state was restored bit for bit."""
@@ -76,7 +77,7 @@ def test_killed_rank_is_rebuilt_from_peer_memory_with_bitwise_equal_state(refere
     assert memory["max_bytes"] == max(memory["bytes_per_rank"].values()) > 0 and memory["limit_bytes"] is None
 
 
-@pytest.mark.slow  # make test keeps the spare refill above; CI runs this
+@pytest.mark.slow  # CI runs this
 def test_without_a_spare_the_mesh_shrinks_dp_shard_in_place(reference, tmp_path):
     result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@6:1",))
     assert result.exit_code == 0, result.reason

@@ -255,6 +255,7 @@ def test_submit_follow_status_logs(ray_head, stub_project):
     assert f"{job_id}  SUCCEEDED  stubjob" in listing.stdout.splitlines()
 
 
+@pytest.mark.slow  # CI's tier
 def test_resubmitting_a_name_keeps_its_checkpoint_location(ray_head, stub_project):
     config = stub_project / "configs" / "tiny.yaml"
     job_ids, argvs = [], []
@@ -282,6 +283,7 @@ def test_resubmitting_a_name_keeps_its_checkpoint_location(ray_head, stub_projec
     assert 'checkpoint.uri="s3://bucket/ckpts/again"' in argvs[0]
 
 
+@pytest.mark.slow  # CI's tier
 def test_stop_a_running_job_and_refuse_a_second_writer(ray_head, stub_project):
     config = stub_project / "configs" / "tiny.yaml"
     common = ["--working-dir", str(stub_project), "--address", ray_head.address, "--max-file-mb", "1"]

@@ -85,7 +85,9 @@ def test_one_rank_loss_is_the_mean_over_the_global_batchs_trained_labels(single_
 
 
 # windows-pp2-tp2 (4-10 s on 2 cores) combines two layouts shown apart: CI runs it (make test-all), make test not.
-@pytest.mark.parametrize("layout", slow_when_named(LAYOUTS, {"windows-pp2-tp2"}))
+@pytest.mark.parametrize(
+    "layout", slow_when_named(LAYOUTS, {"windows-pp2-tp2", "documents-dp_replicate2", "documents-cp2"})
+)
 def test_masked_training_matches_one_rank(layout, single_rank_runs, corpus_uri, tmp_path):
     mesh, packing = LAYOUTS[layout]
     run = functools.partial(packing_ranks.run_rank, mesh=mesh, corpus_uri=corpus_uri, packing=packing)
