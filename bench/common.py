@@ -43,3 +43,26 @@ def emit(result: dict[str, Any]) -> None:
     """The benchmark's last stdout line."""
     result = {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(result), flush=True)
+
+
+def spawn_ranks(target: Any, case: dict[str, Any], ranks: int, *, timeout_s: float = 600) -> dict[int, Any]:
+    """Run ``target(case, rank, store_path, results)`` in ``ranks`` spawned processes (they join one
+    process group through a FileStore at ``store_path``); return what each put on ``results`` as
+    ``(rank, value)``, by rank."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as workdir:
+        store = str(Path(workdir) / "store")
+        processes = [
+            context.Process(target=target, args=(case, rank, store, results), daemon=True) for rank in range(ranks)
+        ]
+        for process in processes:
+            process.start()
+        outcomes = dict(results.get(timeout=timeout_s) for _ in processes)
+        for process in processes:
+            process.join(timeout=60)
+    return outcomes

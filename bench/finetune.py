@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, spawn_ranks  # noqa: E402
 from checkpointing.storage import open_storage  # noqa: E402
 from elastic.spec import MeshSpec  # noqa: E402
 from tests.token_corpus import documents, prompt_masks, write_corpus  # noqa: E402
@@ -160,25 +159,9 @@ def run_rank(case: dict[str, Any], rank: int, store_path: str, results: Any) -> 
     os._exit(0)
 
 
-def _spawn(case: dict[str, Any]) -> dict[int, Any]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as workdir:
-        store = str(Path(workdir) / "store")
-        processes = [
-            context.Process(target=run_rank, args=(case, rank, store, results), daemon=True) for rank in range(RANKS)
-        ]
-        for process in processes:
-            process.start()
-        outcomes = dict(results.get(timeout=1800) for _ in processes)
-        for process in processes:
-            process.join(timeout=60)
-    return outcomes
-
-
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """Step time (the slower rank's, per step, median), tokens/s and per-rank peak memory of one case."""
-    outcomes = _spawn(case)
+    outcomes = spawn_ranks(run_rank, case, RANKS, timeout_s=1800)
     steps = [max(pair) for pair in zip(*(outcomes[rank][0] for rank in range(RANKS)))]
     step_s = statistics.median(steps)
     tokens = case["global_batch"] * case["seq_len"]

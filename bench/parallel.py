@@ -27,7 +27,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -36,10 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, spawn_ranks  # noqa: E402
 from checkpointing.torch_compat import REDISTRIBUTE_LOGGER  # noqa: E402
 from elastic.pipeline_cost import pipeline_bubble  # noqa: E402
 from elastic.spec import MeshSpec  # noqa: E402
@@ -111,7 +109,7 @@ def run_rank(case: dict[str, Any], rank: int, store_path: str, results: Any) -> 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """Spawn the case's ranks; their idle fractions and the formula's bubble."""
-    outcomes = _spawn(run_rank, case, case["pp"])
+    outcomes = spawn_ranks(run_rank, case, case["pp"])
     per_rank = [statistics.median(outcomes[rank]) for rank in range(case["pp"])]
     virtual = RULES[PipelineSchedule(case["schedule"])].default_stages_per_rank
     return {
@@ -160,30 +158,13 @@ def _send_and_exit(results: Any, rank: int, values: list[float]) -> None:
     os._exit(0)
 
 
-def _spawn(target: Any, case: dict[str, Any], ranks: int) -> dict[int, Any]:
-    """Run ``target(case, rank, store, results)`` in ``ranks`` spawned processes; what each sent back."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as workdir:
-        store = str(Path(workdir) / "store")
-        processes = [
-            context.Process(target=target, args=(case, rank, store, results), daemon=True) for rank in range(ranks)
-        ]
-        for process in processes:
-            process.start()
-        outcomes = dict(results.get(timeout=600) for _ in processes)
-        for process in processes:
-            process.join(timeout=60)
-    return outcomes
-
-
 def measure_experts(case: dict[str, Any], rounds: int) -> dict[str, Any]:
     """tokens/s of ep=1 and ep=2 in alternating rounds: (the step's slowest rank) per step, median."""
     tokens = case["global_batch"] * case["seq_len"]
     steps: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(rounds):
         for ep in (1, 2):
-            outcomes = _spawn(run_expert_rank, {**case, "ep": ep}, 2)
+            outcomes = spawn_ranks(run_expert_rank, {**case, "ep": ep}, 2)
             steps[ep].extend(max(pair) for pair in zip(outcomes[0], outcomes[1]))
     per_ep = {ep: tokens / statistics.median(seconds) for ep, seconds in steps.items()}
     return {
