@@ -1,12 +1,12 @@
-"""Helpers shared by the benchmarks: subprocess timing and the JSON result line.
+"""Helpers shared by the benchmarks: subprocess timing, spawned gloo ranks and the JSON result line.
 
 Every benchmark prints human-readable lines, then, as its last stdout line, one JSON object
 with our figure, the reference measured in the same run, and their ratio. Figures the goodput
 simulator uses are also recorded with ``orchestrator.analysis.bench_figures.record_figure``.
 
 The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py, hf_load.py,
-data.py, recovery.py, chaos.py, release.py, metrics_overhead.py, parallel.py and torchrun_reference.py (under
-torchrun).
+data.py, recovery.py, chaos.py, release.py, metrics_overhead.py, parallel.py, finetune.py and
+torchrun_reference.py (under torchrun).
 Modules the scripts import, not run on their own: this one, and those in ``bench/support/``.
 """
 
