@@ -16,7 +16,7 @@ token belongs to; the model restarts positions and fences attention at each docu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,18 +95,15 @@ class Batch(Sample):
         return len(self.inputs)
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(
-            inputs=self.inputs.to(device),
-            labels=self.labels.to(device),
-            documents=None if self.documents is None else self.documents.to(device),
-        )
+        return self._each(lambda tensor: tensor.to(device))
 
     def rows(self, rows: slice) -> Batch:
-        return Batch(
-            inputs=self.inputs[rows],
-            labels=self.labels[rows],
-            documents=None if self.documents is None else self.documents[rows],
-        )
+        return self._each(lambda tensor: tensor[rows])
+
+    def _each(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The same rows with ``change`` applied to each of its tensors."""
+        documents = None if self.documents is None else change(self.documents)
+        return Batch(inputs=change(self.inputs), labels=change(self.labels), documents=documents)
 
     def chunk(self, pieces: int) -> list[Batch]:
         """``pieces`` equal runs of rows (microbatches)."""
