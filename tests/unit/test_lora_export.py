@@ -29,20 +29,13 @@ from checkpointing.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from checkpointing.spec import manifest_key
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
-from elastic.spec import MeshSpec
 from orchestrator.cli import main
 from orchestrator.model_source import released_weights_sha256
 from tests.hf_models import reference_logits, save_random_model
+from tests.unit.lora_trainers import ONE_RANK, give_adapters_values, lora_trainer_on
 from workers.checkpoints import lora_extra, owns_plain_tensors
-from workers.data import SyntheticSource
-from workers.parallelize import local_slice
-from workers.pretrained import fill_from_source
 from workers.runtime import init_generation
-from workers.spec import TrainSpec
-from workers.spec.families import spec_from_hf_config
-from workers.spec.lora import LORA_TARGETS, LoraBase, LoraSpec, is_adapter
-from workers.spec.train import PretrainedSource
-from workers.trainer import Trainer
+from workers.spec.lora import LORA_TARGETS, LoraBase, LoraSpec
 
 LORA = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=LORA_TARGETS)
 
@@ -57,26 +50,10 @@ def lora_checkpoint(tmp_path_factory):
         dist.destroy_process_group()
     init_generation(store=dist.HashStore(), generation=0, rank=0, world_size=1, backend="gloo", timeout_s=30)
     try:
-        model = spec_from_hf_config(json.loads((base_dir / "config.json").read_text()), "config.json")
         base = LoraBase(source=str(base_dir), sha256=released_weights_sha256(open_storage(str(base_dir))))
-        spec = TrainSpec(
-            model=model,
-            steps=1,
-            global_batch=2,
-            seq_len=16,
-            microbatch_size=2,
-            init_from=PretrainedSource(str(base_dir)),
-            lora=LORA,
-            lora_base=base,
-        )
-        source = SyntheticSource(vocab_size=model.vocab_size, seq_len=spec.seq_len, seed=0)
-        trainer = Trainer(spec, MeshSpec(dp_shard=1, tp=1, pp=1), 0, device=torch.device("cpu"), source=source)
-        fill_from_source(trainer)
-        generator = torch.Generator().manual_seed(5)
-        with torch.no_grad():  # B starts at zero: give every adapter a visible effect
-            for name, param in trainer.modules[0].named_parameters():
-                if is_adapter(name):
-                    local_slice(param).copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        trainer = lora_trainer_on(base_dir, LORA, lora_base=base)
+        model, spec = trainer.spec.model, trainer.spec
+        give_adapters_values(trainer)
         trainer.ensure_optimizer_state()
         reports: list = []
         writer = CheckpointWriter(open_storage(str(ckpt_dir)), rank=0, report=reports.append, mesh=trainer.world_mesh)
@@ -87,9 +64,8 @@ def lora_checkpoint(tmp_path_factory):
             owns_plain_tensors=owns_plain_tensors(trainer),
         )
         writer.close(wait=True)
-        mesh = MeshSpec(dp_shard=1, tp=1, pp=1)
         manifest = build_manifest(
-            reports, step=3, world_size=1, mesh=mesh.as_dict(), model=model.to_dict(), config_hash=None
+            reports, step=3, world_size=1, mesh=ONE_RANK.as_dict(), model=model.to_dict(), config_hash=None
         )
         assert open_storage(str(ckpt_dir)).put_if_absent(manifest_key(3), manifest.to_json())  # the commit
         tokens = torch.randint(0, model.vocab_size, (2, spec.seq_len), generator=torch.Generator().manual_seed(1))

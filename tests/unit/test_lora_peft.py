@@ -12,8 +12,6 @@ The adapters' dropout applies in training steps, not in evaluation.
 
 from __future__ import annotations
 
-import json
-
 import peft
 import pytest
 import torch
@@ -21,15 +19,13 @@ import torch.distributed as dist
 
 from elastic.spec import MeshSpec
 from tests.hf_models import reference_logits, save_random_model
+from tests.unit.lora_trainers import give_adapters_values, lora_trainer_on
 from workers.data import SyntheticSource
 from workers.models import resolve_family
 from workers.parallelize import local_slice
-from workers.pretrained import fill_from_source
 from workers.runtime import init_generation
 from workers.spec import PRESETS, TrainSpec
-from workers.spec.families import spec_from_hf_config
 from workers.spec.lora import LORA_TARGETS, LoraSpec, is_adapter
-from workers.spec.train import PretrainedSource
 from workers.trainer import Trainer
 
 LORA = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=LORA_TARGETS)
@@ -46,29 +42,15 @@ def one_rank_world():
 
 def test_adapter_forward_equals_peft(one_rank_world, tmp_path):
     reference = save_random_model("llama3", tmp_path)
-    model = spec_from_hf_config(json.loads((tmp_path / "config.json").read_text()), "config.json")
-    spec = TrainSpec(
-        model=model,
-        steps=1,
-        global_batch=2,
-        seq_len=16,
-        microbatch_size=2,
-        init_from=PretrainedSource(str(tmp_path)),
-        lora=LORA,
-    )
-    source = SyntheticSource(vocab_size=model.vocab_size, seq_len=spec.seq_len, seed=0)
-    trainer = Trainer(spec, MeshSpec(dp_shard=1, tp=1, pp=1), 0, device=torch.device("cpu"), source=source)
-    fill_from_source(trainer)
+    trainer = lora_trainer_on(tmp_path, LORA)
+    model, spec = trainer.spec.model, trainer.spec
     adapters = {name: param for name, param in trainer.modules[0].named_parameters() if is_adapter(name)}
     assert adapters and all(not local_slice(param).any() for name, param in adapters.items() if ".lora_B." in name)
     for name, param in adapters.items():  # A as PEFT draws it: kaiming_uniform(a=sqrt(5)), within 1/sqrt(in)
         if ".lora_A." in name:
             bound = 1 / param.shape[1] ** 0.5
             assert 0.9 * bound < local_slice(param).abs().max() <= bound
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in adapters.values():  # B starts at zero: give every adapter a visible effect
-            local_slice(param).copy_(torch.randn(param.shape, generator=generator) * 0.1)  # one rank: the whole
+    give_adapters_values(trainer)
 
     peft_model = peft.get_peft_model(
         reference,
