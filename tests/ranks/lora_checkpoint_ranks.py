@@ -11,18 +11,14 @@ committed step through ``RankCheckpoints.restore``, then reports the same and th
 from __future__ import annotations
 
 import dataclasses
-import os
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from elastic.spec import MeshSpec
 from tests.ranks.lora_ranks import SPEC, STEPS
-from tests.ranks.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo, send_and_exit, whole_state
 from workers.checkpoints import RankCheckpoints, lora_extra, owns_plain_tensors
 from workers.data import SyntheticSource
 from workers.pretrained import fill_from_source
@@ -48,22 +44,6 @@ def _trainer(rank: int, store_path: str, mesh: MeshSpec, ckpt_dir: str, base: Lo
     return Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
 
 
-def _full_state(trainer: Trainer) -> dict[str, np.ndarray]:
-    """Collective over the mesh: the saved state of this rank's stages, whole, as numpy arrays."""
-    return {
-        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().numpy().copy()
-        for name, value in sorted(trainer.checkpoint_state().items())
-    }
-
-
-def _finish(results, *values) -> None:
-    results.put(values)
-    results.close()
-    results.join_thread()
-    dist.barrier()
-    os._exit(0)
-
-
 def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ckpt_dir: str) -> None:
     trainer = _trainer(rank, store_path, mesh, ckpt_dir, BASE)
     trainer.init_weights()
@@ -74,9 +54,9 @@ def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ckpt_dir: 
     extra = {"step": SAVED_AT, **lora_extra(trainer.spec)}
     writer.save_sync(SAVED_AT, trainer.checkpoint_state(), extra=extra, owns_plain_tensors=owns_plain_tensors(trainer))
     writer.close(wait=True)
-    state = _full_state(trainer)
+    state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
-    _finish(results, rank, reports[0], state, losses)
+    send_and_exit(results, rank, reports[0], state, losses)
 
 
 def restore_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ckpt_dir: str, base: LoraBase = BASE) -> None:
@@ -86,8 +66,8 @@ def restore_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, ckpt_di
     try:
         checkpoints.restore(SAVED_AT)
     except Exception as error:  # noqa: BLE001 - the test reads the refusal's text
-        _finish(results, rank, f"{type(error).__name__}: {error}", None)
-    state = _full_state(trainer)
+        send_and_exit(results, rank, f"{type(error).__name__}: {error}", None)
+    state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
     checkpoints.close(wait=True)
-    _finish(results, rank, state, losses)
+    send_and_exit(results, rank, state, losses)

@@ -9,12 +9,7 @@ committed step and reports its whole state and the losses of the steps after it.
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from checkpointing.catalog import load_manifest
 from checkpointing.reader import restore
@@ -22,7 +17,7 @@ from checkpointing.storage import open_storage
 from checkpointing.writer import CheckpointWriter
 from elastic.spec import MeshSpec
 from tests.ranks.moe_ranks import STEPS, moe_train_spec
-from tests.ranks.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo, send_and_exit, whole_state
 from workers.checkpoints import owns_plain_tensors
 from workers.data import SyntheticSource
 from workers.trainer import Trainer
@@ -38,25 +33,6 @@ def _trainer(rank: int, store_path: str, mesh: MeshSpec, ep: int, balancing: dic
     return Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
 
 
-def _full_state(trainer: Trainer) -> dict[str, np.ndarray]:
-    """Collective over the mesh: every tensor of this rank's stages, whole (same order on every rank);
-    as numpy arrays, which pickle by value (a tensor would be passed as a file descriptor of this
-    process, gone once it exits)."""
-    state = trainer.checkpoint_state()
-    return {
-        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().numpy().copy()
-        for name, value in sorted(state.items())
-    }
-
-
-def _finish(results, *values) -> None:
-    results.put(values)
-    results.close()
-    results.join_thread()
-    dist.barrier()
-    os._exit(0)
-
-
 def save_rank(
     rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str, balancing: dict | None = None
 ) -> None:
@@ -68,9 +44,9 @@ def save_rank(
     writer = CheckpointWriter(open_storage(ckpt_dir), rank=rank, report=reports.append, mesh=trainer.world_mesh)
     writer.save_sync(SAVED_AT, trainer.checkpoint_state(), owns_plain_tensors=owns_plain_tensors(trainer))
     writer.close(wait=True)
-    state = _full_state(trainer)
+    state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
-    _finish(results, rank, reports[0], state, losses)
+    send_and_exit(results, rank, reports[0], state, losses)
 
 
 def restore_rank(
@@ -80,6 +56,6 @@ def restore_rank(
     trainer.ensure_optimizer_state()
     storage = open_storage(ckpt_dir)
     restore(storage, load_manifest(storage, SAVED_AT), trainer.checkpoint_state())
-    state = _full_state(trainer)
+    state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
-    _finish(results, rank, state, losses)
+    send_and_exit(results, rank, state, losses)

@@ -4,17 +4,22 @@
 
 ``run_rank(rank, store_path, results)`` puts one tuple ``(rank, *values)`` on ``results``;
 the answer maps each rank to its values. Inside a rank, ``join_gloo(rank, store_path, mesh)``
-opens its generation-0 gloo process group.
+opens its generation-0 gloo process group, ``whole_state(trainer)`` gathers what its checkpoints
+save and ``send_and_exit(results, rank, ...)`` hands the values back. ``commit_step`` writes the
+manifest of a step the ranks saved (the driver's part of a checkpoint).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from elastic.spec import MeshSpec
 
@@ -62,3 +67,35 @@ def join_gloo(rank: int, store_path: str, mesh: MeshSpec) -> None:
         backend="gloo",
         timeout_s=120,
     )
+
+
+def whole_state(trainer: Any) -> dict[str, np.ndarray]:
+    """In a rank, collective over the mesh: every tensor its checkpoints save, whole (same order on
+    every rank); as numpy arrays, which pickle by value (a tensor would be passed as a file
+    descriptor of this process, gone once it exits)."""
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().numpy().copy()
+        for name, value in sorted(trainer.checkpoint_state().items())
+    }
+
+
+def send_and_exit(results: Any, *values: Any) -> None:
+    """In a rank: hand ``values`` to the test, wait for the other ranks, leave without teardown."""
+    results.put(values)
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
+
+
+def commit_step(ckpt_dir: str, reports: list[Any], *, step: int, mesh: MeshSpec, model: dict[str, Any]) -> Any:
+    """The driver's part of a checkpoint the ranks saved: its manifest, put-if-absent; returns it."""
+    from checkpointing.manifest import build_manifest
+    from checkpointing.spec import manifest_key
+    from checkpointing.storage import open_storage
+
+    manifest = build_manifest(
+        reports, step=step, world_size=mesh.world_size, mesh=mesh.as_dict(), model=model, config_hash=None
+    )
+    assert open_storage(ckpt_dir).put_if_absent(manifest_key(step), manifest.to_json()), "step already committed"
+    return manifest

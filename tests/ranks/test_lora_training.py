@@ -18,13 +18,10 @@ import math
 import numpy as np
 import pytest
 
-from checkpointing.manifest import build_manifest
-from checkpointing.spec import manifest_key
-from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from tests.ranks import lora_checkpoint_ranks
 from tests.ranks.lora_ranks import SPEC, STEPS, run_rank
-from tests.ranks.spawned_ranks import spawn_ranks
+from tests.ranks.spawned_ranks import commit_step, spawn_ranks
 from workers.spec import PRESETS
 from workers.spec.lora import LoraBase, LoraSpec
 
@@ -99,15 +96,8 @@ def _save(mesh: MeshSpec, tmp_path) -> dict[int, tuple]:
         store_path=str(tmp_path / "saving"),
     )
     at = lora_checkpoint_ranks.SAVED_AT
-    manifest = build_manifest(
-        [report for report, _, _ in saved.values()],
-        step=at,
-        world_size=mesh.world_size,
-        mesh=mesh.as_dict(),
-        model=PRESETS["debug"].to_dict(),
-        config_hash=None,
-    )
-    assert open_storage(str(tmp_path / "ckpt")).put_if_absent(manifest_key(at), manifest.to_json())
+    reports = [report for report, _, _ in saved.values()]
+    manifest = commit_step(str(tmp_path / "ckpt"), reports, step=at, mesh=mesh, model=PRESETS["debug"].to_dict())
     # The checkpoint holds what trains and names the rest.
     assert manifest.tensors and all(".lora_" in name for name in manifest.tensors)
     assert SPEC.lora is not None and manifest.lora == SPEC.lora.to_dict()

@@ -17,14 +17,11 @@ import pytest
 import torch
 import transformers
 
-from checkpointing.manifest import build_manifest
-from checkpointing.spec import manifest_key
-from checkpointing.storage import open_storage
 from elastic.spec import MeshSpec
 from tests.hf_models import reference_logits, save_random_model
 from tests.marks import slow_when_named
 from tests.ranks import moe_checkpoint_ranks, moe_ranks, pretrained_ranks
-from tests.ranks.spawned_ranks import spawn_ranks
+from tests.ranks.spawned_ranks import commit_step, spawn_ranks
 from workers.spec import PRESETS
 
 HF_LAYOUTS = {
@@ -232,15 +229,8 @@ def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trai
         store_path=str(tmp_path / "saving"),
     )
     at = moe_checkpoint_ranks.SAVED_AT
-    manifest = build_manifest(
-        [report for report, _, _ in saved.values()],
-        step=at,
-        world_size=saved_mesh.world_size,
-        mesh=saved_mesh.as_dict(),
-        model=PRESETS["debug-moe"].to_dict(),
-        config_hash=None,
-    )
-    assert open_storage(str(ckpt)).put_if_absent(manifest_key(at), manifest.to_json())
+    reports = [report for report, _, _ in saved.values()]
+    commit_step(str(ckpt), reports, step=at, mesh=saved_mesh, model=PRESETS["debug-moe"].to_dict())
     restored = spawn_ranks(
         functools.partial(moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt), balancing=balancing),
         world_size=mesh.world_size,
