@@ -11,14 +11,12 @@ which hold optimizer state. ``run_rank`` is what ``spawn_ranks`` calls (bound wi
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.ranks.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo, send_and_exit
 from workers.data import SyntheticSource
 from workers.parallelize import local_slice
 from workers.spec import PRESETS, TrainSpec
@@ -60,10 +58,13 @@ def run_rank(mesh_fields: dict[str, int], spec_fields: dict[str, Any], rank: int
     logits = trainer.logits(tokens)
     held_logits = logits.detach().numpy().copy() if logits is not None and trainer.coords.tp == 0 else None
     saved = sorted(trainer.named_state())
-    results.put(
-        (rank, losses if trainer.reports_loss else None, held_logits, base_unchanged, with_grad, with_state, saved)
+    send_and_exit(
+        results,
+        rank,
+        losses if trainer.reports_loss else None,
+        held_logits,
+        base_unchanged,
+        with_grad,
+        with_state,
+        saved,
     )
-    results.close()
-    results.join_thread()
-    dist.barrier()
-    os._exit(0)

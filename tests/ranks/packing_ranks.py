@@ -9,13 +9,10 @@ counts, and the evaluation loss after training.
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.ranks.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo, send_and_exit
 from workers.evaluation import Evaluator
 from workers.spec import PRESETS, TrainSpec
 from workers.spec.tokens import Packing
@@ -54,17 +51,12 @@ def run_rank(
     steps = [trainer.train_step(step) for step in range(1, STEPS + 1)]
     evaluation = Evaluator(trainer, batches=1).evaluate()
     source.close()
-    results.put(
-        (
-            rank,
-            [step.loss for step in steps],
-            [step.grad_norm for step in steps],
-            [step.trained_tokens for step in steps],
-            evaluation.loss,
-            evaluation.tokens,
-        )
+    send_and_exit(
+        results,
+        rank,
+        [step.loss for step in steps],
+        [step.grad_norm for step in steps],
+        [step.trained_tokens for step in steps],
+        evaluation.loss,
+        evaluation.tokens,
     )
-    results.close()
-    results.join_thread()
-    dist.barrier()
-    os._exit(0)
