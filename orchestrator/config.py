@@ -166,6 +166,10 @@ class TrainingConfig(OptimizerSpec):
     seed: int = 0
     # auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
+    # Per-block torch.compile (inductor: C++ on CPU, Triton on CUDA), caches kept for the job.
+    compile: bool = False
+    # float8 matmuls through torchao (CUDA, compute capability 8.9 or higher); weights stay high precision.
+    float8: bool = False
 
 
 @dataclass

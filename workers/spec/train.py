@@ -183,6 +183,10 @@ class TrainSpec(OptimizerSpec):
     reshard_after_forward: ReshardAfterForward = ReshardAfterForward.AUTO
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    # ``training.compile``: each transformer block compiled (workers/compile.py); ``training.float8``:
+    # its linear layers' matmuls in float8 (workers/float8.py).
+    compile: bool = False
+    float8: bool = False
     # Expert parallelism: ranks of dp_shard that split a mixture of experts' experts (1: none).
     ep: int = 1
     seed: int = 0
