@@ -34,6 +34,7 @@ from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.data import IGNORE_INDEX, Batch, SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
+from workers.float8 import apply_float8, precompute_float8_scales
 from workers.initial_values import init_weights
 from workers.local_updates import LocalAdamW, clip_to_norm, grad_norm
 from workers.lora import attach_adapters
@@ -183,6 +184,7 @@ class Trainer(TrainerState):
             par.apply_context_parallel(module, self.sequence_shard)
         if self.expert_meshes is not None:
             par.apply_expert_parallel(module, self.expert_meshes.ep)
+        apply_float8(module, enabled=self.spec.float8, device=self.device)
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
@@ -490,6 +492,7 @@ class Trainer(TrainerState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        precompute_float8_scales(self.modules, enabled=self.spec.float8)
         if self.spec.lora is not None:
             return lr  # the base, routing biases included, stays as loaded
         for module, parameters in zip(self.modules, self._stage_parameters, strict=True):
