@@ -115,9 +115,9 @@ def _gpus_per_rank_problems(config: JobConfig) -> list[str]:
 def _float8_problems(config: JobConfig) -> list[str]:
     """``training.float8`` against where the ranks run and what it composes with (``workers.float8``).
 
-    Ranks on the CPU are the one problem said when there are several: nothing else matters there.
-    A CUDA GPU below compute capability 8.9, or a node without torchao, is found by the ranks
-    (the driver does not see the GPUs); they refuse it with one line.
+    On CPU ranks that is the only float8 problem said: the others would not matter there. A CUDA
+    GPU below compute capability 8.9, or a node without torchao, is found by the ranks (the driver
+    does not see the GPUs), which refuse it with one line.
     """
     if not config.training.float8:
         return []
@@ -129,9 +129,12 @@ def _float8_problems(config: JobConfig) -> list[str]:
         ]
     par = config.parallelism
     unsupported = {
-        f"parallelism.tp={par.tp}": par.tp > 1,  # torchao's float8 tensor-parallel styles are not wired in
-        "model.lora": config.model.lora is not None,  # adapters train beside a frozen base: not converted
-        "parallelism.cpu_offload=true": par.cpu_offload,  # the scales are computed on the device each step
+        # torchao's float8 tensor-parallel styles (Float8ColwiseParallel, ...) are not in the families' plans.
+        f"parallelism.tp={par.tp}": par.tp > 1,
+        # Not built: which of a frozen base's layers and its adapters would train in float8 is untried.
+        "model.lora": config.model.lora is not None,
+        # Each step's scales are reduced where the shards live: in host memory, which NCCL does not reduce.
+        "parallelism.cpu_offload=true": par.cpu_offload,
     }
     return [
         f"training.float8=true cannot run with {setting} (float8 trains with FSDP2, pp, cp and ep, tp=1, no LoRA, "

@@ -1,8 +1,9 @@
 """Float8 matmuls in a stage's linear layers (``training.float8``), through torchao's float8 training.
 
 Runs on every rank: ``apply_float8`` while the trainer builds each of its stages
-(``Trainer._build_module``: after tensor parallelism and LoRA, before activation checkpointing,
-compile and FSDP2), ``precompute_float8_scales`` after every optimizer step. Both do nothing
+(``Trainer._build_module``: after tensor parallelism and LoRA, which the driver refuses with float8
+for now, before activation checkpointing, compile and FSDP2), ``precompute_float8_scales`` after
+every optimizer step. Both do nothing
 unless float8 is on, and only then import torchao (the optional extra ``meshpilot[float8]``).
 
 The recipe is torchao's tensorwise one with FSDP2's float8 all-gather: each rank casts its weight
