@@ -227,6 +227,9 @@ class ElasticConfig:
     heartbeat_timeout_s: float = 10.0
     # A step that makes no progress for this long is treated as hung.
     hang_timeout_s: float = 60.0
+    # With training.compile: how long the first step of each mesh may take before it counts as hung
+    # (it may compile the blocks; a layout seen before loads them from the job's caches instead).
+    compile_timeout_s: float = 600.0
     # gloo/NCCL timeout for one collective.
     collective_timeout_s: float = 120.0
     # Warm spare actors started with the job (rounded up to whole replica groups): a failed

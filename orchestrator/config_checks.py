@@ -83,6 +83,7 @@ def validate(config: JobConfig) -> list[str]:
         problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
     problems.extend(_gpus_per_rank_problems(config))
     problems.extend(_float8_problems(config))
+    problems.extend(_compile_problems(config, model))
     if config.checkpoint.uri is not None:
         problems.extend(uri_problems(config.checkpoint.uri, "checkpoint.uri"))
     if config.runtime.run_dir is not None:
@@ -110,6 +111,25 @@ def _gpus_per_rank_problems(config: JobConfig) -> list[str]:
     if runtime.backend == "nccl" and gpus == 0:
         return ["runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs): set runtime.gpus_per_rank=1"]
     return []
+
+
+def _compile_problems(config: JobConfig, model: ModelSpec) -> list[str]:
+    """``training.compile`` against what compiled blocks are known to train right with (``workers.compile``)."""
+    if not config.training.compile:
+        return []
+    unsupported = {
+        # Measured on torch 2.13 (inductor and aot_eager alike): a compiled tensor-parallel block hands
+        # the embedding other gradients than eager, and the losses drift apart (0.6% in 10 steps).
+        f"parallelism.tp={config.parallelism.tp}": config.parallelism.tp > 1,
+        # A routed block's data-dependent token counts break its graph and recompile it step after step.
+        f"model.family={model.family} (a mixture of experts)": model.expert_params_per_layer > 0,
+    }
+    return [
+        f"training.compile=true cannot run with {setting} yet (compiled blocks train with FSDP2, pp, cp and "
+        "activation checkpointing, tp=1, dense models): change it, or set training.compile=false"
+        for setting, refused in unsupported.items()
+        if refused
+    ]
 
 
 def _float8_problems(config: JobConfig) -> list[str]:

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from checkpointing.torch_compat import inductor_graph_counts
 from elastic.spec import MeshSpec
 from workers.models import StageModel
-from workers.models.moe.grouped_experts import GroupedExperts
 from workers.spec.messages import CompileCounts
 
 log = logging.getLogger("meshpilot.compile")
@@ -62,10 +61,7 @@ def compile_blocks(module: StageModel) -> None:
     checkpointing and float8 (their hooks and wrappers are traced into the block's graph),
     before FSDP2 (whose hooks run around it)."""
     for block in module.layers.values():
-        # A mixture of experts' block routes a data-dependent number of tokens to each expert:
-        # dynamo breaks its graph there and compiles the parts around (TorchTitan does the same).
-        routed = any(isinstance(sub, GroupedExperts) for sub in block.modules())
-        block.compile(fullgraph=not routed)
+        block.compile(fullgraph=True)
 
 
 class CompileWatch:

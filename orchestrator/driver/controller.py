@@ -124,6 +124,7 @@ class Controller:
         self.detector = Detector(
             heartbeat_timeout_s=config.elastic.heartbeat_timeout_s,
             hang_timeout_s=config.elastic.hang_timeout_s,
+            first_step_timeout_s=config.elastic.compile_timeout_s if config.training.compile else 0.0,
             node_of=self.replicas.node_of,
             dead_nodes=self.replicas.dead_nodes,
         )

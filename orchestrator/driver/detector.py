@@ -81,12 +81,15 @@ class Detector:
         *,
         heartbeat_timeout_s: float,
         hang_timeout_s: float,
+        first_step_timeout_s: float = 0.0,
         node_of: NodeOf = lambda rank: None,
         dead_nodes: DeadNodes = set,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.hang_timeout_s = hang_timeout_s
+        # The first step of a generation may take this long (a compiling job's first step compiles).
+        self.first_step_timeout_s = first_step_timeout_s
         self.node_of = node_of
         self.dead_nodes = dead_nodes
         self.clock = clock
@@ -99,6 +102,7 @@ class Detector:
         now = self.clock()
         self.last_heard = {rank: now for rank in range(world_size)}
         self.progress = (step, now)
+        self.first_step = step + 1
         self.waiting: dict[int, bool | None] = {}
         self.where: dict[int, str | None] = {}
 
@@ -121,7 +125,10 @@ class Detector:
 
     def hang_threshold_s(self) -> float:
         typical = statistics.median(self.step_times) if self.step_times else 0.0
-        return max(self.hang_timeout_s, HANG_STEP_FACTOR * typical)
+        threshold = max(self.hang_timeout_s, HANG_STEP_FACTOR * typical)
+        if self.progress[0] < self.first_step:  # the generation's first step is under way
+            return max(threshold, self.first_step_timeout_s)
+        return threshold
 
     # -------------------------------------------------------------- findings
     def unresponsive(self) -> list[int]:

@@ -46,9 +46,19 @@ def test_lost_rank_shrinks_in_place(fault, kind, rank, reference, tmp_path):
 
 
 @pytest.mark.slow  # CI's tier: make test keeps the in-place shrink; the spares' choice is a fake-group test
-def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp_path):
+def test_warm_spares_refill_the_lost_replica_with_identical_state_and_compile_nothing(reference, tmp_path):
+    """With training.compile on: the refilled mesh is the layout the job started on, so its first
+    step loads every graph from the job's caches (the spares too) and compiles none; the compiled
+    run's losses are the eager reference's."""
     result, events = run_job(
-        tmp_path, *ELASTIC_LAYOUT, f"training.steps={STEPS}", "elastic.spare_actors=2", faults=("kill@4:2",)
+        tmp_path,
+        *ELASTIC_LAYOUT,
+        f"training.steps={STEPS}",
+        "elastic.spare_actors=2",
+        "training.compile=true",
+        "parallelism.activation_checkpointing=true",  # traced into the compiled block; recomputing changes no loss
+        f"runtime.compile_cache_dir={tmp_path / 'compile-cache'}",
+        faults=("kill@4:2",),
     )
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference, STEPS)
@@ -56,6 +66,12 @@ def test_warm_spares_refill_the_lost_replica_with_identical_state(reference, tmp
     assert recovered["new_mesh"]["dp_replicate"] == 2  # refilled, not shrunk
     assert recovered["refilled_ranks"] == [2, 3]
     assert events[-1]["replicas_consistent"] is True
+    [first] = of_kind(events, "step")[:1]
+    assert first["compile"]["compiled"] > 0  # the first generation compiled the block's graphs
+    [failure] = of_kind(events, "failure")
+    refilled = next(e for e in events[events.index(failure) :] if e["event"] == "step")
+    assert refilled["compile"]["compiled"] == 0
+    assert refilled["compile"]["cache_hits"] >= 4  # every rank loaded its forward and backward graphs
 
 
 @pytest.mark.slow  # the rank's SIGTERM handler; CI runs this

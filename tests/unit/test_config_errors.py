@@ -186,6 +186,15 @@ CASES = [
         ["--set", "training.float8=true", "--set", "runtime.gpus_per_rank=1"],
         "training.float8=true cannot run with parallelism.tp=2",
     ),
+    (
+        ["--set", "training.compile=true"],
+        "training.compile=true cannot run with parallelism.tp=2 yet (compiled blocks train with FSDP2, pp, cp and "
+        "activation checkpointing, tp=1, dense models): change it, or set training.compile=false",
+    ),
+    (
+        ["--set", "training.compile=true", "--set", "parallelism.tp=1", "--set", "model.preset=debug-moe"],
+        "training.compile=true cannot run with model.family=moe (a mixture of experts) yet",
+    ),
 ]
 
 

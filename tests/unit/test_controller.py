@@ -404,3 +404,18 @@ def test_configure_faults_parse_and_stay_armed_for_the_recovery_that_follows_a_s
     assert [f.describe() for f in faults.for_generation(9)] == ["kill@10:1/configure", "kill@10:3/join", "raise@12:0"]
     faults.consume_after_failure(9, configuring=True)  # and that configuration failed: spent
     assert [f.describe() for f in faults.pending] == ["raise@12:0"]
+
+
+def test_a_compiling_jobs_first_step_of_each_mesh_may_take_the_compile_timeout_then_the_hang_threshold_holds() -> None:
+    clock = Clock()
+    found = Detector(heartbeat_timeout_s=10.0, hang_timeout_s=60.0, first_step_timeout_s=600.0, clock=clock)
+    found.reset(2, step=3)  # a new mesh resumes after step 3: step 4 may compile
+    for rank in (0, 1):
+        found.heard(rank, waiting=False, where="compiling")
+    clock.now += 599
+    assert found.hung() is None
+    clock.now += 2
+    assert found.hung() == [0, 1]
+    found.stepped(4, step_time_s=0.1)  # compiled: from step 5 on, the plain threshold
+    clock.now += 61
+    assert found.hung() == [0, 1]
