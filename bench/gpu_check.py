@@ -77,9 +77,12 @@ PARTS: tuple[PartPlan, ...] = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for gpu_check.json and each part's figures")
-    parser.add_argument("--smoke", action="store_true", help="every part on CPU with tiny sizes (under a minute)")
+    parser.add_argument(
+        "--smoke", "--quick", action="store_true", help="every part on CPU with tiny sizes (under a minute)"
+    )
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall time of the whole check (default 540)")
     parser.add_argument("--wheels", default=None, help="folder of wheels to put on the parts' sys.path")
+    parser.add_argument("--no-wheels", action="store_true", help="ignore .gpu-wheels/ (the parts see python3's own)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # internal: run one part
     parser.add_argument("--deadline-s", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -89,7 +92,7 @@ def main() -> None:
         run_part(args.part, out=Path(args.out), smoke=args.smoke, deadline_s=args.deadline_s or 60.0)
         return
     try:
-        wheels = wheels_folder(args.wheels)
+        wheels = None if args.no_wheels else wheels_folder(args.wheels)
         if args.budget_s <= PARENT_RESERVE_S:
             raise ValueError(f"--budget-s={args.budget_s:g} must be more than {PARENT_RESERVE_S:g} s")
         out = Path(args.out)
@@ -125,6 +128,8 @@ def run_check(out: Path, *, smoke: bool, budget_s: float, wheels: Path | None) -
     }
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         env = dict(os.environ)
+        if smoke:  # on the CPU even where there is a GPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
         paths = [str(REPO)]
         if wheels is not None:
             site = Path(scratch) / "site"

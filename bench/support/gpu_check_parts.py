@@ -253,6 +253,8 @@ def throughput(context: PartContext) -> None:
 def measure_run(context: PartContext, shape: Shape, mode: str, side: str, *, steps: int, warmup: int) -> dict:
     """One run in its own process (a compile that crashes, or memory held by a finished run,
     stays there); skipped when it cannot fit or this machine cannot run the mode."""
+    if not context.smoke and not context.cuda:
+        return {"status": "skipped", "reason": "the full sizes need a CUDA device; --smoke trains tiny ones on the CPU"}
     if context.smoke and mode != "eager":
         return {
             "status": "skipped",

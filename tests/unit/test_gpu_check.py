@@ -34,13 +34,14 @@ sys.meta_path[:] = [_Without(finder) for finder in sys.meta_path]
 PARTS = ("environment", "throughput", "memory", "checkpoint", "ray")
 
 
-def run_smoke(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_smoke(tmp_path: Path, *extra: str, wheels: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
     out = tmp_path / "out"
     argv = [sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(out), *extra]
+    argv += [] if wheels else ["--no-wheels"]  # not the wheels a developer fetched into .gpu-wheels/
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120), out
 
 
@@ -89,7 +90,7 @@ def test_a_part_that_no_longer_fits_the_budget_is_skipped_with_why(tmp_path):
 
 
 def test_a_wheels_folder_without_wheels_is_refused_in_one_line(tmp_path):
-    process, _ = run_smoke(tmp_path, "--wheels", str(tmp_path))
+    process, _ = run_smoke(tmp_path, "--wheels", str(tmp_path), wheels=True)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [
         f"bench/gpu_check.py: --wheels {tmp_path}: no .whl files there; "
