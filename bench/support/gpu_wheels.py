@@ -9,10 +9,10 @@ Run here, with network, before the lease; then carry the folder (``.gpu-wheels/`
 with the tree: the ``run`` tool's ``carry`` list names it, and ``bench/gpu_check.py`` unpacks it
 onto its parts' ``sys.path``. What travels must stay under 64 MiB. Ray's wheel alone is 75.6 MiB,
 so it is repacked without what a headless job on one machine never loads (its Java jar, the
-dashboard's browser build, RLlib, Serve, the LLM library and every ``tests`` folder; 30 MiB
-left); its core dependencies the lent machine lacks come along (msgpack, jsonschema, requests, ...).
-boto3 with botocore is another 17 MiB, fetched only with ``--boto3``. The folder's size is printed
-and a folder over the limit is refused (exit 2).
+dashboard's browser build, RLlib, Serve, the LLM library and every ``tests`` folder): 39.6 MiB.
+Its core dependencies the lent machine lacks come along (msgpack, jsonschema, requests, ...):
+46.5 MiB in all. boto3 with botocore is another 17 MiB, fetched only with ``--boto3`` (62.8 MiB
+with Ray: it fits, barely). The folder's size is printed; one over the limit is refused (exit 2).
 """
 
 from __future__ import annotations
