@@ -14,6 +14,8 @@ on the CPU. Modules the scripts import, not run on their own: this one, and thos
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,24 @@ def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None =
         sys.stderr.write(process.stdout[-4000:] + process.stderr[-4000:])
         raise SystemExit(f"{argv[0]} failed with exit code {process.returncode}")
     return launched, process.stdout + process.stderr
+
+
+def run_process_group(
+    argv: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int | None, str, str]:
+    """Run ``argv`` in a process group of its own: (exit code, stdout, stderr), the exit code None
+    when it ran past ``timeout``; then the whole group is killed, so what it started (a training
+    run, inductor's compile workers) does not outlive it and hold the GPU."""
+    process = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return None, stdout, stderr
 
 
 def steady_step_time(completions: list[float], warmup: int) -> float:

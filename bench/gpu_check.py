@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, emit  # noqa: E402
+from bench.common import REPO, emit, run_process_group  # noqa: E402
 
 RESULT_FILE = "gpu_check.json"
 DEFAULT_WHEELS = REPO / ".gpu-wheels"
@@ -161,22 +160,18 @@ def run_part_process(name: str, out: Path, *, smoke: bool, deadline_s: float, en
     partial_file = out / "parts" / f"{name}.json"
     partial_file.unlink(missing_ok=True)
     began = time.monotonic()
-    try:
-        process = subprocess.run(
-            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=deadline_s + KILL_GRACE_S
-        )
-    except subprocess.TimeoutExpired as expired:
+    returncode, stdout, stderr = run_process_group(argv, timeout=deadline_s + KILL_GRACE_S, env=env)
+    printed = last_json_line(stdout)
+    if returncode == 0 and printed is not None:
+        record = printed
+    elif returncode is None:
         record = read_partial(partial_file)
         record.update(status="timed_out", reason=f"killed after its {deadline_s:.0f} s deadline")
-        record["log_tail"] = tail_of(expired.stdout, expired.stderr)
+        record["log_tail"] = tail_of(stdout, stderr)
     else:
-        printed = last_json_line(process.stdout)
-        if process.returncode == 0 and printed is not None:
-            record = printed
-        else:
-            record = read_partial(partial_file)
-            record.update(status="failed", reason=f"exit code {process.returncode}")
-            record["log_tail"] = tail_of(process.stdout, process.stderr)
+        record = read_partial(partial_file)
+        record.update(status="failed", reason=f"exit code {returncode}")
+        record["log_tail"] = tail_of(stdout, stderr)
     record["seconds"] = round(time.monotonic() - began, 1)
     record["deadline_s"] = round(deadline_s, 1)
     return record
@@ -199,11 +194,8 @@ def last_json_line(stdout: str) -> dict[str, Any] | None:
     return None
 
 
-def tail_of(stdout: str | bytes | None, stderr: str | bytes | None, limit: int = 2000) -> str:
-    text = "".join(
-        part.decode(errors="replace") if isinstance(part, bytes) else part or "" for part in (stdout, stderr)
-    )
-    return text[-limit:]
+def tail_of(stdout: str, stderr: str, limit: int = 2000) -> str:
+    return (stdout + stderr)[-limit:]
 
 
 def write_atomically(path: Path, value: dict[str, Any]) -> None:

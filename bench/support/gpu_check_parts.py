@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import REPO, emit
+from bench.common import emit, run_process_group
 
 GIB = 2**30
 RESULT_FILE = "gpu_check.json"
@@ -250,6 +249,8 @@ def throughput(context: PartContext) -> None:
                 runs[key].update(mfu_figures(runs[key], datasheet, ceiling))
                 context.save(runs=runs, comparisons=comparisons(runs))
     context.save(shapes={shape.label: shape.note for shape in shapes(context.smoke) if shape.note})
+    if not any(run.get("status") == "measured" for run in runs.values()):
+        skipped(context, "no run measured: " + "; ".join(sorted({str(run.get("reason")) for run in runs.values()})))
 
 
 def measure_run(context: PartContext, shape: Shape, mode: str, side: str, *, steps: int, warmup: int) -> dict:
@@ -291,18 +292,17 @@ def missing_feature(mode: str) -> str | None:
 
 def run_json(argv: list[str], *, timeout_s: float) -> dict[str, Any]:
     """Run a command to completion; its last stdout line as a record, or why there is none."""
-    try:
-        process = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    returncode, stdout, stderr = run_process_group(argv, timeout=timeout_s)
+    if returncode is None:
         return {"status": "timed_out", "reason": f"ran past {timeout_s:.0f} s"}
-    lines = process.stdout.strip().splitlines()
-    if process.returncode == 0 and lines:
+    lines = stdout.strip().splitlines()
+    if returncode == 0 and lines:
         try:
             return dict(json.loads(lines[-1]))
         except ValueError:
             pass
-    text = (process.stdout + process.stderr).strip().splitlines()
-    return {"status": "failed", "reason": f"exit code {process.returncode}", "log_tail": "\n".join(text[-15:])}
+    text = (stdout + stderr).strip().splitlines()
+    return {"status": "failed", "reason": f"exit code {returncode}", "log_tail": "\n".join(text[-15:])}
 
 
 def peaks(context: PartContext) -> tuple[float | None, float | None]:
@@ -450,6 +450,8 @@ def checkpoint(context: PartContext) -> None:
             )
         figures[label] = entry
         context.save(states=figures)
+    if all(state.get("status") == "skipped" for state in figures.values()):
+        skipped(context, "no state staged: " + "; ".join(sorted({state["reason"] for state in figures.values()})))
 
 
 def step_times(context: PartContext) -> dict[str, dict[str, Any]]:
@@ -544,12 +546,11 @@ def ray_problem() -> str | None:
 
 def run_text(argv: list[str], *, timeout_s: float) -> dict[str, Any]:
     """Run a command; whether it passed, and its last lines."""
-    try:
-        process = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=max(1.0, timeout_s))
-    except subprocess.TimeoutExpired:
+    returncode, stdout, stderr = run_process_group(argv, timeout=max(1.0, timeout_s))
+    if returncode is None:
         return {"status": "timed_out", "reason": f"ran past {timeout_s:.0f} s"}
-    lines = (process.stdout + process.stderr).strip().splitlines()
-    return {"status": "passed" if process.returncode == 0 else "failed", "tail": "\n".join(lines[-10:])}
+    lines = (stdout + stderr).strip().splitlines()
+    return {"status": "passed" if returncode == 0 else "failed", "tail": "\n".join(lines[-10:])}
 
 
 PARTS: dict[str, Callable[[PartContext], None]] = {
