@@ -98,6 +98,7 @@ def environment(context: PartContext) -> None:
         packages={name: package_state(name) for name in OPTIONAL_PACKAGES},
         cpu_count=os.cpu_count(),
         host_memory_gib=host_memory_gib(),
+        torch_compat=private_symbols(),
     )
     if not context.cuda:
         context.save(device="cpu", matmul=cpu_matmul(), device_to_host="skipped: no CUDA device")
@@ -122,6 +123,15 @@ def package_state(name: str) -> str:
         return "importable (no metadata)"
     except ImportError as error:
         return f"not importable: {error}"
+
+
+def private_symbols() -> str:
+    """Whether every private torch symbol of the fence resolves on this torch (its one line if not)."""
+    try:
+        from checkpointing import torch_compat
+    except ImportError as error:  # TorchVersionError names each missing symbol
+        return str(error)
+    return f"all {len(torch_compat.PRIVATE_SYMBOLS)} private symbols resolve"
 
 
 def host_memory_gib() -> float | None:

@@ -7,10 +7,11 @@
 NCCL on CUDA, gloo on the CPU), with ``training.compile`` / ``training.float8`` set by the mode.
 ``reference``: a plain FSDP2 loop over ``transformers``' ``LlamaForCausalLM`` with TorchTitan's
 recipe (each decoder layer ``fully_shard``-ed then the root; each layer compiled; torchao's
-tensorwise float8 on every linear layer but the output), the same shape, the same tokens (our
-synthetic source), the same dtype policy (bfloat16 parameters, float32 reduction on CUDA) and
-AdamW with the same settings (fused on CUDA, as ours). Prints one JSON object, its last stdout
-line: the median step time after ``--warmup`` steps, tokens/s, peak device memory, the losses.
+tensorwise float8 with FSDP2's float8 all-gather on every linear layer but the output), the same
+shape, the same tokens (our synthetic source), the same dtype policy (bfloat16 parameters,
+float32 reduction on CUDA) and AdamW with the same settings (fused on CUDA, as ours). Prints one
+JSON object, its last stdout line: the median step time after ``--warmup`` steps, tokens/s, peak
+device memory, the losses.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def run_reference(config: JobConfig, device: torch.device, *, warmup: int) -> di
         one_rank_group(spec.backend, device, workdir)
         started = time.perf_counter()
         with torch.device(device):
-            model = LlamaForCausalLM(hf_config)
+            # float32 parameters, as FSDP2's mixed precision (and our Trainer) keeps them sharded.
+            model = LlamaForCausalLM(hf_config).float()
         if float8:
             convert_float8(model)
         layers = list(model.model.layers)
@@ -189,6 +191,10 @@ def run_reference(config: JobConfig, device: torch.device, *, warmup: int) -> di
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, spec.grad_clip, foreach=True)
             optimizer.step()
+            if float8:  # the weights' float8 scales for the next step's all-gathers, in one pass
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+                precompute_float8_dynamic_scale_for_fsdp(model)
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.item()))  # .item() is a device sync point: the step is done
             times.append(time.perf_counter() - began)
@@ -204,7 +210,8 @@ def run_reference(config: JobConfig, device: torch.device, *, warmup: int) -> di
 
 def convert_float8(model: torch.nn.Module) -> None:
     """torchao's float8 training on every linear layer but the output projection, as TorchTitan's
-    float8 converter filters it (dimensions divisible by 16, ``lm_head`` / ``output`` left alone)."""
+    float8 converter filters it (dimensions divisible by 16, ``lm_head`` left alone), with its
+    tensorwise recipe and FSDP2's float8 all-gather (as ``training.float8`` runs it)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def wanted(module: torch.nn.Module, fqn: str) -> bool:
@@ -213,7 +220,8 @@ def convert_float8(model: torch.nn.Module) -> None:
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     filter_fn: Callable[[torch.nn.Module, str], bool] = wanted
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=filter_fn)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=filter_fn)
 
 
 def figures(

@@ -59,6 +59,7 @@ def test_the_smoke_run_records_every_part_measured_or_skipped_with_why(tmp_path)
 
     environment = parts["environment"]
     assert environment["torch"] and environment["matmul"]["tflops"] > 0
+    assert environment["torch_compat"].endswith("private symbols resolve")
     assert environment["packages"]["ray"] == "not installed"  # the lent machine's case
 
     runs = parts["throughput"]["runs"]
