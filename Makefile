@@ -63,8 +63,9 @@ test-gpu: setup
 
 # What bench/gpu_check.py carries to a lent GPU machine (torchao, torchtitan); RAY=1 adds Ray,
 # repacked to fit the 64 MiB that may travel with the tree.
-gpu-wheels: setup
-	$(PY) bench/support/gpu_wheels.py $(if $(RAY),--ray)
+# Needs only pip, not the project's venv; the wheels are picked for the lent machine's Python 3.11.
+gpu-wheels:
+	$(PYTHON) bench/support/gpu_wheels.py $(if $(RAY),--ray)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*

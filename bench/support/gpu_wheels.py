@@ -25,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
 LIMIT_BYTES = 64 * 2**20
+LENT_PYTHON = "3.11"
+LENT_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 # torchao: float8 training; torchtitan: tried as the reference (0.3.0 needs what follows to import at all).
 BASE = ["torchao==0.18.0", "torchtitan==0.3.0", "spmd_types==0.2.3", "tyro", "einops", "docstring-parser", "typeguard"]
 # Ray's core requirements (its METADATA) that the lent machine's venv does not hold, with theirs.
@@ -58,6 +60,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = BASE + (RAY if args.ray else []) + (BOTO3 if args.boto3 else [])
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(out)]
+    # The lent machine's interpreter and platform, whatever runs this.
+    command += ["--python-version", LENT_PYTHON, "--implementation", "cp", "--abi", f"cp{LENT_PYTHON.replace('.', '')}"]
+    command += [arg for platform in LENT_PLATFORMS for arg in ("--platform", platform)]
     subprocess.run([*command, *wanted], check=True)
     for wheel in out.glob("ray-*.whl"):
         repack(wheel, RAY_DROPPED)
