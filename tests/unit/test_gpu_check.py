@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from tests.jobs import REPO
@@ -97,3 +98,29 @@ def test_a_wheels_folder_without_wheels_is_refused_in_one_line(tmp_path):
         f"bench/gpu_check.py: --wheels {tmp_path}: no .whl files there; "
         "fetch them with python bench/support/gpu_wheels.py"
     ]
+
+
+def test_ray_repacked_for_the_carry_limit_unpacks_without_what_a_headless_job_never_loads(tmp_path):
+    from bench.gpu_check import unpack_wheels
+    from bench.support.gpu_wheels import RAY_DROPPED, repack
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel = wheels / "ray-2.60.0-cp311-cp311-manylinux2014_x86_64.whl"
+    members = {
+        "ray/__init__.py": 0o644,
+        "ray/core/src/ray/raylet/raylet": 0o755,
+        "ray/jars/ray_dist.jar": 0o644,
+        "ray/dashboard/client/build/index.html": 0o644,
+        "ray/data/tests/test_map.py": 0o644,
+    }
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, mode in members.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            archive.writestr(info, b"x" * 1000)
+    repack(wheel, RAY_DROPPED)
+    unpack_wheels(wheels, tmp_path / "site")
+    kept = sorted(str(path.relative_to(tmp_path / "site")) for path in (tmp_path / "site").rglob("*") if path.is_file())
+    assert kept == ["ray/__init__.py", "ray/core/src/ray/raylet/raylet"]
+    assert os.access(tmp_path / "site/ray/core/src/ray/raylet/raylet", os.X_OK)  # Ray starts its binaries
