@@ -70,9 +70,10 @@ class PartContext:
         os.replace(temporary, folder / f"{self.name}.json")
 
 
-def run_part(name: str, *, out: Path, smoke: bool, deadline_s: float) -> None:
-    """Entry of a part's process: run it and print its record as the last stdout line."""
-    context = PartContext(out=out, name=name, smoke=smoke, deadline_s=deadline_s)
+def run_part(name: str, *, out: Path, smoke: bool, deadline_s: float, started: float) -> None:
+    """Entry of a part's process: run it and print its record as the last stdout line.
+    ``started``: when the process started (``time.monotonic()``), where its deadline counts from."""
+    context = PartContext(out=out, name=name, smoke=smoke, deadline_s=deadline_s, started=started)
     context.save(status="running")
     PARTS[name](context)
     if context.record.get("status") == "running":
