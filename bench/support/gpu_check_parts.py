@@ -436,13 +436,20 @@ def checkpoint(context: PartContext) -> None:
     limit = load_config(DEMO_CONFIG).elastic.snapshot_overhead_limit
     steps = step_times(context)
     figures = {}
+    seconds_per_gb = 0.0  # what staging the previous size took, for whether the next one fits
     for label, preset in (("1.5B", "llama3-1b"), ("8B", "llama3-8b")):
         params = PRESETS[preset].num_params
         wanted = params * STATE_BYTES_PER_PARAM
-        if context.left_s() < 10:
-            figures[label] = {"status": "skipped", "reason": f"{context.left_s():.0f} s left in the part"}
+        needed = 10 + seconds_per_gb * staged_bytes(wanted, smoke=context.smoke) / 1e9
+        if context.left_s() < needed:
+            figures[label] = {
+                "status": "skipped",
+                "reason": f"{context.left_s():.0f} s left in the part; this size needs about {needed:.0f} s",
+            }
             continue
+        began = time.monotonic()
         staged = stage_state(wanted, smoke=context.smoke)
+        seconds_per_gb = (time.monotonic() - began) / staged["measured_gb"]
         gc.collect()  # the device tensors and the host buffer of this size go before the next
         if context.cuda:
             torch.cuda.empty_cache()
@@ -484,6 +491,16 @@ def step_times(context: PartContext) -> dict[str, dict[str, Any]]:
     return found
 
 
+def staged_bytes(state_bytes: int, *, smoke: bool) -> int:
+    """How much of ``state_bytes`` is staged: a few MiB on a smoke run (CPU); on CUDA as much as
+    80% of the free device memory and 45% of the available host memory allow."""
+    if smoke or not torch.cuda.is_available():
+        return min(state_bytes, (16 if state_bytes < 50e9 else 64) * 2**20)
+    free, _ = torch.cuda.mem_get_info()
+    host = (host_memory_gib() or 0) * GIB
+    return int(min(state_bytes, 0.8 * free, 0.45 * host))
+
+
 def stage_state(state_bytes: int, *, smoke: bool) -> dict[str, Any]:
     """Stage ``state_bytes`` of device tensors into a ``HostBuffer`` a few times. On a smoke run
     (CPU) the state is scaled down to a few MiB and the buffer is pageable; on CUDA it is as
@@ -491,12 +508,7 @@ def stage_state(state_bytes: int, *, smoke: bool) -> dict[str, Any]:
     from checkpointing.staging import HostBuffer, plan_layout
 
     cuda = torch.cuda.is_available()
-    if smoke or not cuda:
-        measured = min(state_bytes, (16 if state_bytes < 50e9 else 64) * 2**20)
-    else:
-        free, _ = torch.cuda.mem_get_info()
-        host = (host_memory_gib() or 0) * GIB
-        measured = int(min(state_bytes, 0.8 * free, 0.45 * host))
+    measured = staged_bytes(state_bytes, smoke=smoke)
     tensor_bytes = min(256 * 2**20, measured)  # about one large layer weight each
     device = torch.device("cuda" if cuda and not smoke else "cpu")
     count = max(1, measured // tensor_bytes)
