@@ -310,69 +310,128 @@ def unregister_pinned(addresses: list[int]) -> None:
             cudart.cudaHostUnregister(address)
 
 
-class HostBuffer:
-    """A host copy of one shard file, reused across saves while the layout stays the same.
+# Page-locks a buffer in registrations starting at the given offsets (``register_pinned``, or a test's fake).
+Register = Callable[[torch.Tensor, list[int]], list[int]]
 
-    ``pin_memory``: page-locked, so device-to-host copies run at the link's rate (about 51 GiB/s
-    on an H100, against 1.1 GiB/s into pageable memory); buffers over ``PIN_IN_ONE_CALL_MAX_BYTES``
-    are registered in chunks of about ``PIN_CHUNK_BYTES`` on page boundaries, and a copy never
-    spans two of them.
+
+def pinned_bytes(size: int) -> torch.Tensor:
+    """``size`` bytes of host memory page-locked in one call (CUDA's pinned allocator)."""
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
+class HostBytes:
+    """A host byte buffer that device-to-host copies land in, page-locked when ``pin_memory``.
+
+    Page-locked so that device-to-host copies run at the link's rate (about 51 GiB/s on an H100,
+    against 1.1 GiB/s into pageable memory): in one call up to ``PIN_IN_ONE_CALL_MAX_BYTES``, in
+    registrations of about ``PIN_CHUNK_BYTES`` on page boundaries above it (see the comment above
+    ``PIN_IN_ONE_CALL_MAX_BYTES``); ``copy_in`` never lets a copy span two registrations. A driver
+    that refuses a registration leaves the buffer pageable (correct, only slower). The
+    registrations are undone when the memory itself is freed: once the last tensor viewing
+    ``storage`` is gone, whoever holds the views. Runs on a rank, in the thread that copies.
     """
 
-    def __init__(
-        self,
-        layout: Layout,
-        *,
-        pin_memory: bool,
-        register: Callable[[torch.Tensor, list[int]], list[int]] = register_pinned,
-    ) -> None:
-        self.layout = layout
+    def __init__(self, size: int, *, pin_memory: bool, register: Register | None = None) -> None:
+        self.size = size
         self.pinned = pin_memory
         # Where each page-locked registration starts (offsets), when the buffer is registered in chunks.
         self.chunk_starts: list[int] | None = None
-        if pin_memory and layout.size > PIN_IN_ONE_CALL_MAX_BYTES:
-            self.storage = torch.zeros(layout.size, dtype=torch.uint8)  # every page touched, outside the locks
-            offsets = chunk_offsets(self.storage.data_ptr(), layout.size, PIN_CHUNK_BYTES)
+        if not pin_memory:
+            self.storage = torch.empty(size, dtype=torch.uint8)
+        elif size <= PIN_IN_ONE_CALL_MAX_BYTES:
+            self.storage = pinned_bytes(size)
+        else:
+            self.storage = torch.zeros(size, dtype=torch.uint8)  # every page touched, outside the locks
+            offsets = chunk_offsets(self.storage.data_ptr(), size, PIN_CHUNK_BYTES)
             try:
-                weakref.finalize(self, unregister_pinned, register(self.storage, offsets))
+                # On the storage, not on this object: views of it may outlive it (local_shards).
+                addresses = (register or register_pinned)(self.storage, offsets)
+                weakref.finalize(self.storage.untyped_storage(), unregister_pinned, addresses)
                 self.chunk_starts = offsets
             except RuntimeError as error:  # correct, only slower: copies into pageable memory
-                log.warning("host buffer of %d bytes stays pageable: %s", layout.size, error)
+                log.warning("host buffer of %d bytes stays pageable: %s", size, error)
                 self.pinned = False
-        else:
-            self.storage = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pin_memory)
-        self.storage[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
-        self.views = [self._view(slot) for slot in layout.slots]
 
-    def _view(self, slot: Slot) -> torch.Tensor:
-        flat = self.storage[slot.begin : slot.end].view(getattr(torch, slot.dtype))
-        return flat.view(slot.sizes)
+    def view(self, begin: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The bytes from ``begin`` as a tensor of ``dtype`` and ``shape`` (``begin`` aligned to its element size)."""
+        return self.storage[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def copy_in(self, view: torch.Tensor, begin: int, source: torch.Tensor) -> None:
+        """Copy ``source`` into ``view``, this buffer's bytes from ``begin``; non-blocking into
+        page-locked memory (the caller synchronises the device once after its copies)."""
+        end = begin + view.numel() * view.element_size()
+        starts = self.chunk_starts
+        if starts is None or bisect.bisect_right(starts, begin) == bisect.bisect_right(starts, end - 1):
+            view.copy_(source, non_blocking=self.pinned)
+        else:
+            self._copy_across_chunks(begin, end, source, starts)
+
+    def _copy_across_chunks(self, begin: int, end: int, source: torch.Tensor, starts: list[int]) -> None:
+        """A slice whose bytes span registrations is copied one registration's part at a time (each
+        part lies in one page-locked range, so each is a direct transfer)."""
+        data = source.contiguous().view(-1).view(torch.uint8)
+        ends = [*starts[1:], self.size]
+        position = begin
+        while position < end:
+            part_end = min(end, ends[bisect.bisect_right(starts, position) - 1])
+            part = data[position - begin : part_end - begin]
+            self.storage[position:part_end].copy_(part, non_blocking=self.pinned)
+            position = part_end
+
+
+def copy_to_host(
+    tensors: dict[str, torch.Tensor], *, pin_memory: bool, register: Register | None = None
+) -> dict[str, torch.Tensor]:
+    """Host copies of plain ``tensors``, as views of one ``HostBytes`` buffer (each at an offset
+    aligned to its element size), page-locked when ``pin_memory`` (in chunks above
+    ``PIN_IN_ONE_CALL_MAX_BYTES``). The views keep the buffer alive. Runs on a rank; returns once
+    the bytes are in host memory."""
+    offsets: dict[str, int] = {}
+    size = 0
+    for name, tensor in tensors.items():
+        size = -(-size // tensor.element_size()) * tensor.element_size()  # aligned for its dtype
+        offsets[name] = size
+        size += tensor.numel() * tensor.element_size()
+    buffer = HostBytes(size, pin_memory=pin_memory, register=register)
+    copies: dict[str, torch.Tensor] = {}
+    on_device = False
+    for name, tensor in tensors.items():
+        copies[name] = buffer.view(offsets[name], tensor.dtype, tuple(tensor.shape))
+        buffer.copy_in(copies[name], offsets[name], tensor)
+        on_device = on_device or tensor.device.type != "cpu"
+    if on_device and buffer.pinned:
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return copies
+
+
+class HostBuffer:
+    """A host copy of one shard file, reused across saves while the layout stays the same: the
+    file's bytes in one ``HostBytes`` (page-locked when ``pin_memory``, in chunks when large)."""
+
+    def __init__(self, layout: Layout, *, pin_memory: bool, register: Register | None = None) -> None:
+        self.layout = layout
+        self.bytes = HostBytes(layout.size, pin_memory=pin_memory, register=register)
+        self.storage = self.bytes.storage
+        self.storage[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        self.views = [self.bytes.view(slot.begin, getattr(torch, slot.dtype), slot.sizes) for slot in layout.slots]
+
+    @property
+    def pinned(self) -> bool:
+        return self.bytes.pinned
+
+    @property
+    def chunk_starts(self) -> list[int] | None:
+        return self.bytes.chunk_starts
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every owned slice into the buffer; returns once the bytes are in host memory."""
         on_device = False
-        starts = self.chunk_starts
         for slot, view in zip(self.layout.slots, self.views):
             source = local_data(tensors[slot.fqn]).detach()
             on_device = on_device or source.device.type != "cpu"
-            if starts is None or bisect.bisect_right(starts, slot.begin) == bisect.bisect_right(starts, slot.end - 1):
-                view.copy_(source, non_blocking=self.pinned)
-            else:
-                self._copy_across_chunks(slot, source, starts)
+            self.bytes.copy_in(view, slot.begin, source)
         if on_device and self.pinned:
             torch.cuda.synchronize()  # non-blocking copies must land before the optimizer moves on
-
-    def _copy_across_chunks(self, slot: Slot, source: torch.Tensor, starts: list[int]) -> None:
-        """A slice whose bytes span registrations is copied one registration's part at a time (each
-        part lies in one page-locked range, so each is a direct transfer)."""
-        data = source.contiguous().view(-1).view(torch.uint8)
-        ends = [*starts[1:], self.layout.size]
-        position = slot.begin
-        while position < slot.end:
-            end = min(slot.end, ends[bisect.bisect_right(starts, position) - 1])
-            part = data[position - slot.begin : end - slot.begin]
-            self.storage[position:end].copy_(part, non_blocking=self.pinned)
-            position = end
 
     def memoryview(self) -> memoryview:
         # numpy declares ndarray.__buffer__ only for Python >= 3.12; every ndarray has the buffer protocol.

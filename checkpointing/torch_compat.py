@@ -43,6 +43,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.device_mesh:DeviceMesh._flatten",
     "torch.distributed.device_mesh:DeviceMesh._unflatten",
     "torch.distributed.tensor:DTensor._local_tensor",
+    "torch._dynamo.utils:counters",
 )
 
 
@@ -178,6 +179,21 @@ def clear_dtensor_caches() -> None:
     """Clear every DTensor cache keyed by mesh: the shared ones and the calling thread's."""
     clear_shared_dtensor_caches()
     clear_thread_dtensor_caches()
+
+
+# --------------------------------------------------------------------- compilation
+# Inductor's counters of its FX-graph cache: a miss is a graph compiled here, a hit one loaded
+# from the cache directory (torch._dynamo.utils.counters, a process-wide defaultdict of Counters).
+_FX_GRAPH_CACHE_MISS = "fxgraph_cache_miss"
+_FX_GRAPH_CACHE_HIT = "fxgraph_cache_hit"
+
+
+def inductor_graph_counts() -> tuple[int, int]:
+    """(graphs compiled, graphs loaded from the cache) by inductor in this process so far."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return inductor[_FX_GRAPH_CACHE_MISS], inductor[_FX_GRAPH_CACHE_HIT]
 
 
 # --------------------------------------------------------------------- errors

@@ -291,6 +291,10 @@ class RuntimeConfig:
     run_dir: str | None = None
     # Seconds between uploads of new events to an s3:// run record (and once more at the end).
     run_dir_sync_s: float = 10.0
+    # training.compile: each node's directory of the job's compile caches ("{node_id}" is replaced
+    # by the rank's Ray node id). None: <tmp>/meshpilot-compile/<name>-<config hash>, so a resumed
+    # job finds its graphs compiled.
+    compile_cache_dir: str | None = None
 
 
 @dataclass

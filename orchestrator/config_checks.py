@@ -82,6 +82,7 @@ def validate(config: JobConfig) -> list[str]:
     if not 0 <= config.metrics.port <= 65535:
         problems.append(f"metrics.port={config.metrics.port} must lie in 0..65535 (0 picks a free port)")
     problems.extend(_gpus_per_rank_problems(config))
+    problems.extend(_float8_problems(config))
     if config.checkpoint.uri is not None:
         problems.extend(uri_problems(config.checkpoint.uri, "checkpoint.uri"))
     if config.runtime.run_dir is not None:
@@ -109,6 +110,38 @@ def _gpus_per_rank_problems(config: JobConfig) -> list[str]:
     if runtime.backend == "nccl" and gpus == 0:
         return ["runtime.backend=nccl needs runtime.gpus_per_rank > 0 (NCCL runs on GPUs): set runtime.gpus_per_rank=1"]
     return []
+
+
+def _float8_problems(config: JobConfig) -> list[str]:
+    """``training.float8`` against where the ranks run and what it composes with (``workers.float8``).
+
+    On CPU ranks that is the only float8 problem said: the others would not matter there. A CUDA
+    GPU below compute capability 8.9, or a node without torchao, is found by the ranks (the driver
+    does not see the GPUs), which refuse it with one line.
+    """
+    if not config.training.float8:
+        return []
+    if config.runtime.gpus_per_rank == 0:
+        return [
+            "training.float8=true needs CUDA GPUs of compute capability 8.9 or higher (Ada, Hopper or newer); "
+            "this job's ranks run on the CPU (runtime.gpus_per_rank=0, gloo): set training.float8=false, "
+            "or runtime.gpus_per_rank=1 on such GPUs"
+        ]
+    par = config.parallelism
+    unsupported = {
+        # torchao's float8 tensor-parallel styles (Float8ColwiseParallel, ...) are not in the families' plans.
+        f"parallelism.tp={par.tp}": par.tp > 1,
+        # Not built: which of a frozen base's layers and its adapters would train in float8 is untried.
+        "model.lora": config.model.lora is not None,
+        # Each step's scales are reduced where the shards live: in host memory, which NCCL does not reduce.
+        "parallelism.cpu_offload=true": par.cpu_offload,
+    }
+    return [
+        f"training.float8=true cannot run with {setting} (float8 trains with FSDP2, pp, cp and ep, tp=1, no LoRA, "
+        "no cpu_offload): change it, or set training.float8=false"
+        for setting, refused in unsupported.items()
+        if refused
+    ]
 
 
 def _training_and_data_problems(config: JobConfig, model: ModelSpec) -> list[str]:

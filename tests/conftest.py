@@ -18,7 +18,15 @@ that has the GPUs a plain ``pytest`` runs it with everything else. ``make test-g
 directory and, without the GPUs, stops with one line saying so (tests/gpu/conftest.py).
 """
 
+import os
+import tempfile
+
 import torch
+
+# Compiled graphs (training.compile) go to one cache for the whole session, which every spawned
+# rank and Ray actor inherits: a graph is compiled once per run of the suite, not once per test,
+# and nothing is left in the machine's shared default cache.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="meshpilot-tests-inductor-"))
 
 pytest_plugins = ["tests.fixtures.ray_cluster", "tests.fixtures.s3"]
 

@@ -130,6 +130,12 @@ class RankActor:
         self._group_sockets: set[str] = set()
         self._sockets_before_join: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
+        if spec.compile:
+            import ray
+
+            from workers.compile import use_job_caches
+
+            use_job_caches(spec.compile_cache_dir, ray.get_runtime_context().get_node_id())
 
     # ------------------------------------------------------------------ control
     def info(self) -> dict[str, Any]:
@@ -268,6 +274,7 @@ class RankActor:
             backend=self.spec.backend,
             timeout_s=timeout_s,
             device=device,
+            layout=mesh if self.spec.compile else None,
         )
         self.committer = committer = StepCommitter(
             store,
@@ -277,6 +284,10 @@ class RankActor:
             snapshot_interval=snapshot_interval,
         )
         self.source = make_source(self.spec, self.data)
+        if self.spec.compile:
+            from workers.compile import load_published_artifacts
+
+            load_published_artifacts(store, mesh)
         trainer = Trainer(
             self.spec, mesh, rank, device=device, source=self.source, committer=committer, peer_waits=self._peer_waits
         )
@@ -407,7 +418,10 @@ class RankActor:
                 sample_indices=tuple(result.samples) if self.spec.record_samples else None,
                 expert_load=result.expert_load,
                 trained_tokens=result.trained_tokens,
+                compiled=result.compiled,
             )
+            if result.compiled and result.compiled.compiled:
+                self._publish_compiled()
             if result.decision.pause:
                 if snapshots is not None:
                     snapshots.flush()  # the boundary's snapshot is complete before the mesh changes
@@ -418,6 +432,15 @@ class RankActor:
             self._evaluate_if_due(evaluator, step)
         self._live_checkpoints().close(wait=True)
         return RunOutcome(RunStatus.FINISHED, self.last_step, state_digest=trainer.state_digest())
+
+    def _publish_compiled(self) -> None:
+        """Loop thread, after a step in which this rank compiled graphs: its cache artifacts go on
+        the job's store for ranks that join this layout elsewhere (``workers/compile.py``)."""
+        from workers.compile import publish_artifacts
+
+        assert self.store is not None and self.mesh is not None, "a configured rank"
+        size = publish_artifacts(self.store, self.mesh, self.rank)
+        log.info("published %d bytes of compile artifacts for %s", size, self.mesh.describe())
 
     def _evaluate_if_due(self, evaluator: Evaluator, step: int) -> None:
         """Loop thread, collective: evaluate at the boundary after ``step`` when the job asks for it
@@ -494,6 +517,10 @@ class RankActor:
             if keep_shards:
                 self._kept_shards = self.trainer.local_shards()
             self.trainer.close()
+            if self.spec.compile:
+                from workers.compile import forget_compiled_graphs
+
+                forget_compiled_graphs()
         self.trainer = None
         if self.source is not None:
             self.source.close()  # its prefetch thread ends here

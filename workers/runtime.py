@@ -5,6 +5,7 @@ Runs on every rank (actor or torchrun script).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -14,12 +15,15 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.torch_compat import set_group_name_base
+from elastic.spec import MeshSpec
 from workers.data import SampleSource, SyntheticSource, TextSource
 from workers.device import RankDevice
 from workers.spec import TrainSpec
 
 # Process-group names one generation may use (a mesh creates a few per dimension).
 GROUP_NAMES_PER_GENERATION = 100_000
+# Where names by layout start (``group_name_base``), far above any generation's.
+LAYOUT_NAMES_FROM = 10**15
 
 # ProcessGroupNCCL's environment, as (every name torch reads for the variable, our value).
 # torch reads these when it builds a process group, so they must be set before the first one.
@@ -92,6 +96,27 @@ def make_source(spec: TrainSpec, data: bytes | None) -> SampleSource:
     return SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=spec.seed)
 
 
+def group_name_base(generation: int, layout: MeshSpec | None = None) -> int:
+    """Where this generation's process-group names are numbered from (every rank alike).
+
+    Destroying the world resets torch's counter of process-group names to 0, so the next
+    generation's groups would reuse the names of the last one's: a stale mesh that escaped
+    every cache would then run its collective on whichever new group took its name. Numbering
+    each generation's groups from its own base makes a stale name fail loudly instead.
+
+    A compiled tensor-parallel block holds its groups' names in its graph, so names that change
+    with every generation make every generation compile anew. With ``layout`` (a compiling job)
+    the base is the layout's: a layout seen before gets the names, and so the graphs, it had. A
+    stale mesh of another layout still fails loudly; one of the same layout names groups of the
+    same ranks (a rank that moved in the mesh is no member of its old groups: their names do
+    not resolve for it).
+    """
+    if layout is None:
+        return generation * GROUP_NAMES_PER_GENERATION
+    digest = hashlib.sha256(layout.describe().encode()).digest()
+    return LAYOUT_NAMES_FROM + int.from_bytes(digest[:4]) * GROUP_NAMES_PER_GENERATION
+
+
 def init_generation(
     *,
     store: dist.Store,
@@ -101,21 +126,18 @@ def init_generation(
     backend: str,
     timeout_s: float,
     device: RankDevice | None = None,
+    layout: MeshSpec | None = None,
 ) -> None:
     """Collective over the new world: join generation ``generation``'s default process group.
 
     Every generation gets a fresh key prefix on the long-lived store, so keys of an aborted
     generation can never be mistaken for this one's. For nccl, the NCCL environment
     (``process_group_environment``) is set first and the group is bound to ``device``.
+    ``layout``: name the groups by this mesh rather than by the generation (``group_name_base``).
     """
     os.environ.update(process_group_environment(backend, os.environ))
     prefixed = dist.PrefixStore(f"gen{generation}/pg/", store)
-    # Destroying the world resets torch's counter of process-group names to 0, so the next
-    # generation's groups would reuse the names of the last one's: a stale mesh that escaped
-    # every cache would then run its collective on whichever new group took its name.
-    # Numbering each generation's groups from its own base makes a stale name fail loudly
-    # instead. Every rank of a generation sets the same base, so the names still agree.
-    set_group_name_base(generation * GROUP_NAMES_PER_GENERATION)
+    set_group_name_base(group_name_base(generation, layout))
     dist.init_process_group(
         backend,
         store=prefixed,

@@ -32,14 +32,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from elastic.spec import MeshSpec
 from workers import parallelize as par
+from workers.compile import CompileWatch, compile_blocks
 from workers.data import IGNORE_INDEX, Batch, SampleSource, local_batch, local_samples
 from workers.device import PeerWait, PeerWaitMarker, RankDevice
+from workers.float8 import apply_float8, precompute_float8_scales
 from workers.initial_values import init_weights
 from workers.local_updates import LocalAdamW, clip_to_norm, grad_norm
 from workers.lora import attach_adapters
 from workers.models import StageModel, resolve_family
 from workers.pipeline_schedules import build_schedule
 from workers.spec import FailureKind, StepDecision, TrainSpec, Verdict
+from workers.spec.messages import CompileCounts
 from workers.trainer_state import TrainerState
 
 log = logging.getLogger("meshpilot")
@@ -84,6 +87,8 @@ class StepResult:
     expert_load: dict[str, float] = field(default_factory=dict)  # see StageModel.expert_load
     # Labels of the whole global batch that trained (the loss is the mean over them).
     trained_tokens: int = 0
+    # training.compile: what this rank's inductor compiled and loaded from the caches in the step.
+    compiled: CompileCounts | None = None
 
 
 class Trainer(TrainerState):
@@ -146,6 +151,7 @@ class Trainer(TrainerState):
         self.schedule = self._build_schedule() if mesh.pp > 1 else None
         # Each stage's parameters as the optimizer holds them (sharded), for after_optimizer_step.
         self._stage_parameters = [dict(module.named_parameters()) for module in self.modules]
+        self.compile_watch = CompileWatch() if spec.compile else None
 
     # ------------------------------------------------------------------ building
     def _expert_parallel(self) -> tuple[int, par.ExpertMeshes | None]:
@@ -183,8 +189,11 @@ class Trainer(TrainerState):
             par.apply_context_parallel(module, self.sequence_shard)
         if self.expert_meshes is not None:
             par.apply_expert_parallel(module, self.expert_meshes.ep)
+        apply_float8(module, enabled=self.spec.float8, device=self.device)
         if self.spec.activation_checkpointing:
             par.apply_activation_checkpointing(module)
+        if self.spec.compile:
+            compile_blocks(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
         pipelined = self.mesh.pp > 1
         # Gradients summed over the tp ranks (other tokens of the same samples) are divided by this.
@@ -355,6 +364,7 @@ class Trainer(TrainerState):
             ),
             expert_load={key: value for module in self.modules for key, value in module.expert_load().items()},
             trained_tokens=trained_tokens,
+            compiled=None if self.compile_watch is None else self.compile_watch.since_last(),
         )
 
     def rank_part(self, batch: Batch) -> Batch:
@@ -490,6 +500,7 @@ class Trainer(TrainerState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        precompute_float8_scales(self.modules, enabled=self.spec.float8)
         if self.spec.lora is not None:
             return lr  # the base, routing biases included, stays as loaded
         for module, parameters in zip(self.modules, self._stage_parameters, strict=True):

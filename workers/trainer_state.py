@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from checkpointing.staging import copy_to_host
 from elastic.spec import MeshSpec
 from workers import parallelize as par
 from workers.local_updates import new_adamw_state
@@ -111,18 +112,16 @@ class TrainerState:
 
         Runs on one rank, no collective (the rank leaving a generation keeps its state). The
         copies share no storage with this trainer, so once it is closed its device memory can
-        be freed before the next generation's trainer allocates its own. Pinned host memory
-        when the state is on a GPU: the copies back to it are then plain DMA. A LoRA run's frozen
-        base is kept too: a survivor rebinds it instead of reading it from its source again.
+        be freed before the next generation's trainer allocates its own. They are views of one
+        host buffer (``checkpointing.staging.copy_to_host``), page-locked when the state is on a
+        GPU so that the copies back to it are plain DMA: in chunks when it is large, as the
+        checkpoint and snapshot buffers are, so that the rank keeps answering the driver. A LoRA
+        run's frozen base is kept too: a survivor rebinds it instead of reading it from its source again.
         """
-        shards: dict[str, torch.Tensor] = {}
-        for name, value in self.checkpoint_state(with_base=True).items():
-            local = par.local_slice(value).detach()
-            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
-            shards[name] = host.copy_(local, non_blocking=local.is_cuda)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the non-blocking copies have landed
-        return shards
+        slices = {
+            name: par.local_slice(value).detach() for name, value in self.checkpoint_state(with_base=True).items()
+        }
+        return copy_to_host(slices, pin_memory=self.device.type == "cuda")
 
     @torch.no_grad()
     def load_local_shards(self, shards: dict[str, torch.Tensor]) -> None:

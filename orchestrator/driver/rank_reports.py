@@ -25,7 +25,15 @@ from typing import Any
 from elastic.spec import MeshSpec
 from orchestrator.driver.sample_ledger import NoLedger, SampleLedger
 from orchestrator.observe.events import EventLog
-from workers.spec.messages import EvalReport, LogReport, PretrainedLoadReport, RankReport, ReportKind, StepReport
+from workers.spec.messages import (
+    CompileCounts,
+    EvalReport,
+    LogReport,
+    PretrainedLoadReport,
+    RankReport,
+    ReportKind,
+    StepReport,
+)
 
 Handler = Callable[[Any], None]  # called with the report of the kind it was registered for
 
@@ -143,6 +151,9 @@ class ReportRouter:
         extra: dict[str, Any] = {}
         if load := _worst_expert_load(ranks.values()):
             extra["expert_load_max_over_mean"] = load
+        if compiled := _compiled(ranks.values()):
+            # training.compile: graphs the ranks compiled in the step and graphs their caches held.
+            extra["compile"] = {"compiled": compiled.compiled, "cache_hits": compiled.cache_hits}
         if len(ranks) < self.mesh.world_size:
             # A rank died after applying the step but before its report reached the driver:
             # the loss is the mean over the data-parallel slices that did report.
@@ -194,6 +205,11 @@ def _trained_tokens(reports: Iterable[StepReport], tokens_per_step: int) -> int:
     that does not count them (an older report) means every label trained."""
     counts = [report.trained_tokens for report in reports if report.trained_tokens is not None]
     return counts[0] if counts else tokens_per_step
+
+
+def _compiled(reports: Iterable[StepReport]) -> CompileCounts:
+    """What every rank of the step compiled and loaded, summed (nothing when none compiles)."""
+    return sum((report.compiled for report in reports if report.compiled is not None), CompileCounts())
 
 
 def _slowest_phases(reports: Iterable[StepReport]) -> dict[str, float]:

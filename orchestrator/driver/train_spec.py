@@ -9,6 +9,8 @@ OptimizerSpec); only what is renamed, converted or resolved is written out below
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from orchestrator.config import JobConfig
@@ -57,6 +59,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         cpu_offload=par.cpu_offload,
         activation_checkpointing=par.activation_checkpointing,
         compile=train.compile,
+        compile_cache_dir=compile_cache_dir(config) if train.compile else "",
         float8=train.float8,
         ep=par.ep,
         seed=train.seed,
@@ -74,6 +77,14 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         instance_action_poll_s=config.elastic.instance_action_poll_s,
         eval=EvalSpec(**same_named(config.eval, EvalSpec)),
     )
+
+
+def compile_cache_dir(config: JobConfig) -> str:
+    """Each node's directory of the job's compile caches: ``runtime.compile_cache_dir``, or one
+    under the node's temporary directory named by the job (the same config finds it again)."""
+    if config.runtime.compile_cache_dir is not None:
+        return config.runtime.compile_cache_dir
+    return str(Path(tempfile.gettempdir()) / "meshpilot-compile" / f"{config.name}-{config.config_hash()}")
 
 
 def pretrained_source(config: JobConfig) -> PretrainedSource | None:

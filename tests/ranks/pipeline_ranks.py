@@ -10,14 +10,19 @@ ranks holding the last stage).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from elastic.spec import MeshSpec
-from tests.ranks.spawned_ranks import join_gloo
+from tests.ranks.spawned_ranks import join_gloo, spawn_ranks
 from workers.data import SyntheticSource
 from workers.spec import PRESETS, TrainSpec
 from workers.trainer import Trainer
@@ -59,3 +64,33 @@ def run_rank(mesh_fields: dict[str, int], spec_fields: dict[str, Any], rank: int
     results.join_thread()
     dist.barrier()
     os._exit(0)
+
+
+@dataclass
+class Run:
+    losses: list[float]  # per step, the mean over data-parallel slices
+    stages: dict[int, list[int]]  # each rank's stage indices
+    logits: list[np.ndarray]  # the trained model's logits, from every rank that returns them
+
+
+def run_layout(mesh: dict[str, int], spec: dict[str, object], tmp_path) -> Run:
+    """Train ``STEPS`` steps of the debug model on ``mesh`` with ``spec``'s TrainSpec fields."""
+    world_size = math.prod(mesh.values())
+    outcomes = spawn_ranks(
+        functools.partial(run_rank, mesh, spec), world_size=world_size, store_path=str(tmp_path / "store")
+    )
+    reported = [losses for losses, _, _ in outcomes.values() if losses is not None]
+    assert len(reported) == mesh.get("dp_shard", 1) * mesh.get("dp_replicate", 1)
+    return Run(
+        losses=[sum(step) / len(step) for step in zip(*reported)],
+        stages={rank: stages for rank, (_, stages, _) in outcomes.items()},
+        logits=[logits for _, _, logits in outcomes.values() if logits is not None],
+    )
+
+
+def assert_trains_like(run: Run, single_rank: Run) -> None:
+    """Per-step losses within 1e-3 relative of the single rank's, and the trained model's logits."""
+    assert run.losses == pytest.approx(single_rank.losses, rel=1e-3)
+    assert run.logits  # the ranks holding the last stage returned them
+    for logits in run.logits:
+        np.testing.assert_allclose(logits, single_rank.logits[0], rtol=1e-3, atol=1e-4)

@@ -9,50 +9,16 @@ tests/unit/test_pipeline_schedules.py.
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass
-
-import numpy as np
 import pytest
 
-from tests.ranks.pipeline_ranks import STEPS, run_rank
-from tests.ranks.spawned_ranks import spawn_ranks
-
-
-@dataclass
-class Run:
-    losses: list[float]  # per step, the mean over data-parallel slices
-    stages: dict[int, list[int]]  # each rank's stage indices
-    logits: list[np.ndarray]  # the trained model's logits, from every rank that returns them
-
-
-def _run(mesh: dict[str, int], spec: dict[str, object], tmp_path) -> Run:
-    world_size = math.prod(mesh.values())
-    outcomes = spawn_ranks(
-        functools.partial(run_rank, mesh, spec), world_size=world_size, store_path=str(tmp_path / "store")
-    )
-    reported = [losses for losses, _, _ in outcomes.values() if losses is not None]
-    assert len(reported) == mesh.get("dp_shard", 1) * mesh.get("dp_replicate", 1)
-    return Run(
-        losses=[sum(step) / len(step) for step in zip(*reported)],
-        stages={rank: stages for rank, (_, stages, _) in outcomes.items()},
-        logits=[logits for _, _, logits in outcomes.values() if logits is not None],
-    )
+from tests.ranks.pipeline_ranks import STEPS, Run, assert_trains_like, run_layout
 
 
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory) -> Run:
-    run = _run({"dp_shard": 1, "tp": 1, "pp": 1}, {}, tmp_path_factory.mktemp("single"))
+    run = run_layout({"dp_shard": 1, "tp": 1, "pp": 1}, {}, tmp_path_factory.mktemp("single"))
     assert len(run.losses) == STEPS and run.losses[-1] < run.losses[0]
     return run
-
-
-def _assert_trains_like(run: Run, single_rank: Run) -> None:
-    assert run.losses == pytest.approx(single_rank.losses, rel=1e-3)
-    assert run.logits  # the ranks holding the last stage returned them
-    for logits in run.logits:
-        np.testing.assert_allclose(logits, single_rank.logits[0], rtol=1e-3, atol=1e-4)
 
 
 LAYOUTS = {
@@ -84,8 +50,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_layout_trains_like_one_rank(layout, single_rank, tmp_path):
     mesh, spec = LAYOUTS[layout]
-    run = _run(mesh, spec, tmp_path)
-    _assert_trains_like(run, single_rank)
+    run = run_layout(mesh, spec, tmp_path)
+    assert_trains_like(run, single_rank)
     if spec.get("pp_schedule") in ("zbv", "dualpipev"):
         assert run.stages[0] == [0, 3] and run.stages[1] == [1, 2]  # the V: rank 0 holds the first and last stage
 
@@ -97,12 +63,12 @@ def test_an_uneven_fsdp_split_trains_like_one_rank(tmp_path):
     batch = {"global_batch": 12, "microbatches": 2}
     (tmp_path / "one").mkdir()
     (tmp_path / "three").mkdir()
-    one = _run({"dp_shard": 1, "tp": 1, "pp": 1}, batch, tmp_path / "one")
-    three = _run({"dp_shard": 3, "tp": 1, "pp": 1}, batch, tmp_path / "three")
-    _assert_trains_like(three, one)
+    one = run_layout({"dp_shard": 1, "tp": 1, "pp": 1}, batch, tmp_path / "one")
+    three = run_layout({"dp_shard": 3, "tp": 1, "pp": 1}, batch, tmp_path / "three")
+    assert_trains_like(three, one)
     assert one.losses[-1] < one.losses[0]
 
 
 def test_zero_bubble_with_tensor_parallel_trains_like_one_rank(single_rank, tmp_path):
-    run = _run({"dp_shard": 1, "tp": 2, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}, tmp_path)
-    _assert_trains_like(run, single_rank)
+    run = run_layout({"dp_shard": 1, "tp": 2, "pp": 2}, {"pp_schedule": "zero_bubble", "stages_per_rank": 2}, tmp_path)
+    assert_trains_like(run, single_rank)

@@ -177,6 +177,15 @@ CASES = [
         "choose an ep that divides it",
     ),
     (["--set", "parallelism.ep=0"], "parallelism.ep=0 must be >= 1"),
+    (
+        ["--set", "training.float8=true"],
+        "training.float8=true needs CUDA GPUs of compute capability 8.9 or higher (Ada, Hopper or newer); this job's "
+        "ranks run on the CPU (runtime.gpus_per_rank=0, gloo): set training.float8=false",
+    ),
+    (
+        ["--set", "training.float8=true", "--set", "runtime.gpus_per_rank=1"],
+        "training.float8=true cannot run with parallelism.tp=2",
+    ),
 ]
 
 

@@ -68,3 +68,33 @@ def test_a_refused_registration_leaves_a_working_pageable_buffer(small_chunks):
     reference = HostBuffer(layout, pin_memory=False)
     reference.stage(TENSORS)
     assert bytes(buffer.memoryview()) == bytes(reference.memoryview())
+
+
+def test_host_copies_above_the_threshold_are_registered_in_chunks_on_page_boundaries(small_chunks):
+    register, calls = small_chunks
+    copies = staging.copy_to_host(TENSORS, pin_memory=True, register=register)
+    [(base, offsets)] = calls  # one buffer for every tensor, registered once, in chunks
+    assert len(offsets) > 2 and all((base + offset) % 16 == 0 for offset in offsets[1:])
+    assert {copy.untyped_storage().data_ptr() for copy in copies.values()} == {base}
+    spans = [
+        name
+        for name, copy in copies.items()
+        if any(0 < offset - (copy.data_ptr() - base) < copy.nbytes for offset in offsets)
+    ]
+    assert spans, "some tensor's bytes lie across two registrations"
+    for name, tensor in TENSORS.items():
+        assert copies[name].dtype == tensor.dtype and copies[name].data_ptr() % tensor.element_size() == 0
+        assert torch.equal(copies[name], tensor)
+
+
+def test_host_copies_below_the_threshold_are_page_locked_in_one_call(monkeypatch):
+    registered, one_call = [], []
+
+    def pinned_bytes(size: int) -> torch.Tensor:  # CPU: no pinned allocator
+        one_call.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    monkeypatch.setattr(staging, "pinned_bytes", pinned_bytes)
+    copies = staging.copy_to_host(TENSORS, pin_memory=True, register=lambda s, o: registered.append(o) or [])
+    assert registered == [] and len(one_call) == 1
+    assert all(torch.equal(copies[name], tensor) for name, tensor in TENSORS.items())

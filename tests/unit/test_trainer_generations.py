@@ -89,3 +89,25 @@ def test_kept_shards_are_host_copies_that_outlive_the_closed_trainer(store):
     new = join(store, 1)
     new.load_local_shards(kept)
     assert new.state_digest() == digest
+
+
+def test_kept_shards_of_a_large_state_on_a_gpu_are_page_locked_in_chunks(store, monkeypatch):
+    """A GPU rank's kept state above the one-call limit: one buffer, registered in chunks on page
+    boundaries (the limit lowered to this small state; a fake registration: no CUDA here)."""
+    from checkpointing import staging
+
+    trainer = join(store, 0)
+    trainer.train_step(1)
+    state_bytes = sum(par.local_slice(v).nbytes for v in trainer.checkpoint_state(with_base=True).values())
+    monkeypatch.setattr(staging, "PIN_IN_ONE_CALL_MAX_BYTES", state_bytes // 2)
+    monkeypatch.setattr(staging, "PIN_CHUNK_BYTES", state_bytes // 5)
+    registrations: list[tuple[int, list[int]]] = []
+    monkeypatch.setattr(
+        staging, "register_pinned", lambda storage, offsets: registrations.append((storage.data_ptr(), offsets)) or []
+    )
+    monkeypatch.setattr(trainer, "device", torch.device("cuda"))  # only whether to page-lock is read
+    kept = trainer.local_shards()
+    [(base, offsets)] = registrations
+    assert len(offsets) >= 5 and all((base + offset) % staging.PAGE_BYTES == 0 for offset in offsets[1:])
+    for name, value in trainer.named_state(with_base=True).items():
+        assert torch.equal(kept[name], par.local_slice(value)), name

@@ -111,6 +111,21 @@ class ReportKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class CompileCounts:
+    """What a rank's inductor did during one step (``training.compile``): graphs it compiled, and
+    graphs it loaded from the job's caches instead."""
+
+    compiled: int = 0
+    cache_hits: int = 0
+
+    def __add__(self, other: CompileCounts) -> CompileCounts:
+        return CompileCounts(self.compiled + other.compiled, self.cache_hits + other.cache_hits)
+
+    def __bool__(self) -> bool:
+        return bool(self.compiled or self.cache_hits)
+
+
+@dataclass(frozen=True)
 class StepReport:
     """Sent by every rank after each step it applied (loop thread)."""
 
@@ -130,6 +145,8 @@ class StepReport:
     expert_load: dict[str, float] = field(default_factory=dict)
     # Labels of the step's whole global batch that trained (the same on every rank of the step).
     trained_tokens: int | None = None
+    # training.compile: what this rank compiled and loaded from the caches during the step.
+    compiled: CompileCounts | None = None
     kind: ReportKind = ReportKind.STEP
 
 

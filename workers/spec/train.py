@@ -187,6 +187,8 @@ class TrainSpec(OptimizerSpec):
     # its linear layers' matmuls in float8 (workers/float8.py).
     compile: bool = False
     float8: bool = False
+    # Where a compiling rank keeps inductor's caches on its node (see workers/compile.py).
+    compile_cache_dir: str = ""
     # Expert parallelism: ranks of dp_shard that split a mixture of experts' experts (1: none).
     ep: int = 1
     seed: int = 0
