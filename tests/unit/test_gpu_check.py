@@ -43,7 +43,7 @@ def run_smoke(tmp_path: Path, *extra: str, wheels: bool = False) -> tuple[subpro
     out = tmp_path / "out"
     argv = [sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(out), *extra]
     argv += [] if wheels else ["--no-wheels"]  # not the wheels a developer fetched into .gpu-wheels/
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120), out
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300), out
 
 
 def test_the_smoke_run_records_every_part_measured_or_skipped_with_why(tmp_path):
