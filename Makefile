@@ -6,6 +6,7 @@
 #   make coverage   the whole suite under coverage.py, the ranks' processes included; prints line coverage
 #   make test-gpu   tests/gpu and bench/gpu.py --quick on a machine with CUDA GPUs (install a CUDA torch first:
 #                   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+#   make gpu-wheels the wheels bench/gpu_check.py carries to a lent GPU machine (into .gpu-wheels/)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -15,7 +16,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.meshpilot-installed
 
-.PHONY: setup demo lint test test-all test-gpu coverage bench clean
+.PHONY: setup demo lint test test-all test-gpu gpu-wheels coverage bench clean
 
 setup: $(STAMP)
 
@@ -53,10 +54,18 @@ coverage: setup
 
 # tests/gpu needs a CUDA GPU (two for its replica-group tests): without one `make test` does not
 # collect it, and naming it here stops with one line (exit 4). On a GPU machine `make test` and
-# `make test-all` run it too.
+# `make test-all` run it too. A lent machine as it is (its own python3, no pip, no Ray) runs
+# `PYTHONPATH=$PWD python3 bench/gpu_check.py --out DIR` instead (README, GPUs); its --smoke is a
+# unit test (tests/unit/test_gpu_check.py).
 test-gpu: setup
 	$(PY) -m pytest tests/gpu -s $(PYTEST_ARGS)
 	$(PY) bench/gpu.py --quick
+
+# What bench/gpu_check.py carries to a lent GPU machine (torchao, torchtitan); RAY=1 adds Ray,
+# repacked to fit the 64 MiB that may travel with the tree.
+# Needs only pip, not the project's venv; the wheels are picked for the lent machine's Python 3.11.
+gpu-wheels:
+	$(PYTHON) bench/support/gpu_wheels.py $(if $(RAY),--ray)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*

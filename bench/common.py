@@ -6,13 +6,16 @@ simulator uses are also recorded with ``orchestrator.analysis.bench_figures.reco
 
 The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py, hf_load.py,
 data.py, recovery.py, chaos.py, release.py, metrics_overhead.py, parallel.py, finetune.py and
-torchrun_reference.py (under torchrun).
-Modules the scripts import, not run on their own: this one, and those in ``bench/support/``.
+torchrun_reference.py (under torchrun); gpu_check.py, whose ``--quick`` (``--smoke``) runs every part
+on the CPU. Modules the scripts import, not run on their own: this one, and those in ``bench/support/``
+(except ``gpu_check_run.py``, one run of gpu_check's, and ``gpu_wheels.py``, which fetches its wheels).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +34,24 @@ def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None =
         sys.stderr.write(process.stdout[-4000:] + process.stderr[-4000:])
         raise SystemExit(f"{argv[0]} failed with exit code {process.returncode}")
     return launched, process.stdout + process.stderr
+
+
+def run_process_group(
+    argv: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int | None, str, str]:
+    """Run ``argv`` in a process group of its own: (exit code, stdout, stderr), the exit code None
+    when it ran past ``timeout``; then the whole group is killed, so what it started (a training
+    run, inductor's compile workers) does not outlive it and hold the GPU."""
+    process = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return None, stdout, stderr
 
 
 def steady_step_time(completions: list[float], warmup: int) -> float:
