@@ -15,7 +15,7 @@ import pytest
 
 from tests.ranks.pipeline_ranks import STEPS, Run, assert_trains_like, run_layout
 
-SEQUENCE = {"seq_len": 64}
+SEQUENCE: dict[str, object] = {"seq_len": 64}
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ def run_smoke(tmp_path: Path, *extra: str, wheels: bool = False) -> tuple[subpro
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300), out
 
 
+@pytest.mark.slow  # ~13 s of two small training runs: CI runs it before any GPU time is spent
 def test_the_smoke_run_records_every_part_measured_or_skipped_with_why(tmp_path):
     process, out = run_smoke(tmp_path)
     assert process.returncode == 0, process.stderr[-3000:]
