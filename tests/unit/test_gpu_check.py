@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.jobs import REPO
 
 # Every process of the check (parent, parts, runs) starts with this on its path: every import
