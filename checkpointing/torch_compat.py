@@ -44,6 +44,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.device_mesh:DeviceMesh._unflatten",
     "torch.distributed.tensor:DTensor._local_tensor",
     "torch._dynamo.utils:counters",
+    "torch.distributed._functional_collectives:AsyncCollectiveTensor",
 )
 
 
@@ -186,6 +187,20 @@ def clear_dtensor_caches() -> None:
 # from the cache directory (torch._dynamo.utils.counters, a process-wide defaultdict of Counters).
 _FX_GRAPH_CACHE_MISS = "fxgraph_cache_miss"
 _FX_GRAPH_CACHE_HIT = "fxgraph_cache_hit"
+
+
+def settled(tensor: Any) -> Any:
+    """``tensor`` itself, unless it is the lazily waited result of a functional collective
+    (DTensor's redistributions return one): then a plain copy of it, on the autograd graph.
+
+    A compiled region given such a tensor as input hands back no gradient through it (measured on
+    torch 2.13: under sequence parallelism the embedding got none from the first compiled block).
+    The copy waits for the collective and is an ordinary autograd op, whose backward passes the
+    gradient on.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.clone() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def inductor_graph_counts() -> tuple[int, int]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpointing.torch_compat import inductor_graph_counts
+from checkpointing.torch_compat import inductor_graph_counts, settled
 from elastic.spec import MeshSpec
 from workers.models import StageModel
 from workers.spec.messages import CompileCounts
@@ -56,12 +56,25 @@ def use_job_caches(cache_dir: str, node_id: str) -> Path:
 
 
 def compile_blocks(module: StageModel) -> None:
-    """Compile each transformer block of the stage in place (``nn.Module.compile``: parameter
-    names unchanged, so checkpoints do not see it). After tensor parallelism, activation
-    checkpointing and float8 (their hooks and wrappers are traced into the block's graph),
-    before FSDP2 (whose hooks run around it)."""
+    """Compile each transformer block's forward in place (parameter names unchanged, so
+    checkpoints do not see it). After tensor parallelism and float8 (their hooks and layers are
+    traced into the block's graph), before activation checkpointing (which recomputes the compiled
+    forward: tracing torch's checkpoint of a tensor-parallel block fails on torch 2.13, a mesh among
+    the saved values) and FSDP2 (whose hooks run around the block's call).
+
+    What the stage's other modules (the embedding, the head) hand a block is settled first: a
+    tensor-parallel embedding returns the lazily waited result of its reduce-scatter, through which
+    a compiled block would pass back no gradient (``torch_compat.settled``).
+    """
     for block in module.layers.values():
-        block.compile(fullgraph=True)
+        block.forward = torch.compile(block.forward, fullgraph=True)
+    for child in module.children():
+        if child is not module.layers:
+            child.register_forward_hook(_settle_output)
+
+
+def _settle_output(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
+    return settled(output)
 
 
 class CompileWatch:

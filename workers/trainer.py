@@ -190,10 +190,10 @@ class Trainer(TrainerState):
         if self.expert_meshes is not None:
             par.apply_expert_parallel(module, self.expert_meshes.ep)
         apply_float8(module, enabled=self.spec.float8, device=self.device)
-        if self.spec.activation_checkpointing:
-            par.apply_activation_checkpointing(module)
         if self.spec.compile:
             compile_blocks(module)
+        if self.spec.activation_checkpointing:
+            par.apply_activation_checkpointing(module)
         param_dtype = torch.bfloat16 if self.spec.dtype == "bfloat16" else torch.float32
         pipelined = self.mesh.pp > 1
         # Gradients summed over the tp ranks (other tokens of the same samples) are divided by this.

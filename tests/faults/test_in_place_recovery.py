@@ -56,7 +56,7 @@ def test_warm_spares_refill_the_lost_replica_with_identical_state_and_compile_no
         f"training.steps={STEPS}",
         "elastic.spare_actors=2",
         "training.compile=true",
-        "parallelism.activation_checkpointing=true",  # traced into the compiled block; recomputing changes no loss
+        "parallelism.activation_checkpointing=true",  # recomputes the compiled block; changes no loss
         f"runtime.compile_cache_dir={tmp_path / 'compile-cache'}",
         faults=("kill@4:2",),
     )

@@ -1,12 +1,12 @@
-"""``training.compile`` trains like eager: per-block torch.compile composed with the axes it supports.
+"""``training.compile`` trains like eager: per-block torch.compile composed with every axis of a dense model.
 
 Spawned gloo ranks (no Ray, ``tests/ranks/pipeline_ranks.py``), float32, 10 steps of the debug
-model on pp2 x dp_shard2 (FSDP2 and a pipeline schedule around compiled blocks, with activation
-checkpointing traced into each block's graph by inductor's C++ backend): per-step losses within
-1e-3 relative of an eager single rank's, and the trained model's logits. The compiled job of
-tests/faults/test_in_place_recovery.py shows dp_replicate2 x dp_shard2 against an eager run,
-through a SIGKILL. Tensor parallelism and mixtures of experts are refused with compile
-(orchestrator/config_checks.py). CI's (slow): a cold compile takes ~20 s of 2 cores.
+model on pp2 x tp2 x dp_shard2 (FSDP2, sequence-parallel tensor parallelism and a pipeline
+schedule around blocks compiled by inductor's C++ backend, activation checkpointing recomputing
+them): per-step losses within 1e-3 relative of an eager single rank's, and the trained model's
+logits. The compiled job of tests/faults/test_in_place_recovery.py shows dp_replicate2 x dp_shard2
+against an eager run, through a SIGKILL. Mixtures of experts are refused with compile
+(orchestrator/config_checks.py). CI's (slow): 8 ranks compiling take ~45 s of 2 cores.
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ COMPILED = {**SEQUENCE, "compile": True, "activation_checkpointing": True}
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_like_eager_on_pp2_dp_shard2(eager, tmp_path):
-    mesh = {"dp_shard": 2, "tp": 1, "pp": 2}
+def test_compiled_blocks_train_like_eager_on_pp2_tp2_dp_shard2(eager, tmp_path):
+    mesh = {"dp_shard": 2, "tp": 2, "pp": 2}
     assert_trains_like(run_layout(mesh, {**COMPILED, "microbatches": 4}, tmp_path), eager)
