@@ -1,7 +1,7 @@
 """Compile benchmark: ``training.compile`` against eager, and what compiling costs on a mesh change.
 
-    python bench/compile.py             # every part, more steps
-    python bench/compile.py --quick     # fewer steps, the grow part left out (~5 min on 2 cores)
+    python bench/compile.py             # more steps, 3 kill runs per setting (~5 min on 2 quiet cores)
+    python bench/compile.py --quick     # fewer steps, 2 kill runs per setting (~4 min on 2 quiet cores)
     python bench/compile.py --keep DIR  # also keep the caches, artifacts and the Ray runs' events
 
 CPU (inductor's C++ backend), float32, gloo. Measured, each figure beside its reference:
@@ -20,11 +20,12 @@ CPU (inductor's C++ backend), float32, gloo. Measured, each figure beside its re
        a node whose disk never saw the layout does.
    With the graphs each case compiled and loaded in its first step (``StepResult.compiled``).
 3. ``kill``: bench/recovery.py's SIGKILL of rank 3 at the start of step 8 on the Ray cluster
-   (dp_replicate=2 x dp_shard=2, the debug model), compile on against off: fault to the first
-   step on the new mesh, steps lost, and the ``compile`` field of that step's event (each
-   simulated node has a cache directory of its own, so the artifacts path is exercised).
-4. ``grow`` (not with --quick): bench/recovery.py's node removed then a node added, compile on
-   against off: from the node being up to the first step on the grown mesh.
+   (dp_replicate=2 x dp_shard=2, the debug model), compile on against off, runs alternating:
+   the median fault to the first step on the new mesh, steps lost, and the ``compile`` field of
+   that step's event (each simulated node has a cache directory of its own).
+4. ``grow``: bench/recovery.py's node removed then a node added, compile on against off: from
+   the node being up to the first step on the grown mesh, whose ranks on the new node load the
+   artifacts the job published (their node's cache directory is empty).
 
 The last stdout line is one JSON object with each figure, its reference and their ratio.
 """
@@ -226,51 +227,81 @@ def compile_overrides(workdir: Path) -> tuple[str, ...]:
     return ("parallelism.tp=1", "training.compile=true", f"runtime.compile_cache_dir={workdir}/{{node_id}}")
 
 
-def first_step_after(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
-    """The first step event after the first ``kind`` event."""
-    seen = False
-    for event in events:
-        if event["event"] == kind:
-            seen = True
-        elif seen and event["event"] == "step":
-            return event
-    return None
+def compile_on_new_mesh(events: list[dict[str, Any]], *, after_event: str, new_mesh_event: str) -> Any:
+    """The ``compile`` field of the first step on the new mesh (bench/recovery.py's reading of
+    where the mesh changed); None when the ranks neither compiled nor loaded a graph in it."""
+    from bench.support.recovery_timing import mesh_change
+
+    change = mesh_change(events, after_event=after_event, new_mesh_event=new_mesh_event, began_at=0.0)
+    marker = next(i for i, e in enumerate(events) if e["event"] == after_event)
+    first = next(e for e in events[marker:] if e["event"] == "step" and e["step"] == change.first_step)
+    return first.get("compile")
 
 
-def kill_part(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
+def kill_part(cluster, workdir: Path, *, steps: int, repeats: int) -> dict[str, Any]:
+    """Driver: ``repeats`` kill runs with compile off and as many with it on, alternately (off, on,
+    on, off, ...: the order balanced, since a run right after another starts on a busier
+    machine); each setting's medians, and what the ranks compiled in each on run."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for number in range(repeats):
+        for name in ("off", "on") if number % 2 == 0 else ("on", "off"):
+            overrides = compile_overrides(workdir / f"kill-cache-{number}") if name == "on" else ("parallelism.tp=1",)
+            print(f"kill: compile {name} ({number + 1}/{repeats})", flush=True)
+            runs[name].append(kill_run(cluster, workdir / f"kill-{name}-{number}", steps=steps, overrides=overrides))
+    on, off = medians(runs["on"]), medians(runs["off"])
+    return {"on": on, "off": off, "ratio": ratio(on["fault_to_step_s"], off["fault_to_step_s"]), "goal": KILL_GOAL}
+
+
+def kill_run(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """One bench/recovery.py kill run, with the ``compile`` fields of its first step and of the
+    first step on the new mesh."""
+    from bench import recovery
+    from orchestrator.observe.events import read_events
+
+    figures = recovery.meshpilot_kill(cluster, run_dir, steps=steps, overrides=overrides)
+    events = read_events(run_dir / "events.jsonl")
+    first = next((e for e in events if e["event"] == "step"), {})
+    return {
+        "fault_to_step_s": figures["fault_to_step_s"],
+        "lost_steps": figures["lost_steps"],
+        "first_step_s": figures["first_step_s"],
+        "steady_step_s": figures["steady_step_s"],
+        "new_mesh": figures["new_mesh"],
+        "compile_first_step": first.get("compile"),
+        "compile_on_new_mesh": compile_on_new_mesh(events, after_event="failure", new_mesh_event="recovered"),
+    }
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setting's kill runs: the median of each time, the most steps any run lost, and each
+    run's compile counts on the new mesh."""
+    times = ("fault_to_step_s", "first_step_s", "steady_step_s")
+    return {
+        **{key: statistics.median(run[key] for run in runs) for key in times},
+        "lost_steps": max(run["lost_steps"] for run in runs),
+        "runs": len(runs),
+        "fault_to_step_each_s": [round(run["fault_to_step_s"], 3) for run in runs],
+        "compile_first_step": [run["compile_first_step"] for run in runs],
+        "compile_on_new_mesh": [run["compile_on_new_mesh"] for run in runs],
+        "new_mesh": runs[0]["new_mesh"],
+    }
+
+
+def grow_part(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
+    """Driver: bench/recovery.py's node removed then a node added, compile off then on; with the
+    ``compile`` field of the first grown step (the new node's ranks load the published artifacts)."""
     from bench import recovery
     from orchestrator.observe.events import read_events
 
     runs: dict[str, dict[str, Any]] = {}
-    for name, overrides in (("off", ("parallelism.tp=1",)), ("on", compile_overrides(workdir / "kill-cache"))):
-        print(f"kill: compile {name}", flush=True)
-        run_dir = workdir / f"kill-{name}"
-        figures = recovery.meshpilot_kill(cluster, run_dir, steps=steps, overrides=overrides)
-        events = read_events(run_dir / "events.jsonl")
-        # The first step on the new mesh: its event comes before the controller's "recovered".
-        after = first_step_after(events, "failure") or {}
-        first = next((e for e in events if e["event"] == "step"), {})
-        runs[name] = {
-            "fault_to_step_s": figures["fault_to_step_s"],
-            "lost_steps": figures["lost_steps"],
-            "first_step_s": figures["first_step_s"],
-            "steady_step_s": figures["steady_step_s"],
-            "new_mesh": figures["new_mesh"],
-            "compile_first_step": first.get("compile"),
-            "compile_on_new_mesh": after.get("compile"),
-        }
-    on, off = runs["on"], runs["off"]
-    return {"on": on, "off": off, "ratio": ratio(on["fault_to_step_s"], off["fault_to_step_s"]), "goal": KILL_GOAL}
-
-
-def grow_part(cluster, workdir: Path, *, steps: int) -> dict[str, Any]:
-    from bench import recovery
-
-    runs: dict[str, dict[str, Any]] = {}
     for name, overrides in (("off", ("parallelism.tp=1",)), ("on", compile_overrides(workdir / "grow-cache"))):
         print(f"grow: compile {name}", flush=True)
-        _, grow = recovery.meshpilot_node_then_grow(cluster, workdir / f"grow-{name}", steps=steps, overrides=overrides)
-        runs[name] = grow
+        run_dir = workdir / f"grow-{name}"
+        _, grow = recovery.meshpilot_node_then_grow(cluster, run_dir, steps=steps, overrides=overrides)
+        events = read_events(run_dir / "events.jsonl")
+        grown = grow.get("node_to_step_s") is not None
+        counts = compile_on_new_mesh(events, after_event="recovered", new_mesh_event="grow") if grown else None
+        runs[name] = {**grow, "compile_on_new_mesh": counts}
     return {
         "on": runs["on"],
         "off": runs["off"],
@@ -297,12 +328,13 @@ def summarize(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "kill_compile_on_new_mesh": (kill.get("on") or {}).get("compile_on_new_mesh"),
         "kill_lost_steps": {name: (kill.get(name) or {}).get("lost_steps") for name in ("on", "off")},
         "grow_on_over_off": (parts.get("grow") or {}).get("ratio"),
+        "grow_compile_on_new_mesh": ((parts.get("grow") or {}).get("on") or {}).get("compile_on_new_mesh"),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps, no grow part")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and kill runs")
     parser.add_argument("--keep", default=None, help="keep the caches, artifacts and runs here")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one process of parts 1-2
     args = parser.parse_args()
@@ -319,9 +351,8 @@ def main() -> int:
 
         cluster = recovery.start_cluster()
         try:
-            parts["kill"] = kill_part(cluster, workdir, steps=12 if args.quick else 16)
-            if not args.quick:
-                parts["grow"] = grow_part(cluster, workdir, steps=40)
+            parts["kill"] = kill_part(cluster, workdir, steps=12 if args.quick else 16, repeats=2 if args.quick else 3)
+            parts["grow"] = grow_part(cluster, workdir, steps=40)
         finally:
             import ray
 

@@ -1,9 +1,10 @@
 """bench/compile.py's arithmetic, from small synthetic runs: a trainer's first step against its
-steady steps (warm-up left out) with what it compiled, and the result line's ratios and goal."""
+steady steps (warm-up left out) with what it compiled, the kill runs' medians, and the result
+line's ratios and goal."""
 
 from __future__ import annotations
 
-from bench.compile import first_step, summarize
+from bench.compile import first_step, medians, summarize
 
 
 def steps(*times: float, compiled_first: int = 0, hits_first: int = 0) -> list[dict]:
@@ -37,3 +38,25 @@ def test_summary_gives_each_ratio_and_judges_the_kill_goal():
     assert summary["kill_goal_met"] is False
     assert summary["kill_lost_steps"] == {"on": 0, "off": 0}
     assert summary["grow_on_over_off"] is None  # not measured: no figure, not a failure
+
+
+def kill_run(fault_to_step_s: float, lost_steps: int = 0, counts: dict | None = None) -> dict:
+    return {
+        "fault_to_step_s": fault_to_step_s,
+        "first_step_s": fault_to_step_s / 2,
+        "steady_step_s": 0.3,
+        "lost_steps": lost_steps,
+        "new_mesh": {"dp_shard": 2},
+        "compile_first_step": {"compiled": 8, "cache_hits": 0},
+        "compile_on_new_mesh": counts,
+    }
+
+
+def test_kill_runs_give_median_times_the_most_steps_lost_and_every_runs_counts():
+    hits = {"compiled": 0, "cache_hits": 4}
+    figures = medians(
+        [kill_run(1.0, counts=hits), kill_run(3.0, lost_steps=1, counts=hits), kill_run(1.2, counts=hits)]
+    )
+    assert (figures["fault_to_step_s"], figures["first_step_s"]) == (1.2, 0.6)
+    assert figures["lost_steps"] == 1  # a run that lost a step is not hidden by the others
+    assert figures["compile_on_new_mesh"] == [hits, hits, hits]
