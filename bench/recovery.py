@@ -314,9 +314,12 @@ def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     }
 
 
-def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def meshpilot_node_then_grow(
+    cluster, run_dir: Path, *, steps: int, overrides: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The node of rank 2 (replica group 1) removed once FAULT_STEP completed; a new node added
-    as soon as the job recovered, which it grows onto."""
+    as soon as the job recovered, which it grows onto. ``overrides``: config keys on top of the
+    benchmark's layout (bench/compile.py turns compilation on)."""
     nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     removed: dict[str, float] = {}
     added: dict[str, float] = {}
@@ -351,6 +354,7 @@ def meshpilot_node_then_grow(cluster, run_dir: Path, *, steps: int) -> tuple[dic
             faults=(f"node@{FAULT_STEP}:2",),
             node_fault=remove_node,
             on_event=add_a_node_after_recovery,
+            overrides=overrides,
         )
     finally:
         nodes.close()
