@@ -12,9 +12,9 @@ CPU (inductor's C++ backend), float32, gloo. Measured, each figure beside its re
 2. ``new_mesh``: the first step of a trainer on a layout against a later step of the same run,
    each case in a process of its own with its own inductor cache directory:
    (a) cold: an empty cache directory;
-   (b) warm: the same process then leaves the generation (``torch.compiler.reset()``, the
-       trainer closed, the process group rebuilt) and builds the layout again, as a surviving
-       rank of an in-place recovery does;
+   (b) warm: the same process then leaves the generation (the trainer closed, dynamo's graphs
+       kept as on any mesh without tp or cp: ``forget_compiled_graphs``, the process group
+       rebuilt) and builds the layout again, as a surviving rank of an in-place recovery does;
    (c) joiner: a new process with an empty cache directory that first loads the artifacts (a)
        saved (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``), as a rank on
        a node whose disk never saw the layout does.
@@ -137,7 +137,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         trainer.close()
         source.close()
         if compile_on:
-            forget_compiled_graphs()
+            forget_compiled_graphs(mesh)
         generations.append(steps)
     dist.destroy_process_group()
     return {"generations": generations, "loaded_blobs": loaded_blobs}

@@ -517,10 +517,10 @@ class RankActor:
             if keep_shards:
                 self._kept_shards = self.trainer.local_shards()
             self.trainer.close()
-            if self.spec.compile:
+            if self.spec.compile and self.mesh is not None:
                 from workers.compile import forget_compiled_graphs
 
-                forget_compiled_graphs()
+                forget_compiled_graphs(self.mesh)
         self.trainer = None
         if self.source is not None:
             self.source.close()  # its prefetch thread ends here

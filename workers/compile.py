@@ -15,8 +15,9 @@ depth compiles one block's forward and backward, and FSDP2's hooks stay outside 
   (``torch.compiler.save_cache_artifacts``) on the job's store, under the layout; a rank joining
   a generation of that layout, on a node whose cache never saw it, loads them before it builds its
   trainer (``load_published_artifacts``): joiners, spares and restarted ranks compile nothing.
-- Leaving a generation drops dynamo's in-memory graphs (``torch.compiler.reset``): they may hold
-  the old generation's meshes, and with them its process groups (see ``workers/actor.py``).
+- Leaving a generation of a tensor- or context-parallel mesh drops dynamo's in-memory graphs
+  (``torch.compiler.reset``): they hold the old generation's meshes, and with them its process
+  groups (see ``workers/actor.py``). Other meshes' graphs are plain computation and stay.
 
 Every step reports what it compiled and what it loaded (``CompileCounts``), so "a layout seen
 before compiles nothing" is an event field, not a belief.
@@ -90,10 +91,19 @@ class CompileWatch:
         return counts
 
 
-def forget_compiled_graphs() -> None:
-    """Drop dynamo's in-memory graphs of the generation being left (the caches on disk stay).
-    Runs on every rank leaving a generation, after its trainer closed."""
-    torch.compiler.reset()
+def forget_compiled_graphs(mesh: MeshSpec) -> None:
+    """Leaving a generation of ``mesh``: drop dynamo's in-memory graphs if they hold its process
+    groups (the caches on disk stay). Runs on every rank leaving a generation, after its trainer
+    closed.
+
+    A tensor- or context-parallel block's graph holds its groups and their meshes, and every
+    reference to a group must go for its sockets to close (``workers/actor.py``). A block's graph
+    on a data-parallel or pipeline mesh is plain computation (FSDP2's collectives run in its hooks,
+    outside): it is kept, and the next generation's blocks run it at once when its guards hold
+    (the same per-rank shapes), tracing nothing again.
+    """
+    if mesh.tp > 1 or mesh.cp > 1:
+        torch.compiler.reset()
 
 
 def _artifacts_key(mesh: MeshSpec, rank: int) -> str:
