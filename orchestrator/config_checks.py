@@ -56,6 +56,7 @@ _NON_NEGATIVE_KEYS = (
 _ELASTIC_DURATION_KEYS = (
     "heartbeat_timeout_s",
     "hang_timeout_s",
+    "compile_timeout_s",
     "collective_timeout_s",
     "failure_window_s",
     "instance_action_poll_s",

@@ -186,6 +186,7 @@ CASES = [
         ["--set", "training.float8=true", "--set", "runtime.gpus_per_rank=1"],
         "training.float8=true cannot run with parallelism.tp=2",
     ),
+    (["--set", "elastic.compile_timeout_s=0"], "elastic.compile_timeout_s=0.0 must be > 0"),
     (
         ["--set", "training.compile=true", "--set", "model.preset=debug-moe"],
         "training.compile=true cannot run with model.family=moe (a mixture of experts) yet (compiled blocks train "
