@@ -298,6 +298,13 @@ class RuntimeConfig:
     # by the rank's Ray node id). None: <tmp>/meshpilot-compile/<name>-<config hash>, so a resumed
     # job finds its graphs compiled.
     compile_cache_dir: str | None = None
+    # Rank actors and the rendezvous store outlive the driver (detached Ray actors named after the
+    # run), so a driver started again for the same run adopts them with no step lost
+    # (orchestrator/driver/adoption.py). Needs a cluster that outlives the driver (RAY_ADDRESS).
+    survive_driver_loss: bool = False
+    # With survive_driver_loss: seconds a rank (and the store) waits without hearing from any
+    # driver before it exits, so that nothing outlives a driver that never comes back.
+    driver_lease_s: float = 120.0
 
 
 @dataclass

@@ -91,6 +91,11 @@ def validate(config: JobConfig) -> list[str]:
         problems.extend(uri_problems(config.runtime.run_dir, "runtime.run_dir"))
     if config.runtime.run_dir_sync_s <= 0:
         problems.append(f"runtime.run_dir_sync_s={config.runtime.run_dir_sync_s} must be > 0")
+    if config.runtime.driver_lease_s <= 0:
+        problems.append(
+            f"runtime.driver_lease_s={config.runtime.driver_lease_s:g} must be > 0 (seconds the ranks "
+            "wait for a driver before they exit)"
+        )
     return problems
 
 

@@ -15,7 +15,9 @@ even when the loop is blocked inside a collective. Call sequence, driver side:
        process group alive). Unless it finished, the rank leaves the generation on the way
        out, keeping its slices for a ``configure(start=kept)``;
     3. any time, from the driver: ``poll()``, ``request_stop()``, ``abort_collectives(generation)``;
-       ``shutdown()`` at the end.
+       ``shutdown()`` at the end. With ``runtime.survive_driver_loss`` the actor is detached and
+       exits when no driver renews its lease (``renew_lease``, every poll); a new driver finds it
+       by name, reads ``live_state()`` and ``adopt()``s it, then configures the next generation.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
+from workers.driver_lease import DriverLease, start_watch
 from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
 from workers.group_abort import abort_groups, release_collectives, watch_abort
 from workers.notices import InstanceActionWatcher, watch_sigterm
@@ -42,6 +45,7 @@ from workers.spec import TrainSpec
 from workers.spec.messages import (
     FailureKind,
     Heartbeat,
+    LiveRank,
     NoticeScope,
     Phase,
     RunOutcome,
@@ -130,6 +134,11 @@ class RankActor:
         self._group_sockets: set[str] = set()
         self._sockets_before_join: set[str] = set()
         self.faults = FaultInjector((), rank=-1)
+        # runtime.survive_driver_loss: a detached actor, alive while some driver renews its lease.
+        self.lease: DriverLease | None = None
+        if spec.driver_lease_s is not None:
+            self.lease = DriverLease(spec.driver_lease_s)
+            start_watch(self.lease, holder=f"rank actor (pid {os.getpid()})")
         if spec.compile:
             import ray
 
@@ -150,6 +159,7 @@ class RankActor:
         }
 
     def poll(self) -> Heartbeat:
+        self.renew_lease()
         phase, since = self._phase
         waiting, where = (
             self._peer_waits.position(self._loop_thread) if phase in (Phase.STEP, Phase.EVAL) else (None, None)
@@ -163,6 +173,34 @@ class RankActor:
             waiting=waiting,
             where=where,
         )
+
+    def renew_lease(self) -> None:
+        """Control thread, from the driver (every poll, and twice a second): the driver lives."""
+        if self.lease is not None:
+            self.lease.renew()
+
+    def live_state(self) -> LiveRank:
+        """Control thread, from a driver looking for the run's live ranks to adopt
+        (``orchestrator/driver/adoption.py``): where this rank stands."""
+        self.renew_lease()
+        phase, _ = self._phase
+        return LiveRank(
+            rank=self.rank,
+            generation=self.generation,
+            mesh=self.mesh.as_dict() if self.mesh is not None else None,
+            last_step=self.last_step,
+            phase=phase,
+            # Paused: the slices kept as it left the generation; finished: its trainer's, kept
+            # by the next configure (a fast run may end before the driver's silence pauses it).
+            holds_state=(phase == Phase.PAUSED and self._kept_shards is not None)
+            or (phase == Phase.FINISHED and self.trainer is not None and self._filled),
+        )
+
+    def adopt(self) -> None:
+        """Control thread, once, from the driver that adopts this rank: it gets the reports the
+        dead driver drained last (it may have died before handling them) with those queued since."""
+        self.renew_lease()
+        self.channel.redeliver_last()
 
     def _drain_notice(self, reason: str, scope: NoticeScope = NoticeScope.NODE) -> None:
         if not self._drain_reported:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+from workers.driver_lease import DriverLease, start_watch
 from workers.spec import FailureKind, StepDecision, Verdict
+from workers.spec.messages import DriverRecord
 
 # torch.distributed is imported inside the methods: the driver imports this module for the
 # StoreHost class handle and must not load torch.distributed itself.
@@ -37,17 +40,49 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0) -> Any:
 
 
 class StoreHost:
-    """Ray actor (driver's node, no CPU reserved) holding the TCPStore server."""
+    """Ray actor (driver's node, no CPU reserved) holding the TCPStore server.
 
-    def __init__(self) -> None:
+    With ``runtime.survive_driver_loss`` (``lease_s`` set) it is detached and outlives the
+    driver under a lease (``workers/driver_lease.py``): it keeps the ``DriverRecord`` a new
+    driver adopts the run from, pauses the generation at the next step boundary when the driver
+    falls silent, and exits when the lease runs out.
+    """
+
+    def __init__(self, lease_s: float | None = None) -> None:
         import ray
         import torch.distributed as dist
 
         self.host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.record = DriverRecord(config_yaml="", run_dir=None, generation=0, last_step=0)
+        self.lease: DriverLease | None = None
+        if lease_s is not None:
+            self.lease = DriverLease(lease_s)
+            start_watch(self.lease, holder="rendezvous store", on_silence=self._pause_without_driver)
 
     def address(self) -> tuple[str, int]:
         return self.host, self.store.port
+
+    def begin_record(self, config_yaml: str, run_dir: str | None) -> None:
+        """Driver, when it starts (or adopts) the run: the run's config and record directory."""
+        self.record = replace(self.record, config_yaml=config_yaml, run_dir=run_dir)
+
+    def renew_lease(self, generation: int, last_step: int) -> None:
+        """Driver, twice a second: the driver lives; the run has reached ``generation`` and ``last_step``."""
+        if self.lease is not None:
+            self.lease.renew()
+        self.record = replace(self.record, generation=generation, last_step=last_step)
+
+    def driver_record(self) -> DriverRecord:
+        """Called by a driver adopting the run (which renews the lease by calling)."""
+        if self.lease is not None:
+            self.lease.renew()
+        return self.record
+
+    def _pause_without_driver(self) -> None:
+        # The vote's pause: every rank applies the step being decided, then waits with its state.
+        if self.record.generation > 0:
+            self.request_pause(self.record.generation)
 
     def request_pause(self, generation: int, checkpoint: bool = False) -> None:
         self.store.set(f"gen{generation}/pause", "checkpoint" if checkpoint else "1")

@@ -46,6 +46,9 @@ class ReportChannel:
         self._delivered = 0
         self._drains = 0
         self._drained = threading.Condition(self._lock)
+        # The last drain's reports: a driver that dies before it handles a poll's answer takes
+        # them along; a driver adopting this rank gets them again (``redeliver_last``).
+        self._last_drained: list[RankReport] = []
 
     def step(self, **fields: Any) -> None:
         """The loop applied a step (fields of ``StepReport`` other than rank and time)."""
@@ -74,10 +77,19 @@ class ReportChannel:
         with self._lock:
             reports = list(self._reports)
             self._reports.clear()
+            self._last_drained = reports
             self._delivered = self._queued
             self._drains += 1
             self._drained.notify_all()
         return reports
+
+    def redeliver_last(self) -> None:
+        """Queue the last drain's reports again, before those queued since (a new driver adopts
+        this rank: it drops what the old driver had already recorded, by step)."""
+        with self._lock:
+            self._reports.extendleft(reversed(self._last_drained))
+            self._queued += len(self._last_drained)
+            self._last_drained = []
 
     def wait_delivered(self, timeout_s: float) -> bool:
         """Block until the driver holds every report queued before this call, or ``timeout_s``
@@ -101,6 +113,14 @@ class NullChannel(ReportChannel):
 
     def send(self, report: RankReport) -> None:
         return None
+
+    def redeliver_last(self) -> None:
+        """Queue the last drain's reports again, before those queued since (a new driver adopts
+        this rank: it drops what the old driver had already recorded, by step)."""
+        with self._lock:
+            self._reports.extendleft(reversed(self._last_drained))
+            self._queued += len(self._last_drained)
+            self._last_drained = []
 
     def wait_delivered(self, timeout_s: float) -> bool:
         return True

@@ -37,6 +37,7 @@ def train(
     progress: bool = False,
     plain_progress: bool = False,
     handle_signals: bool = False,
+    resume_run: str | Path | None = None,
 ) -> RunResult:
     """Train a job to its end and return how it ended.
 
@@ -48,11 +49,16 @@ def train(
     ``chaos``: ``"SEED[:N]"``, N faults drawn from SEED on top (``orchestrator/driver/chaos.py``).
     ``progress``: draw the progress bar (``plain_progress``: one line per step). ``handle_signals`` (main thread only):
     SIGTERM checkpoints and stops at the next step boundary, Ctrl-C stops after the step.
+    ``resume_run``: the record directory of a run to go on with (its events continue there): the
+    config must be the one it was started with (``ConfigError`` names the keys that differ); with
+    ``runtime.survive_driver_loss`` its live ranks are adopted, else it resumes from its checkpoint.
     """
     from orchestrator.driver.run import run_training  # Ray and the controller: only when a job runs
     from orchestrator.observe.progress import ProgressView
 
     job = build_config(config, overrides=overrides, model_family=model_family)
+    if resume_run is not None:
+        run_dir = resumed_run_dir(job, resume_run)
     faults = parse_faults(list(inject))
     seed = None
     if chaos is not None:
@@ -70,6 +76,17 @@ def train(
         handle_signals=handle_signals,
         chaos_seed=seed,
     )
+
+
+def resumed_run_dir(job: JobConfig, record: str | Path) -> Path:
+    """``--resume-run RUN_DIR``: the run directory to go on writing, once its config is ``job``'s."""
+    from orchestrator.driver.adoption import check_same_config
+
+    recorded = Path(record) / "config.yaml"
+    if not recorded.is_file():
+        raise UserError(f"--resume-run {record}: no config.yaml there; pass the run directory of an earlier run")
+    check_same_config(recorded.read_text(encoding="utf-8"), job, where=str(record))
+    return Path(record)
 
 
 def chaos_faults(job: JobConfig, text: str) -> tuple[int, tuple[FaultSpec, ...]]:

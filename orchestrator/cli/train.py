@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs/<name>-<timestamp> to as the run goes (default: runtime.run_dir, else runs/<name>-<timestamp>)",
     )
     parser.add_argument(
+        "--resume-run",
+        default=None,
+        metavar="RUN_DIR",
+        help="go on with the run recorded in RUN_DIR (same config; its events continue there): with "
+        "runtime.survive_driver_loss its live ranks are adopted, else it resumes from its checkpoint",
+    )
+    parser.add_argument(
         "--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded local cluster)"
     )
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a bar")
@@ -75,6 +82,7 @@ def handle(args: argparse.Namespace) -> int:
         progress=True,
         plain_progress=args.plain,
         handle_signals=True,
+        resume_run=args.resume_run,
     )
     console = Console()
     console.print(f"run directory: {result.run_dir}", soft_wrap=True)  # a path to copy: never wrapped

@@ -15,7 +15,7 @@ import ray
 from elastic.placement import NodeCapacity, RankResources, usable
 from orchestrator.config import JobConfig
 from orchestrator.driver import ray_compat
-from orchestrator.errors import UserError
+from orchestrator.errors import ConfigError, UserError
 
 log = logging.getLogger("meshpilot")
 
@@ -26,15 +26,33 @@ WORKER_PACKAGES = ("workers", "checkpointing", "elastic")
 
 
 def connect(config: JobConfig) -> bool:
-    """Connect to Ray; returns True when this call started an embedded cluster (to shut down)."""
-    return connect_to(config.runtime.address, num_cpus=embedded_cpus(config))
+    """Connect to Ray; returns True when this call started an embedded cluster (to shut down).
+
+    With ``runtime.survive_driver_loss`` the driver joins the run's Ray namespace, where its
+    detached actors are named (``adoption.run_namespace``), and an embedded cluster is refused:
+    it dies with the driver, and the actors with it."""
+    namespace = None
+    if config.runtime.survive_driver_loss:
+        from orchestrator.driver.adoption import run_namespace
+
+        if not ray.is_initialized() and not (config.runtime.address or os.environ.get("RAY_ADDRESS")):
+            raise ConfigError(
+                "runtime.survive_driver_loss=true needs a Ray cluster that outlives the driver, and the "
+                "embedded one `meshpilot train` starts without an address dies with it: start Ray with "
+                "`ray start --head` and set RAY_ADDRESS (or --address), or set runtime.survive_driver_loss=false"
+            )
+        namespace = run_namespace(config)
+    return connect_to(config.runtime.address, num_cpus=embedded_cpus(config), namespace=namespace)
 
 
-def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] = WORKER_PACKAGES) -> bool:
+def connect_to(
+    address: str | None, *, num_cpus: int, packages: tuple[str, ...] = WORKER_PACKAGES, namespace: str | None = None
+) -> bool:
     """Connect to the cluster at ``address`` (else ``RAY_ADDRESS``, else a new embedded one of ``num_cpus``).
 
     Returns True when this call started an embedded cluster (the caller shuts it down). ``packages``
     are the source directories a remote cluster's workers import (shipped unless its image has them).
+    ``namespace``: the Ray namespace to join (None: an anonymous one).
     """
     ray_compat.silence_token_setup_notice()
     if ray.is_initialized():
@@ -45,6 +63,7 @@ def connect_to(address: str | None, *, num_cpus: int, packages: tuple[str, ...] 
             ray_compat.use_token_if_available()
             ray.init(
                 address=address,
+                namespace=namespace,
                 runtime_env=_remote_runtime_env(address, packages),
                 log_to_driver=False,
                 logging_level=logging.WARNING,

@@ -36,6 +36,7 @@ from elastic.placement import RankResources
 from elastic.policy import FailurePolicy, Grow, Reshape, ScalingPolicy, StateSource
 from orchestrator.config import JobConfig
 from orchestrator.driver import cluster
+from orchestrator.driver.adoption import adoption_for
 from orchestrator.driver.calls import CallFailed, CallFailedKind, run_status
 from orchestrator.driver.checkpoint_commits import CheckpointCommits, driver_checkpoints
 from orchestrator.driver.detector import Detector, DrainWatch, group_errors
@@ -174,6 +175,10 @@ class Controller:
             collective_timeout_s=config.elastic.collective_timeout_s,
             poll_interval_s=poll_interval_s,
         )
+        # runtime.survive_driver_loss: adopt a live run's ranks at the start, renew their leases.
+        self.adoption = adoption_for(
+            config, self.group, self.router, events, progress=lambda: (self.generation, self.router.last_emitted_step)
+        )
         self.state: State = Starting(config.mesh)
         self.started_at = time.monotonic()
         self.generation = 0
@@ -201,6 +206,7 @@ class Controller:
             raise
         finally:
             self.group.shutdown()
+            self.adoption.close()
             final = self.state if isinstance(self.state, Finished) else Finished.of(RunEnd.FAILED)
             self.events.emit(
                 "done",
@@ -287,6 +293,10 @@ class Controller:
         # Storage mistakes (credentials, bucket, endpoint) surface here, before any rank starts.
         self.checkpoints.check_access()
         resume = self.checkpoints.choose_resume() if self.config.checkpoint.resume else None
+        adopted = self.adoption.adopt(resume.step if resume is not None else None)
+        if adopted is not None:  # the live ranks of this run, left by a driver that died
+            self.generation = adopted.generation
+            return adopted.next
         spares = -(-self.config.elastic.spare_actors // state.mesh.replica_size)  # whole replica groups
         self.group.start(state.mesh, spare_replicas=spares)
         if resume is not None:

@@ -94,6 +94,9 @@ def auth_token_header() -> dict[str, str]:
     return dict(loader.get_token_for_http_header(ignore_auth_mode=True))
 
 
-def placement_group_on(node_id: str, bundles: list[dict[str, Any]], *, strategy: str, name: str) -> PlacementGroup:
-    """A placement group that Ray places on ``node_id`` when it can, elsewhere when it cannot."""
-    return placement_group(bundles, strategy=strategy, name=name, _soft_target_node_id=node_id)
+def placement_group_on(
+    node_id: str, bundles: list[dict[str, Any]], *, strategy: str, name: str, lifetime: str | None = None
+) -> PlacementGroup:
+    """A placement group that Ray places on ``node_id`` when it can, elsewhere when it cannot
+    (``lifetime="detached"``: it outlives the driver)."""
+    return placement_group(bundles, strategy=strategy, name=name, lifetime=lifetime, _soft_target_node_id=node_id)

@@ -76,6 +76,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         instance_action_url=config.elastic.instance_action_url,
         instance_action_poll_s=config.elastic.instance_action_poll_s,
         eval=EvalSpec(**same_named(config.eval, EvalSpec)),
+        driver_lease_s=config.runtime.driver_lease_s if config.runtime.survive_driver_loss else None,
     )
 
 

@@ -48,6 +48,29 @@ ACTOR_CONCURRENCY = 8
 
 
 _replica_ids = count()
+_actor_ids = count()
+
+# runtime.survive_driver_loss: the names of the run's detached actors in its Ray namespace
+# (``adoption.run_namespace``). A rank actor's name says where it sits: its placement group's
+# name and bundle, which a driver adopting it needs to free them at the end.
+STORE_HOST_NAME = "store"
+RANK_ACTOR_PREFIX = "rank|"
+
+
+def rank_actor_name(group_name: str, bundle_index: int) -> str:
+    """A detached rank actor's name: ``rank|<placement group name>|<bundle>|<serial>``."""
+    return f"{RANK_ACTOR_PREFIX}{group_name}|{bundle_index}|{next(_actor_ids)}"
+
+
+@dataclass(frozen=True)
+class AdoptedActor:
+    """A live detached rank actor a new driver adopts: its handle, where it sits, and its rank."""
+
+    actor: Any
+    placement_group: Any
+    placement_group_name: str
+    bundle_index: int
+    node_id: str | None
 
 
 class SlotState(StrEnum):
@@ -91,6 +114,8 @@ class WorkerGroup:
         self.avoid_nodes: set[str] = set()
         # Ranks per bundle of each placement group (by id): the tensor-parallel degree it was made for.
         self._bundle_ranks: dict[int, int] = {}
+        # Each placement group's name (by id): a detached rank actor's name says where it sits.
+        self._group_names: dict[int, str] = {}
         # Why background starts failed, each logged once.
         self._start_failures: set[str] = set()
 
@@ -190,19 +215,53 @@ class WorkerGroup:
         if self.store_host is None:
             # Hard affinity: the store must outlive every rank, so it lives where the driver does.
             strategy = NodeAffinitySchedulingStrategy(node_id=cluster.driver_node_id(), soft=False)
-            self.store_host = ray.remote(StoreHost).options(num_cpus=0, scheduling_strategy=strategy).remote()
+            self.store_host = (
+                ray.remote(StoreHost)
+                .options(num_cpus=0, scheduling_strategy=strategy, **self._detached(STORE_HOST_NAME))
+                .remote(lease_s=self.spec.driver_lease_s)
+            )
         return self.store_host.address.remote()
+
+    def _detached(self, name: str) -> dict[str, Any]:
+        """Actor options: named and detached with ``runtime.survive_driver_loss`` (the actor outlives
+        the driver under its lease, in the run's namespace, where a new driver finds it by name);
+        none otherwise (the actor dies with the driver)."""
+        if self.spec.driver_lease_s is None:
+            return {}
+        return {"name": name, "lifetime": "detached"}
+
+    def take_over(self, ranks: Sequence[AdoptedActor], store_host: Any, store_address: tuple[str, int]) -> None:
+        """A driver adopting a run (``adoption.py``): these live actors, in rank order, are the
+        active slots, served by this store; nothing is started."""
+        self.store_host, self.store_address = store_host, store_address
+        batches: dict[str, int] = {}
+        for rank in ranks:
+            self._group_names[id(rank.placement_group)] = rank.placement_group_name
+        slots = [
+            RankSlot(
+                actor=rank.actor,
+                placement_group=rank.placement_group,
+                batch_id=batches.setdefault(rank.placement_group_name, next(_replica_ids)),
+                node_id=rank.node_id,
+                bundle_index=rank.bundle_index,
+            )
+            for rank in ranks
+        ]
+        self.slots.extend(slots)
+        self.set_active(slots)
 
     def _start_replica(self, mesh: MeshSpec, target: str | None) -> list[RankSlot]:
         bundles = tp_bundles(mesh, self.per_rank)
         batch_id = next(_replica_ids)
         name = f"meshpilot-replica-{batch_id}-{time.time_ns()}"
+        lifetime = self._detached(name).get("lifetime")  # a detached actor's group outlives the driver too
         if target is not None:
             # The whole replica fits one node: keep it there, preferably on the chosen node.
-            group = ray_compat.placement_group_on(target, bundles, strategy="STRICT_PACK", name=name)
+            group = ray_compat.placement_group_on(target, bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime)
         else:
-            group = placement_group(bundles, strategy="PACK", name=name)
+            group = placement_group(bundles, strategy="PACK", name=name, lifetime=lifetime)
         self._bundle_ranks[id(group)] = mesh.tp
+        self._group_names[id(group)] = name
         slots = [self._start_actor(group, local_rank // mesh.tp, batch_id) for local_rank in range(mesh.replica_size)]
         self.slots.extend(slots)
         return slots
@@ -217,6 +276,7 @@ class WorkerGroup:
                 resources=dict(self.per_rank.custom) or None,
                 max_concurrency=ACTOR_CONCURRENCY,
                 scheduling_strategy=strategy,
+                **self._detached(rank_actor_name(self._group_names.get(id(group), ""), bundle_index)),
             )
             .remote(spec=self.spec, data=self.data_ref)
         )

@@ -53,6 +53,12 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     # Peer-memory snapshots are taken every interval_steps steps from here on (their measured
     # cost against elastic.snapshot_overhead_limit; elastic/snapshot_cadence.py).
     "snapshot_interval": ("generation", "step", "interval_steps"),
+    # runtime.survive_driver_loss: this driver took over the live ranks a dead driver left, at
+    # step (the dead driver's record ends at recorded_step; the ranks' queued reports fill the gap).
+    "adopted": ("generation", "step", "recorded_step", "world_size", "lost_steps", "adopt_s"),
+    # runtime.survive_driver_loss: no live ranks to adopt (reason); the run resumes from source
+    # (checkpoint: at step; fresh).
+    "adoption": ("adopted", "reason", "source", "step"),
 }
 
 # Fields the driver adds on top; readers must treat them as possibly absent (older runs, fakes).

@@ -345,3 +345,28 @@ class Heartbeat:
     # A rank busy in a step that everyone else waits on is the one that hangs.
     waiting: bool | None = None
     where: str | None = None
+
+
+@dataclass(frozen=True)
+class LiveRank:
+    """A detached rank actor's answer to a driver that adopts it (``runtime.survive_driver_loss``):
+    its place in the generation it last ran, and whether it holds that generation's state at a
+    step boundary (paused, its slices kept), ready for ``configure(start=kept)``."""
+
+    rank: int
+    generation: int
+    mesh: dict[str, Any] | None  # MeshSpec.as_dict()
+    last_step: int
+    phase: Phase
+    holds_state: bool
+
+
+@dataclass(frozen=True)
+class DriverRecord:
+    """What the rendezvous store's actor keeps of the driver that renews its lease: the run's
+    config (YAML), record directory, and the generation and step it had last reached."""
+
+    config_yaml: str
+    run_dir: str | None
+    generation: int
+    last_step: int

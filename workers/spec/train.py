@@ -211,6 +211,9 @@ class TrainSpec(OptimizerSpec):
     instance_action_url: str | None = None
     instance_action_poll_s: float = 2.0
     eval: EvalSpec = EvalSpec()
+    # runtime.survive_driver_loss: the rank outlives the driver, and exits after this many
+    # seconds without hearing from one (workers/driver_lease.py). None: it dies with the driver.
+    driver_lease_s: float | None = None
 
     @property
     def batch(self) -> BatchPlan:
