@@ -27,6 +27,7 @@ FENCES = (TORCH_FENCE, *RAY_FENCES)
 STDLIB_PRIVATES = (
     "argparse._SubParsersAction",  # the type of add_subparsers()'s result; argparse names no public one
     "sys._current_frames",  # documented in the sys module: the stack dump of a stuck rank
+    "os._exit",  # documented in the os module: a detached actor whose driver lease ran out ends at once
 )
 
 
