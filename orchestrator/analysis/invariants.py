@@ -12,7 +12,8 @@ line of the report, PASS or FAIL with what was found:
     samples           every global sample consumed exactly once (the ``data.record_samples`` ledger)
     replicas          the replica groups ended bitwise identical
     checkpoints       every committed checkpoint verifies (checksums of every block)
-    leftovers         no rank actor, placement group or multipart upload of the run left behind
+    leftovers         no rank actor, placement group or multipart upload of the run left behind,
+                      and no detached actor (``runtime.survive_driver_loss``) outliving its lease
 
 A check without its input (no reference, no ledger, no storage) is left out of the report.
 """
@@ -166,18 +167,30 @@ def _checkpoints_verify(storage: StorageBackend) -> Check:
 
 
 def ray_leftovers(
-    storage: StorageBackend | None = None, *, actor_classes: tuple[str, ...] = ("RankActor", "StoreHost"), wait_s=10.0
+    storage: StorageBackend | None = None,
+    *,
+    actor_classes: tuple[str, ...] = ("RankActor", "StoreHost"),
+    wait_s=10.0,
+    driver_lease_s: float | None = None,
 ) -> list[str]:
-    """What a finished run left on the cluster: live actors of ``actor_classes``, placement groups
-    not removed, multipart uploads still open under ``storage``. Ray's state lags a little behind
-    the kills: looks again for up to ``wait_s``."""
+    """What a finished run left on the cluster: live actors of ``actor_classes``, detached actors
+    of any run's namespace, placement groups not removed, multipart uploads still open under
+    ``storage``. Ray's state lags a little behind the kills: looks again for up to ``wait_s``.
+    ``driver_lease_s``: a run whose last driver died (``runtime.survive_driver_loss``) leaves its
+    detached actors until their lease runs out: they are left behind only if they outlive it."""
     import ray
 
+    from orchestrator.driver.adoption import RUN_NAMESPACE_PREFIX
     from orchestrator.driver.ray_compat import live_actors
 
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s + (driver_lease_s or 0.0)
     while True:
         found = [f"actor {name} {actor_id[:8]}" for name, actor_id in live_actors() if name in actor_classes]
+        found += [
+            f"detached actor {entry['namespace']}/{entry['name']}"
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if str(entry.get("namespace", "")).startswith(RUN_NAMESPACE_PREFIX)
+        ]
         found += [
             f"placement group {group_id[:8]} ({group['state']})"
             for group_id, group in ray.util.placement_group_table().items()

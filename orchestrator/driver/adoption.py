@@ -57,10 +57,13 @@ PAUSE_WAIT_S = 60.0
 _FREE_KEYS = ("runtime.address", "runtime.run_dir", "metrics.")
 
 
+RUN_NAMESPACE_PREFIX = "meshpilot-"
+
+
 def run_namespace(config: JobConfig) -> str:
     """The Ray namespace of ``config``'s detached actors: the same config names the same run."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", config.name)
-    return f"meshpilot-{name}-{config.config_hash()[:12]}"
+    return f"{RUN_NAMESPACE_PREFIX}{name}-{config.config_hash()[:12]}"
 
 
 def differing_keys(recorded: dict[str, Any], config: JobConfig) -> list[str]:

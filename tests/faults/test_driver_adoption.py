@@ -1,0 +1,113 @@
+"""A driver that can die (``runtime.survive_driver_loss``), on the session's real Ray cluster: a
+driver process SIGKILLed by ``driver@K``, a second one adopting its live ranks with no step
+redone and the uninterrupted run's losses, nothing left behind; and ranks with no driver exiting
+when their lease runs out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.analysis.invariants import check_run, ray_leftovers
+from orchestrator.config import load_config
+from orchestrator.driver.adoption import RUN_NAMESPACE_PREFIX
+from orchestrator.driver.train_spec import train_spec
+from orchestrator.observe.events import read_events
+from tests.faults.harness import of_kind, run_job
+from tests.jobs import DEMO_CONFIG, FIXED_SNAPSHOTS, REPO, losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+LAYOUT = (
+    "parallelism.dp_replicate=1",
+    "parallelism.dp_shard=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.seq_len=32",
+    f"training.steps={STEPS}",
+)
+SURVIVING = ("runtime.survive_driver_loss=true", "runtime.driver_lease_s=60")
+
+
+def _run_actors() -> list[str]:
+    """Detached actors of any run's namespace, alive now."""
+    import ray
+
+    return [
+        f"{entry['namespace']}/{entry['name']}"
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if str(entry.get("namespace", "")).startswith(RUN_NAMESPACE_PREFIX)
+    ]
+
+
+def _driver(*extra: str) -> list[str]:
+    overrides = [f"data.path={REPO / 'data' / 'sample.txt'}", FIXED_SNAPSHOTS, *LAYOUT, *SURVIVING]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "train",
+        str(DEMO_CONFIG),
+        "--plain",
+        *[f"--set={override}" for override in overrides],
+        *extra,
+    ]
+
+
+def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost(ray_cluster, tmp_path):
+    _, reference_events = run_job(tmp_path / "reference", *LAYOUT)
+    reference = losses(reference_events)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address}  # the cluster outlives the drivers
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        _driver("--run-dir", str(run_dir), "--inject", "driver@4"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == -9, first.stdout + first.stderr
+    assert len(_run_actors()) == 3, "the store and both ranks outlive the driver"  # store + 2 ranks
+    second = subprocess.run(
+        _driver("--resume-run", str(run_dir)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    events = read_events(run_dir / "events.jsonl")
+    [adopted] = of_kind(events, "adopted")
+    assert adopted["lost_steps"] == 0 and adopted["step"] >= 4
+    assert not of_kind(events, "restored"), "the adopted run restored nothing"
+    # One record: the first driver's steps, then the adopted run's, every step once.
+    assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
+    report = check_run(events, steps=STEPS, reference_losses=reference, rel=1e-4, leftovers=ray_leftovers)
+    assert report.ok, report.describe()
+    assert _run_actors() == []
+
+
+def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster):
+    import ray
+
+    from workers.actor import RankActor
+    from workers.rendezvous import StoreHost
+
+    lease_s = 2.0
+    config = load_config(DEMO_CONFIG, [*LAYOUT, *SURVIVING, f"runtime.driver_lease_s={lease_s}"])
+    namespace = f"{RUN_NAMESPACE_PREFIX}lease-test"
+    options = {"lifetime": "detached", "namespace": namespace, "num_cpus": 0}
+    store = ray.remote(StoreHost).options(name="store", **options).remote(lease_s=lease_s)
+    spec = train_spec(config)
+    rank = ray.remote(RankActor).options(name="rank|lease-test|0|0", **options).remote(spec=spec, data=None)
+    ray.get([store.address.remote(), rank.info.remote()], timeout=120)
+    started = time.monotonic()
+    assert len(_run_actors()) == 2
+    # Nobody renews: both go within the lease (plus the watch's half second and Ray's bookkeeping).
+    while _run_actors() and time.monotonic() - started < lease_s + 10:
+        time.sleep(0.2)
+    assert _run_actors() == [], f"still alive {time.monotonic() - started:.1f} s after the last call"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(rank.info.remote(), timeout=10)
