@@ -5,7 +5,7 @@ with our figure, the reference measured in the same run, and their ratio. Figure
 simulator uses are also recorded with ``orchestrator.analysis.bench_figures.record_figure``.
 
 The scripts, each with ``--quick`` for a short smoke run: overhead.py, checkpoint.py, hf_load.py,
-data.py, recovery.py, compile.py, chaos.py, release.py, metrics_overhead.py, parallel.py, finetune.py and
+data.py, recovery.py, compile.py, chaos.py, release.py, metrics_overhead.py, parallel.py, finetune.py, adoption.py and
 torchrun_reference.py (under torchrun); gpu_check.py, whose ``--quick`` (``--smoke``) runs every part
 on the CPU. Modules the scripts import, not run on their own: this one, and those in ``bench/support/``
 (except ``gpu_check_run.py``, one run of gpu_check's, and ``gpu_wheels.py``, which fetches its wheels).
