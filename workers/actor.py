@@ -190,10 +190,11 @@ class RankActor:
             mesh=self.mesh.as_dict() if self.mesh is not None else None,
             last_step=self.last_step,
             phase=phase,
-            # Paused: the slices kept as it left the generation; finished: its trainer's, kept
-            # by the next configure (a fast run may end before the driver's silence pauses it).
+            # Paused: the slices kept as it left the generation. Finished (a fast run may end
+            # before the driver's silence pauses it) or configured and never run (the driver died
+            # as the generation configured): its filled trainer's, kept by the next configure.
             holds_state=(phase == Phase.PAUSED and self._kept_shards is not None)
-            or (phase == Phase.FINISHED and self.trainer is not None and self._filled),
+            or (phase in (Phase.FINISHED, Phase.READY) and self.trainer is not None and self._filled),
         )
 
     def adopt(self) -> None:

@@ -103,6 +103,10 @@ def adoption_for(
     return Adoption(config, group=group, router=router, events=events, progress=progress)
 
 
+# Phases a rank leaves on its own, for a step boundary (the store's pause) or a configured generation.
+BETWEEN_BOUNDARIES = (Phase.STEP, Phase.EVAL, Phase.CHECKPOINT, Phase.CONFIGURING)
+
+
 @dataclass(frozen=True)
 class Adopt:
     """Every rank of ``generation`` is alive and holds its state after ``step``: take them over."""
@@ -140,7 +144,7 @@ def decide(ranks: Sequence[LiveRank]) -> Adopt | AwaitBoundary | Decline:
     if numbers != list(range(mesh.world_size)):
         missing = sorted(set(range(mesh.world_size)) - set(numbers))
         return Decline(f"ranks {missing} of generation {generation} are gone")
-    if any(rank.phase in (Phase.STEP, Phase.EVAL, Phase.CHECKPOINT, Phase.READY) for rank in current):
+    if any(rank.phase in BETWEEN_BOUNDARIES for rank in current):
         return AwaitBoundary(generation)
     if not all(rank.holds_state for rank in current):
         idle = sorted(rank.rank for rank in current if not rank.holds_state)

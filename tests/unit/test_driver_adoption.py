@@ -74,8 +74,15 @@ def test_ranks_that_finished_the_run_without_a_driver_are_adopted():
     assert decide(finished) == Adopt(generation=2, mesh=MESH, step=40)
 
 
-def test_a_rank_still_in_a_step_is_awaited_at_the_boundary():
-    assert decide([_rank(0), _rank(1, phase=Phase.STEP)]) == AwaitBoundary(generation=2)
+def test_ranks_configured_but_never_run_are_adopted():
+    # The driver died while the generation configured: the ranks filled their state, then waited.
+    ready = [_rank(0, phase=Phase.READY), _rank(1, phase=Phase.READY)]
+    assert decide(ready) == Adopt(generation=2, mesh=MESH, step=9)
+
+
+@pytest.mark.parametrize("phase", [Phase.STEP, Phase.EVAL, Phase.CHECKPOINT, Phase.CONFIGURING])
+def test_a_rank_between_boundaries_is_awaited(phase):
+    assert decide([_rank(0), _rank(1, phase=phase, holds=False)]) == AwaitBoundary(generation=2)
 
 
 def test_ranks_of_an_older_generation_do_not_count():
