@@ -200,9 +200,6 @@ class Adoption:
         self.group = group
         self.router = router
         self.events = events
-        # The driver's Ray namespace: the run's (``cluster.connect`` joined it), unless the caller
-        # had connected already (a test in its own process, which no later driver adopts).
-        self.namespace = ray.get_runtime_context().namespace
         self.keeper = LeaseKeeper(group, progress, config_yaml=config.to_yaml(), run_dir=_run_dir(events))
 
     def adopt(self, resume_step: int | None) -> Adopted | None:
@@ -210,12 +207,15 @@ class Adoption:
         ``adoption`` event saying what the run resumes from instead: ``resume_step``'s checkpoint,
         or a fresh start). Raises ConfigError when the live run had another config."""
         began = time.monotonic()
+        # The driver's Ray namespace: the run's (``cluster.connect`` joined it), unless the caller
+        # had connected already (a test in its own process, which no later driver adopts).
+        namespace = ray.get_runtime_context().namespace
         try:
-            live = find_live_run(self.namespace)
+            live = find_live_run(namespace)
             if live is None:
-                self._declined(f"no live run in Ray namespace {self.namespace}", resume_step, quiet=True)
+                self._declined(f"no live run in Ray namespace {namespace}", resume_step, quiet=True)
                 return None
-            check_same_config(live.record.config_yaml, self.config, where=f"Ray namespace {self.namespace}")
+            check_same_config(live.record.config_yaml, self.config, where=f"Ray namespace {namespace}")
             decision, states = self._await_boundary(live)
             if not isinstance(decision, Adopt):
                 stop_live_run(live)

@@ -416,6 +416,11 @@ class Controller:
                 self.polls.await_step_reports(last, range(state.mesh.world_size))
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
+            if statuses == {RunStatus.PAUSED} and self.config.runtime.survive_driver_loss:
+                # A pause nobody asked for: the store heard from no driver for a while (this one
+                # was too busy to renew its lease) and paused the ranks. Go on from the boundary.
+                log.warning("the ranks paused without a driver's request (a lapse of its lease): going on")
+                return self.mesh_change.begin_settling(state, SettlePurpose.GROW)
             return run_failed("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")
         return self._housekeeping(state) or state
 

@@ -10,14 +10,14 @@ from elastic.spec import MeshSpec
 from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.driver import cluster
-from orchestrator.driver.adoption import Adopt, Adopted, AwaitBoundary, Decline, decide, differing_keys
+from orchestrator.driver.adoption import Adopt, Adopted, AwaitBoundary, Decline, NoAdoption, decide, differing_keys
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.states import NextGeneration
 from orchestrator.errors import ConfigError
 from tests.jobs import DEMO_CONFIG
 from tests.unit.fake_group import ONE_REPLICA, FakeGroup, events_of, fake_group, finish, starts_of
 from workers.driver_lease import DriverLease, LeaseEvent, LeaseWatch, silence_for
-from workers.spec.messages import LiveRank, Phase, StartFrom, StartMode
+from workers.spec.messages import LiveRank, Phase, RunOutcome, RunStatus, StartFrom, StartMode
 
 MESH = MeshSpec(dp_replicate=1, dp_shard=2, tp=1, pp=1)
 
@@ -176,3 +176,17 @@ def test_survive_driver_loss_on_an_embedded_cluster_is_refused(monkeypatch):
 def test_a_lease_of_no_time_is_refused():
     with pytest.raises(ConfigError, match=r"runtime.driver_lease_s=0 must be > 0"):
         load_config(DEMO_CONFIG, ["runtime.driver_lease_s=0"])
+
+
+def test_a_pause_the_store_made_while_the_driver_lived_is_gone_on_from(make_controller, tmp_path):
+    """The store pauses the ranks when the lease lapses; a driver alive but late to renew it finds
+    its ranks paused at a step boundary and goes on with them, instead of failing the run."""
+    controller = make_controller(*ONE_REPLICA, "runtime.survive_driver_loss=true")
+    controller.adoption = NoAdoption()  # nothing live to adopt (and no Ray here)
+    paused = {rank: RunOutcome(RunStatus.PAUSED, 2) for rank in range(4)}
+    FakeGroup.script = {"runs": {1: {"steps_done": 2, "outcomes": paused}}}
+    final = finish(controller)
+    assert final.exit_code == 0, final.reason
+    group = fake_group(controller)
+    assert starts_of(group.configured[-1]) == [("kept", None)] * 4
+    assert [e["step"] for e in events_of(tmp_path, "step")] == [1, 2, 3, 4]
