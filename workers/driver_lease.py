@@ -32,8 +32,8 @@ log = logging.getLogger("meshpilot.rank")
 WATCH_INTERVAL_S = 0.5
 # The longest a store waits without a driver before it pauses the generation: the driver renews
 # twice a second from its own thread, so four missed renewals mean the driver is gone, not busy.
-# Until then the ranks go on committing steps by their vote (the new driver gets their reports);
-# what they cannot do without a driver is commit a checkpoint's manifest, so this is kept short.
+# Until then the ranks go on committing steps by their vote (the new driver gets their reports and
+# commits their checkpoints' manifests); a run that goes no further keeps that window short.
 MAX_SILENCE_S = 2.0
 
 

@@ -272,7 +272,10 @@ class Adoption:
             adopt_s=round(time.monotonic() - began, 3),
         )
         starts = (StartFrom(StartMode.KEPT, decision.step),) * decision.mesh.world_size
-        return Adopted(generation=decision.generation, next=NextGeneration(decision.mesh, starts))
+        # Paused after the step with every rank alive: its saves still commit (the shards the ranks
+        # report from here on; those the dead driver took along never complete).
+        following = NextGeneration(decision.mesh, starts, paused_after=decision.step)
+        return Adopted(generation=decision.generation, next=following)
 
     def _declined(self, reason: str, resume_step: int | None, *, quiet: bool = False) -> None:
         source = "fresh" if resume_step is None else "checkpoint"

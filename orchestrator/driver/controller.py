@@ -296,6 +296,8 @@ class Controller:
         adopted = self.adoption.adopt(resume.step if resume is not None else None)
         if adopted is not None:  # the live ranks of this run, left by a driver that died
             self.generation = adopted.generation
+            # Saves the adopted generation's ranks still report commit with its mesh.
+            self.checkpoints.reset(adopted.next.mesh, generation=adopted.generation)
             return adopted.next
         spares = -(-self.config.elastic.spare_actors // state.mesh.replica_size)  # whole replica groups
         self.group.start(state.mesh, spare_replicas=spares)
