@@ -12,9 +12,11 @@ import time
 
 import pytest
 
+from checkpointing.storage import open_storage
 from orchestrator.analysis.invariants import check_run, ray_leftovers
 from orchestrator.config import load_config
 from orchestrator.driver.adoption import RUN_NAMESPACE_PREFIX
+from orchestrator.driver.sample_ledger import LEDGER_FILE, read_ledger
 from orchestrator.driver.train_spec import train_spec
 from orchestrator.observe.events import read_events
 from tests.faults.harness import of_kind, run_job
@@ -45,8 +47,16 @@ def _run_actors() -> list[str]:
     ]
 
 
-def _driver(*extra: str) -> list[str]:
-    overrides = [f"data.path={REPO / 'data' / 'sample.txt'}", FIXED_SNAPSHOTS, *LAYOUT, *SURVIVING]
+def _driver(*extra: str, checkpoints) -> list[str]:
+    overrides = [
+        f"data.path={REPO / 'data' / 'sample.txt'}",
+        FIXED_SNAPSHOTS,
+        *LAYOUT,
+        *SURVIVING,
+        "data.record_samples=true",
+        f"checkpoint.uri={checkpoints}",
+        "checkpoint.interval_steps=4",
+    ]
     return [
         sys.executable,
         "-m",
@@ -63,9 +73,9 @@ def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost
     _, reference_events = run_job(tmp_path / "reference", *LAYOUT)
     reference = losses(reference_events)
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.address}  # the cluster outlives the drivers
-    run_dir = tmp_path / "run"
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
     first = subprocess.run(
-        _driver("--run-dir", str(run_dir), "--inject", "driver@4"),
+        _driver("--run-dir", str(run_dir), "--inject", "driver@4", checkpoints=checkpoints),
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -73,9 +83,14 @@ def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost
         timeout=300,
     )
     assert first.returncode == -9, first.stdout + first.stderr
-    assert len(_run_actors()) == 3, "the store and both ranks outlive the driver"  # store + 2 ranks
+    assert len(_run_actors()) == 3, "the store and both ranks outlive the driver"
     second = subprocess.run(
-        _driver("--resume-run", str(run_dir)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        _driver("--resume-run", str(run_dir), checkpoints=checkpoints),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert second.returncode == 0, second.stdout + second.stderr
     events = read_events(run_dir / "events.jsonl")
@@ -84,8 +99,20 @@ def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost
     assert not of_kind(events, "restored"), "the adopted run restored nothing"
     # One record: the first driver's steps, then the adopted run's, every step once.
     assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
-    report = check_run(events, steps=STEPS, reference_losses=reference, rel=1e-4, leftovers=ray_leftovers)
+    storage = open_storage(str(checkpoints))
+    report = check_run(
+        events,
+        steps=STEPS,
+        reference_losses=reference,
+        rel=1e-4,
+        ledger=read_ledger(run_dir / LEDGER_FILE),
+        global_batch=load_config(DEMO_CONFIG, []).training.global_batch,
+        storage=storage,
+        leftovers=ray_leftovers,
+    )
     assert report.ok, report.describe()
+    # Saves after the kill (the ranks staged them while no driver was there) commit by the adopter.
+    assert {8, 12, 16} <= {e["step"] for e in of_kind(events, "checkpoint_committed")}
     assert _run_actors() == []
 
 
@@ -95,7 +122,7 @@ def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster)
     from workers.actor import RankActor
     from workers.rendezvous import StoreHost
 
-    lease_s = 2.0
+    lease_s = 3.0
     config = load_config(DEMO_CONFIG, [*LAYOUT, *SURVIVING, f"runtime.driver_lease_s={lease_s}"])
     namespace = f"{RUN_NAMESPACE_PREFIX}lease-test"
     options = {"lifetime": "detached", "namespace": namespace, "num_cpus": 0}
@@ -103,6 +130,8 @@ def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster)
     spec = train_spec(config)
     rank = ray.remote(RankActor).options(name="rank|lease-test|0|0", **options).remote(spec=spec, data=None)
     ray.get([store.address.remote(), rank.info.remote()], timeout=120)
+    # The last calls a driver makes (the store's lease ran from its start, the rank's is longer to come).
+    ray.get([store.renew_lease.remote(1, 0), rank.renew_lease.remote()], timeout=30)
     started = time.monotonic()
     assert len(_run_actors()) == 2
     # Nobody renews: both go within the lease (plus the watch's half second and Ray's bookkeeping).
