@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.spec import MeshSpec
 from workers.device import PeerWaitMarker
-from workers.driver_lease import DriverLease, start_watch
+from workers.driver_lease import DriverLease, exit_process, start_watch
 from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
 from workers.group_abort import abort_groups, release_collectives, watch_abort
 from workers.notices import InstanceActionWatcher, watch_sigterm
@@ -138,7 +138,7 @@ class RankActor:
         self.lease: DriverLease | None = None
         if spec.driver_lease_s is not None:
             self.lease = DriverLease(spec.driver_lease_s)
-            start_watch(self.lease, holder=f"rank actor (pid {os.getpid()})")
+            start_watch(self.lease, holder=f"rank actor (pid {os.getpid()})", on_expiry=self._lease_ran_out)
         if spec.compile:
             import ray
 
@@ -178,6 +178,17 @@ class RankActor:
         """Control thread, from the driver (every poll, and twice a second): the driver lives."""
         if self.lease is not None:
             self.lease.renew()
+
+    def _lease_ran_out(self) -> None:
+        """Lease watch thread: no driver for ``runtime.driver_lease_s``. The rank's placement group
+        goes first (detached too, it would hold its resources for ever), which ends this actor and
+        the others in it; then this process, whatever its loop is blocked in."""
+        import ray
+
+        group = ray.util.get_current_placement_group()
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        exit_process("rank actor", self.lease.lease_s if self.lease is not None else 0.0)
 
     def live_state(self) -> LiveRank:
         """Control thread, from a driver looking for the run's live ranks to adopt

@@ -250,11 +250,11 @@ class Adoption:
         # ranks' queued reports.
         recorded = _recorded_step(live.record)
         self.router.rewind(recorded)
-        # Close the leftovers of the generations before: actors not in the adopted mesh.
+        # Close the leftovers (spares, actors of earlier generations): actors not in the adopted
+        # mesh, and their placement groups unless an adopted rank sits in one.
         adopted_names = {name for _, name, _ in ranks}
-        leftovers = [actor for name, actor in live.actors if name not in adopted_names]
-        for actor in leftovers:
-            ray.kill(actor, no_restart=True)
+        leftovers = [(name, actor) for name, actor in live.actors if name not in adopted_names]
+        _stop_actors(leftovers, keep_groups={actor.placement_group_name for actor in adopted})
         message = (
             f"adopted {decision.mesh.world_size} live ranks of generation {decision.generation} at step "
             f"{decision.step} (the previous driver recorded up to step {recorded}): 0 steps lost"
@@ -373,15 +373,20 @@ def live_states(actors: Sequence[tuple[str, Any]]) -> dict[int, tuple[Any, str, 
 
 def stop_live_run(live: LiveRun) -> None:
     """End a live run that cannot be adopted: its actors and their placement groups."""
-    groups = {_parse_name(name)[0] for name, _ in live.actors}
-    for _, actor in live.actors:
-        ray.kill(actor, no_restart=True)
+    _stop_actors(live.actors, keep_groups=set())
     ray.kill(live.store, no_restart=True)
-    for name in groups:
+
+
+def _stop_actors(actors: Sequence[tuple[str, Any]], *, keep_groups: set[str]) -> None:
+    """Kill these rank actors, and remove their placement groups but ``keep_groups`` (detached,
+    a group would otherwise hold its resources for ever)."""
+    for _, actor in actors:
+        ray.kill(actor, no_restart=True)
+    for group_name in {_parse_name(name)[0] for name, _ in actors} - keep_groups:
         try:
-            ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            ray.util.remove_placement_group(ray.util.get_placement_group(group_name))
         except ValueError:
-            continue
+            continue  # already gone
 
 
 def _adopted_actor(actor: Any, name: str) -> AdoptedActor:

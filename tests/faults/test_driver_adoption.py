@@ -117,7 +117,11 @@ def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost
 
 
 def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster):
+    """As a driver with the option leaves them: a detached store, and a detached rank in a
+    detached placement group; no driver calls again. Both exit, and the rank's group goes too."""
     import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from workers.actor import RankActor
     from workers.rendezvous import StoreHost
@@ -127,8 +131,11 @@ def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster)
     namespace = f"{RUN_NAMESPACE_PREFIX}lease-test"
     options = {"lifetime": "detached", "namespace": namespace, "num_cpus": 0}
     store = ray.remote(StoreHost).options(name="store", **options).remote(lease_s=lease_s)
+    group = placement_group([{"CPU": 0.1}], lifetime="detached")
+    ray.get(group.ready(), timeout=60)
+    in_group = {**options, "num_cpus": 0.1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
     spec = train_spec(config)
-    rank = ray.remote(RankActor).options(name="rank|lease-test|0|0", **options).remote(spec=spec, data=None)
+    rank = ray.remote(RankActor).options(name="rank|lease-test|0|0", **in_group).remote(spec=spec, data=None)
     ray.get([store.address.remote(), rank.info.remote()], timeout=120)
     # The last calls a driver makes (the store's lease ran from its start, the rank's is longer to come).
     ray.get([store.renew_lease.remote(1, 0), rank.renew_lease.remote()], timeout=30)
@@ -140,3 +147,4 @@ def test_ranks_and_the_store_exit_when_no_driver_renews_their_lease(ray_cluster)
     assert _run_actors() == [], f"still alive {time.monotonic() - started:.1f} s after the last call"
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(rank.info.remote(), timeout=10)
+    assert placement_group_table(group)["state"] == "REMOVED"
