@@ -81,8 +81,10 @@ class StoreHost:
 
     def _pause_without_driver(self) -> None:
         # The vote's pause: every rank applies the step being decided, then waits with its state.
+        # The next generation too: the driver may have configured it and died before renewing.
         if self.record.generation > 0:
-            self.request_pause(self.record.generation)
+            for generation in (self.record.generation, self.record.generation + 1):
+                self.request_pause(generation)
 
     def request_pause(self, generation: int, checkpoint: bool = False) -> None:
         self.store.set(f"gen{generation}/pause", "checkpoint" if checkpoint else "1")
