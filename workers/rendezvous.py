@@ -89,6 +89,11 @@ class StoreHost:
     def request_pause(self, generation: int, checkpoint: bool = False) -> None:
         self.store.set(f"gen{generation}/pause", "checkpoint" if checkpoint else "1")
 
+    def clear_pause(self, generation: int) -> None:
+        """A driver adopting the run, before it configures ``generation``: the pause its silence
+        asked of that generation is not wanted."""
+        self.store.set(f"gen{generation}/pause", NO_PAUSE)
+
     def set_snapshot_interval(self, generation: int, interval_steps: int) -> None:
         """Snapshot every ``interval_steps`` steps from the next decided step of ``generation`` on."""
         self.store.set(f"gen{generation}/snapshot_interval", str(interval_steps))

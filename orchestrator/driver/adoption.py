@@ -244,6 +244,7 @@ class Adoption:
         ranks = [states[rank] for rank in range(decision.mesh.world_size)]
         adopted = [_adopted_actor(actor, name) for actor, name, _ in ranks]
         store_address = ray.get(live.store.address.remote(), timeout=30)
+        ray.get(live.store.clear_pause.remote(decision.generation + 1), timeout=30)  # the one configured next
         self.group.take_over(adopted, live.store, store_address)
         ray.get([actor.adopt.remote() for actor, _, _ in ranks], timeout=30)
         # Steps the dead driver recorded are not recorded again; those after it come from the

@@ -97,6 +97,7 @@ def test_a_second_driver_adopts_the_live_ranks_of_a_killed_one_with_no_step_lost
     [adopted] = of_kind(events, "adopted")
     assert adopted["lost_steps"] == 0 and adopted["step"] >= 4
     assert not of_kind(events, "restored"), "the adopted run restored nothing"
+    assert not of_kind(events, "recovered"), "the adopted generation ran without another pause"
     # One record: the first driver's steps, then the adopted run's, every step once.
     assert [e["step"] for e in of_kind(events, "step")] == list(range(1, STEPS + 1))
     storage = open_storage(str(checkpoints))
