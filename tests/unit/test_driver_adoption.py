@@ -10,7 +10,16 @@ from elastic.spec import MeshSpec
 from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.driver import cluster
-from orchestrator.driver.adoption import Adopt, Adopted, AwaitBoundary, Decline, NoAdoption, decide, differing_keys
+from orchestrator.driver.adoption import (
+    Adopt,
+    Adopted,
+    AwaitBoundary,
+    Decline,
+    NoAdoption,
+    decide,
+    differing_keys,
+    run_namespace,
+)
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.states import NextGeneration
 from orchestrator.errors import ConfigError
@@ -190,3 +199,20 @@ def test_a_pause_the_store_made_while_the_driver_lived_is_gone_on_from(make_cont
     group = fake_group(controller)
     assert starts_of(group.configured[-1]) == [("kept", None)] * 4
     assert [e["step"] for e in events_of(tmp_path, "step")] == [1, 2, 3, 4]
+
+
+def test_a_retried_job_finds_its_run_by_its_config_alone():
+    """A KubeRay job's retry runs the same config with no record at hand: the run's namespace is
+    named by the config, not by where the driver runs or writes."""
+    config = load_config(DEMO_CONFIG, ["training.steps=4"])
+    retried = load_config(DEMO_CONFIG, ["training.steps=4", "runtime.address=ray://head:10001", "runtime.run_dir=x"])
+    other = load_config(DEMO_CONFIG, ["training.steps=4", "training.lr=0.5"])
+    assert run_namespace(config) == run_namespace(retried) == f"meshpilot-tiny-3d-{config.config_hash()[:12]}"
+    assert run_namespace(other) != run_namespace(config)
+
+
+def test_resume_run_without_a_record_is_one_line_and_exit_2(tmp_path, capsys):
+    code = main(["train", str(DEMO_CONFIG), "--resume-run", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"--resume-run {tmp_path}: no config.yaml there" in err
