@@ -117,7 +117,8 @@ def start_watch(
             time.sleep(interval_s)
             event = watch.check()
             if event == LeaseEvent.SILENT:
-                log.warning("%s: no driver for %g s: pausing at the next step boundary", holder, watch.silence_s)
+                # A rank's warning reaches the next driver with its reports: the gap is in its record.
+                log.warning("%s: no driver for %g s (the ranks pause at the next step)", holder, watch.silence_s)
                 on_silence()
             elif event == LeaseEvent.EXPIRED:
                 expire()
