@@ -226,7 +226,8 @@ class Adoption:
             self.keeper.start()
 
     def _await_boundary(self, live: LiveRun) -> tuple[Adopt | Decline, dict[int, tuple[Any, str, LiveRank]]]:
-        """Read the live ranks until every one is at a step boundary (asking for the pause once)."""
+        """Read the live ranks until every one is at a step boundary (asking their generation to
+        pause at the next one meanwhile), for up to ``PAUSE_WAIT_S``."""
         deadline = time.monotonic() + PAUSE_WAIT_S
         while True:
             states = live_states(live.actors)

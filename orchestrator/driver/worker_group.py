@@ -13,6 +13,10 @@ generation) but stay alive until a restore has read the peer-memory snapshots th
 controller decides who is active; this module only starts, calls and stops actors. Calls to
 many ranks return ``PendingCalls`` (``orchestrator.driver.calls``). ``WorkerGroup`` implements
 ``WorkerGroupProtocol`` (``orchestrator.driver.group``), the part of it the controller uses.
+
+With ``runtime.survive_driver_loss`` the actors, their placement groups and the store are
+detached and named in the run's Ray namespace, so they outlive the driver (under a lease) and a
+new driver takes them over (``take_over``, from ``orchestrator/driver/adoption.py``).
 """
 
 from __future__ import annotations
