@@ -26,7 +26,7 @@ from tests.jobs import REPO, losses, single_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
-STEPS = 40
+STEPS = 30
 GLOBAL_BATCH = 16  # configs/tiny-3d.yaml
 # Cut off after step 3 for 4 s: longer than the driver takes to find it lost (~2-3 s), shorter than
 # Ray's own health checks (~15 s), so Ray keeps the node and it can be used again.

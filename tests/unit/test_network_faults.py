@@ -119,3 +119,16 @@ def test_a_partitioned_node_is_lost_at_once_its_ranks_killed_and_the_job_recover
     assert sorted(fake_group(controller).killed)[:2] == [2, 3]
     [grow] = events_of(tmp_path, "grow")
     assert grow["new_mesh"]["dp_replicate"] == 2
+
+
+def test_chaos_draws_partitions_and_slow_links_only_on_separate_networks_and_on_the_run_nodes():
+    from orchestrator.driver.chaos import chaos_kinds, chaos_schedule
+
+    assert not set(chaos_kinds(storage=True, nodes=True)) & {FaultKind.PARTITION, FaultKind.THROTTLE}
+    kinds = chaos_kinds(storage=True, nodes=True, network=True)
+    schedule = chaos_schedule(5, 30, steps=200, world_size=4, replica_size=2, kinds=kinds)
+    network = [fault for fault in schedule if fault.kind in (FaultKind.PARTITION, FaultKind.THROTTLE)]
+    assert {fault.kind for fault in network} == {FaultKind.PARTITION, FaultKind.THROTTLE}
+    assert all(fault.rank in (0, 1) and len(fault.values) == 1 for fault in network)
+    # what the run records replays as --inject
+    assert all(FaultSpec.parse(fault.describe()) == fault for fault in network)
