@@ -132,3 +132,25 @@ def test_chaos_draws_partitions_and_slow_links_only_on_separate_networks_and_on_
     assert all(fault.rank in (0, 1) and len(fault.values) == 1 for fault in network)
     # what the run records replays as --inject
     assert all(FaultSpec.parse(fault.describe()) == fault for fault in network)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--inject", "partition@3:5"], "no worker node 5; the nodes are 0 to 1"),
+        (["--nodes", "1", "--inject", "partition@3:0"], "a partition needs at least two worker nodes"),
+        (["--inject", "netem@3:1:50"], "netem needs the kernel's sch_netem module"),
+        (["--inject", "partition@3:1:0"], "SECONDS must be > 0"),
+    ],
+)
+def test_the_separate_network_job_refuses_what_its_cluster_cannot_do_in_one_line_exit_2(
+    argv, says, monkeypatch, tmp_path, capsys
+):
+    from tests.faults import separate_networks_job
+    from tests.fixtures import netns_nodes
+
+    monkeypatch.setattr(netns_nodes, "netem_available", lambda: False)  # this machine's kernel
+    assert separate_networks_job.main([str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before any cluster started
