@@ -3,6 +3,8 @@
     python bench/chaos.py               # 200 steps, 30 faults (several times --quick's time)
     python bench/chaos.py --quick       # 60 steps, 9 faults: one every ~7 steps (about 8 min on 2 cores)
     python bench/chaos.py --seed 7 --faults 12 --steps 90 --keep runs/chaos   # another schedule, run dirs kept
+    python bench/chaos.py --quick --separate-networks   # worker nodes on networks of their own (root):
+                                                        # partitions and slow links drawn too
 
 One Ray cluster (``ray.cluster_utils.Cluster``: a head node plus two worker nodes that offer the
 custom resource ``faultnode``, as in tests/faults/test_chaos.py) and one local S3 server
@@ -27,6 +29,12 @@ dp_replicate=2 x dp_shard=2, seq_len 32, 2 spare actors, a checkpoint to S3 ever
    group from its last checkpoint (every 3 steps, local disk). The other kinds are listed in the
    JSON with why they were not applied; no figure is made up for them.
 
+With ``--separate-networks`` the cluster is tests/fixtures/netns_nodes.py's: a head on a bridge
+(the S3 server listens there too) and worker nodes each in a network namespace of its own; the
+schedule also draws ``partition`` (a node cut off for ``CHAOS_PARTITION_S``, then back) and
+``throttle`` (its link capped at ``CHAOS_THROTTLE_MBIT`` for the rest of the run), whose NODE is
+one of the run's two first worker nodes.
+
 How every figure is counted is in ``bench/support/chaos_figures.py``. A run that does not survive is a
 result too: its figures, events and the failure are reported, and the exit code is 1. The last
 stdout line is one JSON object.
@@ -35,6 +43,7 @@ stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -139,6 +148,14 @@ class NodeReplacements:
         self.seconds += time.monotonic() - started
 
 
+def worker_nodes(cluster, count: int):
+    """``count`` worker nodes of ``cluster``: ``WorkerNodes`` on a ``ray.cluster_utils.Cluster``,
+    ``NetnsWorkerNodes`` on a separate-network one."""
+    from tests.fixtures.netns_nodes import NetnsCluster, NetnsWorkerNodes
+
+    return NetnsWorkerNodes(cluster, count) if isinstance(cluster, NetnsCluster) else WorkerNodes(cluster, count)
+
+
 def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=None, reference_losses=None):
     """One meshpilot run on two fresh worker nodes, checkpointing to its own bucket; with
     ``schedule``, nodes are removed for node faults and replaced for every node lost or drained,
@@ -157,7 +174,7 @@ def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=N
         f"checkpoint.endpoint_url={s3.endpoint_url}",
     )
     run = MeshpilotRun()
-    nodes = WorkerNodes(cluster, 2)
+    nodes = worker_nodes(cluster, 2)
     replacements = NodeReplacements(nodes)
     try:
         try:
@@ -166,6 +183,7 @@ def run_meshpilot(cluster, s3, run_dir: Path, *, steps: int, schedule=(), seed=N
                 run_dir,
                 faults=tuple(schedule),
                 node_fault=nodes.remove,
+                network_fault=getattr(nodes, "apply", None),
                 subscribers=[replacements],
                 chaos_seed=seed,
             )
@@ -252,7 +270,7 @@ def run_ray_train(cluster, workdir: Path, *, steps: int, applied: list[dict[str,
 
     config = job_config(steps)  # the reference checkpoints on its own, to local disk
     in_workers = [fault for fault in applied if fault["kind"] != "node"]
-    nodes = WorkerNodes(cluster, 2 + sum(1 for fault in applied if fault["kind"] == "node"))
+    nodes = worker_nodes(cluster, 2 + sum(1 for fault in applied if fault["kind"] == "node"))
     node_faults = NodeFaultsForReference(nodes, applied)
     errors: list[str] = []
     started = time.time()
@@ -459,6 +477,22 @@ def ray_train_rows(ray_train: dict[str, Any], ours_lost: int, ours_goodput, pct)
     ]
 
 
+def start_separate_networks(stack: contextlib.ExitStack):
+    """The separate-network cluster (head only: each run adds its nodes) and an S3 server on its
+    bridge, where the nodes' namespaces reach it; both closed by ``stack``."""
+    from bench.recovery import HEAD_CPUS
+    from checkpointing.local_s3 import LocalS3Server
+    from tests.fixtures.netns_nodes import NetnsCluster
+
+    s3 = LocalS3Server()  # its keys exist now; it listens once the bridge does
+    os.environ.update(s3.env())
+    cluster = NetnsCluster(0, head_cpus=HEAD_CPUS, env=s3.env())
+    stack.callback(cluster.close)
+    s3.host = cluster.head_address
+    stack.enter_context(s3)
+    return cluster, s3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK['steps']} steps, {QUICK['faults']} faults")
@@ -466,6 +500,11 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=None, help=f"faults to draw (default {FULL['faults']})")
     parser.add_argument("--steps", type=int, default=None, help=f"steps of the run (default {FULL['steps']})")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's directory here")
+    parser.add_argument(
+        "--separate-networks",
+        action="store_true",
+        help="worker nodes in network namespaces of their own (root); partitions and slow links drawn too",
+    )
     args = parser.parse_args()
     size = QUICK if args.quick else FULL
     steps, count = args.steps or size["steps"], args.faults or size["faults"]
@@ -475,17 +514,21 @@ def main() -> int:
     from checkpointing.local_s3 import LocalS3Server
     from orchestrator.driver.chaos import chaos_kinds, chaos_schedule
 
-    kinds = chaos_kinds(storage=True, nodes=True)
+    kinds = chaos_kinds(storage=True, nodes=True, network=args.separate_networks)
     schedule = chaos_schedule(
         args.seed, count, steps=steps, world_size=WORLD_SIZE, replica_size=REPLICA_SIZE, kinds=kinds
     )
     print(f"chaos soak: {WORLD_SIZE} ranks {MESH}, debug model, seq_len {SEQ_LEN}, {steps} steps", flush=True)
     print(f"seed {args.seed}, {count} faults: {' '.join(fault.describe() for fault in schedule)}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="meshpilot-chaos-") as tmp, LocalS3Server() as s3:
+    with tempfile.TemporaryDirectory(prefix="meshpilot-chaos-") as tmp, contextlib.ExitStack() as stack:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        os.environ.update(s3.env())  # before the cluster starts: its raylets and ranks inherit them
-        cluster = start_cluster()
+        if args.separate_networks:
+            cluster, s3 = start_separate_networks(stack)
+        else:
+            s3 = stack.enter_context(LocalS3Server())
+            os.environ.update(s3.env())  # before the cluster starts: its raylets and ranks inherit them
+            cluster = start_cluster()
         try:
             uninterrupted, chaos, ray_train = run_all(
                 cluster, s3, workdir, steps=steps, schedule=schedule, seed=args.seed

@@ -79,8 +79,16 @@ class LocalS3Server:
     """One ``weed mini`` process serving S3 with one random access key pair."""
 
     def __init__(
-        self, *, data_dir: str | os.PathLike | None = None, start_timeout_s: float = 60.0, memory_limit: str = "512MiB"
+        self,
+        *,
+        data_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = 60.0,
+        memory_limit: str = "512MiB",
+        host: str = "127.0.0.1",
     ) -> None:
+        """``host``: the address it listens on (loopback; bench/chaos.py --separate-networks gives
+        the address its worker nodes' namespaces reach)."""
+        self.host = host
         self.access_key = "MP" + secrets.token_hex(9).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self._own_dir = data_dir is None
@@ -94,7 +102,7 @@ class LocalS3Server:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3']}"
+        return f"http://{self.host}:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables a client needs to talk to this server."""
@@ -160,8 +168,8 @@ class LocalS3Server:
             weed,
             "mini",
             f"-dir={store}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             "-master.telemetry=false",
             "-webdav=false",
             "-admin.ui=false",

@@ -37,7 +37,7 @@ from workers.driver_lease import DriverLease, exit_process, start_watch
 from workers.faults import REPORTS_BEFORE_KILL_S, FaultInjector, FaultSpec
 from workers.group_abort import abort_groups, release_collectives, watch_abort
 from workers.notices import InstanceActionWatcher, watch_sigterm
-from workers.peer_snapshots import SnapshotStore
+from workers.peer_snapshots import SnapshotStore, StaleSnapshotError
 from workers.rank_failures import PeerFailedWhileConfiguring, classify_failure, describe_error
 from workers.reporting import RankLogHandler, ReportChannel
 from workers.sockets import GroupSockets
@@ -222,7 +222,13 @@ class RankActor:
     def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> float:
         """Control thread, called by rank ``owner``'s snapshot sender: hold a copy of its snapshot,
         and say so to the driver (should the owner die before its own report gets there).
-        Returns the CPU seconds it took here (part of what the snapshot costs)."""
+        Returns the CPU seconds it took here (part of what the snapshot costs). A copy from a
+        generation older than this actor's is refused (``StaleSnapshotError``): fenced by generation."""
+        if generation < self.generation:
+            raise StaleSnapshotError(
+                f"rank {owner}'s snapshot of step {step} in generation {generation} refused: "
+                f"this actor is in generation {self.generation}"
+            )
         started = time.thread_time()
         self.snapshot_store.put(key, (generation, step), bytes(memoryview(data)))
         self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True))

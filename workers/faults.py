@@ -22,6 +22,16 @@ and on the driver side (``DriverFaults``, in the controller):
 
     driver      SIGKILL the driver itself once STEP has completed (resume from storage)
     node        remove the Ray node of RANK (only under a multi-node test cluster)
+
+and, on the driver side too, network faults (``NetworkFault``, only under a separate-network
+test cluster: tests/fixtures/netns_nodes.py; NODE is a worker node's index there, 0 for the
+first node added, never reused):
+
+    partition@STEP:NODE[:SECONDS]      drop every packet to and from NODE, restored after SECONDS
+                                       (default PARTITION_S)
+    throttle@STEP:NODE:MBIT            cap NODE's link at MBIT Mbit/s each way (a slow link)
+    netem@STEP:NODE:DELAY_MS[:LOSS]    delay (and lose LOSS percent of) NODE's packets: needs the
+                                       kernel's sch_netem module, refused where it is missing
 """
 
 from __future__ import annotations
@@ -50,13 +60,20 @@ class FaultKind(StrEnum):
     S3_OUTAGE = "s3_outage"
     DRIVER = "driver"
     NODE = "node"
+    PARTITION = "partition"
+    THROTTLE = "throttle"
+    NETEM = "netem"
 
 
 RANK_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.DRAIN, FaultKind.SIGTERM, FaultKind.S3_OUTAGE)
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
-DRIVER_KINDS = (FaultKind.DRIVER, FaultKind.NODE)
+NETWORK_KINDS = (FaultKind.PARTITION, FaultKind.THROTTLE, FaultKind.NETEM)
+DRIVER_KINDS = (FaultKind.DRIVER, FaultKind.NODE, *NETWORK_KINDS)
 KINDS = RANK_KINDS + DRIVER_KINDS
+# How long a partition lasts when its fault does not say: past the driver's detection and
+# recovery, short of Ray's own verdict on a default cluster (5 missed health checks, 3 s apart).
+PARTITION_S = 10.0
 
 
 class FaultPhase(StrEnum):
@@ -93,8 +110,10 @@ class InjectedFault(RuntimeError):
 class FaultSpec:
     kind: FaultKind
     step: int
-    rank: int = 0
+    rank: int = 0  # for a network kind: the worker node's index
     phase: FaultPhase = FaultPhase.STEP
+    # A network kind's numbers after NODE (seconds; Mbit/s; delay ms and loss percent).
+    values: tuple[float, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -104,6 +123,8 @@ class FaultSpec:
             raise ValueError(
                 f"--inject {text!r}: expected KIND@STEP[:RANK][/PHASE] with KIND one of {', '.join(KINDS)}"
             )
+        if kind in NETWORK_KINDS:
+            return _parse_network(text, FaultKind(kind), where)
         where, slash, phase_text = where.partition("/")
         phase = FaultPhase(phase_text) if phase_text in PHASE_KINDS else FaultPhase.STEP
         if slash and (phase == FaultPhase.STEP or kind not in PHASE_KINDS[phase]):
@@ -125,7 +146,68 @@ class FaultSpec:
 
     def describe(self) -> str:
         suffix = f"/{self.phase}" if self.phase != FaultPhase.STEP else ""
-        return f"{self.kind}@{self.step}:{self.rank}{suffix}"
+        values = "".join(f":{value:g}" for value in self.values)
+        return f"{self.kind}@{self.step}:{self.rank}{values}{suffix}"
+
+    def network(self) -> NetworkFault:
+        """This network fault as the harness's callable takes it."""
+        values = self.values
+        if self.kind == FaultKind.PARTITION:
+            return NetworkFault(NetworkFaultKind.PARTITION, self.rank, seconds=values[0] if values else PARTITION_S)
+        if self.kind == FaultKind.THROTTLE:
+            return NetworkFault(NetworkFaultKind.THROTTLE, self.rank, mbit=values[0])
+        return NetworkFault(
+            NetworkFaultKind.NETEM, self.rank, delay_ms=values[0], loss_percent=values[1] if len(values) > 1 else 0.0
+        )
+
+
+class NetworkFaultKind(StrEnum):
+    PARTITION = "partition"
+    THROTTLE = "throttle"
+    NETEM = "netem"
+
+
+@dataclass(frozen=True)
+class NetworkFault:
+    """What the driver asks the separate-network test cluster to do to worker node ``node``
+    (its index there): cut it off for ``seconds``, cap its link at ``mbit``, or delay and lose
+    its packets (``delay_ms``, ``loss_percent``)."""
+
+    kind: NetworkFaultKind
+    node: int
+    seconds: float = 0.0
+    mbit: float = 0.0
+    delay_ms: float = 0.0
+    loss_percent: float = 0.0
+
+
+# The numbers each network kind takes after NODE: (required, optional), and its form for messages.
+_NETWORK_FORMS = {
+    FaultKind.PARTITION: (0, 1, "partition@STEP:NODE[:SECONDS], e.g. partition@6:1:10"),
+    FaultKind.THROTTLE: (1, 0, "throttle@STEP:NODE:MBIT, e.g. throttle@6:1:5"),
+    FaultKind.NETEM: (1, 1, "netem@STEP:NODE:DELAY_MS[:LOSS], e.g. netem@6:1:50:1"),
+}
+
+
+def _parse_network(text: str, kind: FaultKind, where: str) -> FaultSpec:
+    """``STEP:NODE[:NUMBERS]`` of a network kind; ValueError naming the form."""
+    required, optional, form = _NETWORK_FORMS[kind]
+    parts = where.split(":")
+    try:
+        step, node = int(parts[0]), int(parts[1])
+        values = tuple(float(part) for part in parts[2:])
+    except (ValueError, IndexError):
+        raise ValueError(f"--inject {text!r}: expected {form} (integers STEP and NODE, numbers after)") from None
+    if not required <= len(values) <= required + optional:
+        raise ValueError(f"--inject {text!r}: expected {form}")
+    if step < 1 or node < 0:
+        raise ValueError(f"--inject {text!r}: STEP must be >= 1 and NODE (a worker node's index) >= 0")
+    if kind == FaultKind.NETEM:
+        if values[0] < 0 or (len(values) > 1 and not 0 <= values[1] <= 100):
+            raise ValueError(f"--inject {text!r}: DELAY_MS must be >= 0 and LOSS a percentage from 0 to 100")
+    elif any(value <= 0 for value in values):
+        raise ValueError(f"--inject {text!r}: {'SECONDS' if kind == FaultKind.PARTITION else 'MBIT'} must be > 0")
+    return FaultSpec(kind, step, node, values=values)
 
 
 # How long a rank about to kill itself (an injected kill) waits for the driver to poll the
@@ -146,7 +228,8 @@ class DriverFaults:
     known to have completed (``fire``). A failure consumes the faults of the step it
     interrupted, so a redo of that step does not fire them again. ``node_of`` gives the node of
     a rank of the current mesh; ``remove_node`` (only under a multi-node test cluster) removes
-    one, and without it node faults are consumed without effect.
+    one, and without it node faults are consumed without effect. ``network_fault`` (only under a
+    separate-network test cluster) carries out partitions and slow links, likewise.
     """
 
     def __init__(
@@ -155,10 +238,12 @@ class DriverFaults:
         *,
         node_of: Callable[[int], str | None] = lambda rank: None,
         remove_node: Callable[[str], None] | None = None,
+        network_fault: Callable[[NetworkFault], None] | None = None,
     ) -> None:
         self.pending = list(faults)
         self.node_of = node_of
         self.remove_node = remove_node
+        self.network_fault = network_fault
 
     def for_generation(self, after_step: int) -> tuple[FaultSpec, ...]:
         """The faults a generation that resumes after ``after_step`` may still meet."""
@@ -173,6 +258,10 @@ class DriverFaults:
             if fault.kind == FaultKind.DRIVER:
                 log.warning("firing injected fault %s: killing the driver", fault.describe())
                 kill_driver()
+            elif fault.kind in NETWORK_KINDS:
+                if self.network_fault is not None:
+                    log.warning("firing injected fault %s", fault.describe())
+                    self.network_fault(fault.network())
             elif self.remove_node is not None and (node := self.node_of(fault.rank)) is not None:
                 log.warning("firing injected fault %s", fault.describe())
                 self.remove_node(node)

@@ -60,6 +60,11 @@ class SnapshotMissingError(CheckpointError):
     failure_kind = "storage"
 
 
+class StaleSnapshotError(RuntimeError):
+    """A snapshot copy from a generation older than the holder's: its sender was cut off (a
+    partition) while the job moved on; what it sends must not count, nor displace newer copies."""
+
+
 class SnapshotMemoryError(CheckpointError):
     """The snapshots would take more host memory than ``elastic.snapshot_memory_limit_mb``."""
 

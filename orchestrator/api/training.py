@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.config import JobConfig, config_from_dict, load_config
 from orchestrator.driver.run import RunResult
 from orchestrator.errors import ConfigError, UserError
-from workers.faults import FaultSpec
+from workers.faults import NETWORK_KINDS, FaultSpec
 
 if TYPE_CHECKING:
     from workers.models import ModelFamily  # torch: imported only where a family class is passed
@@ -115,6 +115,11 @@ def parse_faults(texts: list[str]) -> tuple[FaultSpec, ...]:
             raise UserError(
                 f"--inject {text!r}: node faults need a multi-node test cluster "
                 "(ray.cluster_utils.Cluster); use the pytest fault harness"
+            )
+        if fault.kind in NETWORK_KINDS:
+            raise UserError(
+                f"--inject {text!r}: network faults need a separate-network test cluster "
+                "(tests/fixtures/netns_nodes.py); use bench/chaos.py --separate-networks or the fault harness"
             )
         faults.append(fault)
     return tuple(faults)

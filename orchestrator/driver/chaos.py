@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 
 from orchestrator.errors import UserError
-from workers.faults import CONFIGURE_KINDS, FaultKind, FaultPhase, FaultSpec
+from workers.faults import CONFIGURE_KINDS, NETWORK_KINDS, FaultKind, FaultPhase, FaultSpec
 
 DEFAULT_FAULTS = 6
 # Faults keep off the first steps (start-up) and the last one.
@@ -29,6 +29,10 @@ FIRST_FAULT_STEP = 3
 REDONE_STEP_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG)
 NEXT_STEP_KINDS = (FaultKind.SIGTERM, FaultKind.DRAIN, FaultKind.NODE)
 DURING_RECOVERY_ODDS = 1 / 3
+# A drawn partition lasts this long (past the driver's detection, short of Ray's ~15 s verdict, so
+# the node comes back), and a drawn slow link is capped at this rate for the rest of the run.
+CHAOS_PARTITION_S = 8.0
+CHAOS_THROTTLE_MBIT = 50.0
 
 
 def parse_chaos(text: str) -> tuple[int, int]:
@@ -44,21 +48,32 @@ def parse_chaos(text: str) -> tuple[int, int]:
     return seed, count
 
 
-def chaos_kinds(*, storage: bool, nodes: bool) -> tuple[FaultKind, ...]:
+def chaos_kinds(*, storage: bool, nodes: bool, network: bool = False) -> tuple[FaultKind, ...]:
     """The kinds a run can meet: storage outages only with checkpoints to upload; drains and
-    node losses only with other nodes to go to (a multi-node cluster)."""
+    node losses only with other nodes to go to (a multi-node cluster); partitions and slow links
+    only on nodes with networks of their own (tests/fixtures/netns_nodes.py)."""
     kinds = [FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.SIGTERM]
     if storage:
         kinds.append(FaultKind.S3_OUTAGE)
     if nodes:
         kinds += [FaultKind.DRAIN, FaultKind.NODE]
+    if network:
+        kinds += [FaultKind.PARTITION, FaultKind.THROTTLE]
     return tuple(kinds)
 
 
 def chaos_schedule(
-    seed: int, count: int, *, steps: int, world_size: int, replica_size: int, kinds: Sequence[FaultKind]
+    seed: int,
+    count: int,
+    *,
+    steps: int,
+    world_size: int,
+    replica_size: int,
+    kinds: Sequence[FaultKind],
+    network_nodes: int = 2,
 ) -> tuple[FaultSpec, ...]:
     """``count`` faults for a run of ``steps`` steps on ``world_size`` ranks, drawn from ``seed``.
+    A network fault's NODE is one of the run's first ``network_nodes`` worker nodes.
 
     ``/configure`` faults pick a rank below ``replica_size``: the first replica group's ranks are
     the ones every later mesh still has.
@@ -76,6 +91,9 @@ def chaos_schedule(
         if len(faults) == count:
             break
         kind = rng.choice(list(kinds))
+        if kind in NETWORK_KINDS:
+            faults.append(_network_fault(kind, step, rng.randrange(network_nodes)))
+            continue
         faults.append(FaultSpec(kind, step, rng.randrange(world_size)))
         if len(faults) < count and rng.random() < DURING_RECOVERY_ODDS:
             recovery_step = step if kind in REDONE_STEP_KINDS else step + 1 if kind in NEXT_STEP_KINDS else None
@@ -86,3 +104,8 @@ def chaos_schedule(
                     )
                 )
     return tuple(faults)
+
+
+def _network_fault(kind: FaultKind, step: int, node: int) -> FaultSpec:
+    value = CHAOS_PARTITION_S if kind == FaultKind.PARTITION else CHAOS_THROTTLE_MBIT
+    return FaultSpec(kind, step, node, values=(value,))

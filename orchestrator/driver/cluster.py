@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -167,3 +169,31 @@ def dead_nodes(node_ids: set[str]) -> set[str]:
     """Those of ``node_ids`` that Ray no longer sees alive."""
     alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     return {node_id for node_id in node_ids if node_id not in alive}
+
+
+# How long a node's raylet may take to accept a TCP connection before the node counts as unreachable:
+# its kernel answers at once however loaded the machine is, unless the network between is gone.
+REACH_TIMEOUT_S = 0.5
+
+
+def unreachable_nodes(node_ids: set[str], timeout_s: float = REACH_TIMEOUT_S) -> set[str]:
+    """Those of ``node_ids`` that Ray reports dead or whose raylet accepts no TCP connection
+    within ``timeout_s`` (a partitioned node: Ray's own health checks take many seconds)."""
+    if not node_ids:
+        return set()
+    addresses = {
+        node["NodeID"]: (node["NodeManagerAddress"], node["NodeManagerPort"])
+        for node in ray.nodes()
+        if node["NodeID"] in node_ids and node.get("Alive")
+    }
+    with ThreadPoolExecutor(max_workers=len(addresses) or 1) as pool:
+        answers = dict(zip(addresses, pool.map(lambda address: _answers(address, timeout_s), addresses.values())))
+    return {node_id for node_id in node_ids if not answers.get(node_id, False)}
+
+
+def _answers(address: tuple[str, int], timeout_s: float) -> bool:
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True

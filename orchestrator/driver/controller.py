@@ -66,7 +66,7 @@ from orchestrator.driver.train_spec import data_bytes, train_spec
 from orchestrator.driver.transitions import TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
 from orchestrator.observe.events import EventLog
-from workers.faults import DriverFaults, FaultSpec
+from workers.faults import DriverFaults, FaultSpec, NetworkFault
 from workers.spec.messages import (
     DrainNoticeReport,
     FailureKind,
@@ -100,6 +100,7 @@ class Controller:
         poll_interval_s: float = 0.25,
         faults: tuple[FaultSpec, ...] = (),
         node_fault: Callable[[str], None] | None = None,
+        network_fault: Callable[[NetworkFault], None] | None = None,
         chaos_seed: int | None = None,
         checkpoints: CheckpointCommits | None = None,
     ) -> None:
@@ -128,8 +129,11 @@ class Controller:
             first_step_timeout_s=config.elastic.compile_timeout_s if config.training.compile else 0.0,
             node_of=self.replicas.node_of,
             dead_nodes=self.replicas.dead_nodes,
+            unreachable_nodes=self.replicas.unreachable_nodes,
         )
-        self.faults = DriverFaults(faults, node_of=self.replicas.node_of, remove_node=node_fault)
+        self.faults = DriverFaults(
+            faults, node_of=self.replicas.node_of, remove_node=node_fault, network_fault=network_fault
+        )
         self.router = _report_router(config, events, self.faults, self.detector)
         self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)

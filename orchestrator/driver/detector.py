@@ -9,6 +9,10 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   gone from Ray), or it raised an error of its own (``rank_error``; errors that merely echo
   another rank's failure, like a closed connection, do not count);
 * a rank stopped answering polls for ``heartbeat_timeout_s`` (``unresponsive``);
+* a rank answered no poll for ``UNREACHABLE_SILENT_S`` and its node accepts no TCP connection
+  either (``node_lost``: a partitioned node, or one whose network died; Ray takes its health
+  checks' many seconds to say so, and its actors may come back when the network does: the
+  controller kills them and fences them by generation);
 * no step (nor evaluation) completed for ``hang_timeout_s``, and for at least
   ``HANG_STEP_FACTOR`` typical step times (``hang``): the ranks busy in the step while the others wait on them in
   collectives are the culprits. The second bound keeps a slow machine (or a large step) from
@@ -45,6 +49,8 @@ log = logging.getLogger("meshpilot")
 NodeOf = Callable[[int], str | None]
 # Which nodes of the active ranks Ray reports dead (one GCS call: asked only when needed).
 DeadNodes = Callable[[], set[str]]
+# Which of these nodes do not answer on the network now (a connection attempt each: asked only when needed).
+UnreachableNodes = Callable[[set[str]], set[str]]
 
 
 class LossKind(StrEnum):
@@ -71,6 +77,9 @@ class Lost:
 HANG_STEP_FACTOR = 5.0
 # While a generation fails, a rank on a node Ray reports gone that answers no poll for this long is lost.
 SILENT_GRACE_S = 3.0
+# A rank silent this long has its node's reachability checked: a few missed polls (every 0.25 s).
+# The check, not this delay, tells a partition from a loaded machine, whose kernel still answers.
+UNREACHABLE_SILENT_S = 1.0
 
 
 class Detector:
@@ -84,6 +93,7 @@ class Detector:
         first_step_timeout_s: float = 0.0,
         node_of: NodeOf = lambda rank: None,
         dead_nodes: DeadNodes = set,
+        unreachable_nodes: UnreachableNodes = lambda nodes: set(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -92,6 +102,7 @@ class Detector:
         self.first_step_timeout_s = first_step_timeout_s
         self.node_of = node_of
         self.dead_nodes = dead_nodes
+        self.unreachable_nodes = unreachable_nodes
         self.clock = clock
         # Kept across generations: the first step of a new mesh is judged by the old ones.
         self.step_times: deque[float] = deque(maxlen=20)
@@ -164,7 +175,7 @@ class Detector:
     def losses(self, results: Mapping[int, Any], *, hangs: bool) -> dict[int, Lost]:
         """Every loss found now: in the returned run calls (``results`` by rank) first, then
         silence, then (with ``hangs``: while the generation runs) a hang."""
-        findings = [self.returned_losses(results), self.unresponsive_losses(results)]
+        findings = [self.returned_losses(results), self.unreachable_losses(results), self.unresponsive_losses(results)]
         if hangs:
             findings.append(self.hang_losses())
         return first_found(*findings)
@@ -207,6 +218,24 @@ class Detector:
             )
             for rank in self.unresponsive()
             if rank not in returned
+        }
+
+    def unreachable_losses(self, returned: Container[int]) -> dict[int, Lost]:
+        """Ranks whose run call has not returned, silent for ``UNREACHABLE_SILENT_S``, on a node
+        that does not answer on the network (``unreachable_nodes``): lost with their node."""
+        now = self.clock()
+        silent = {
+            rank: node
+            for rank, heard in self.last_heard.items()
+            if rank not in returned and now - heard > UNREACHABLE_SILENT_S and (node := self.node_of(rank))
+        }
+        if not silent:
+            return {}
+        unreachable = self.unreachable_nodes(set(silent.values()))
+        return {
+            rank: Lost(LossKind.NODE_LOST, f"node {node} stopped answering on the network", node)
+            for rank, node in silent.items()
+            if node in unreachable
         }
 
     def hang_losses(self) -> dict[int, Lost]:

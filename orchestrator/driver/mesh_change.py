@@ -49,7 +49,8 @@ log = logging.getLogger("meshpilot")
 # is reported a moment after its peers see their connections close).
 CAUSE_GRACE_S = 5.0
 # Losses whose process may still hold the step (or a socket): killed when the generation fails.
-KILLED_ON_FAILURE = (LossKind.HANG, LossKind.UNRESPONSIVE)
+# NODE_LOST too: an unreachable node's actors may come back with its network (a dead node's: harmless).
+KILLED_ON_FAILURE = (LossKind.HANG, LossKind.UNRESPONSIVE, LossKind.NODE_LOST)
 
 
 class MeshChange:

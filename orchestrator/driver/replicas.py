@@ -41,6 +41,10 @@ class Replicas:
         nodes = {slot.node_id for slot in self.group.active if slot.node_id}
         return cluster.dead_nodes(nodes) if nodes else set()
 
+    def unreachable_nodes(self, node_ids: set[str]) -> set[str]:
+        """Those of ``node_ids`` that do not answer on the network now (a connection attempt each)."""
+        return cluster.unreachable_nodes(node_ids)
+
     def gone_besides(self, ranks: Collection[int] = ()) -> Callable[[Slot], bool]:
         """A predicate: has an actor left the pool (removed: lost, drained, shut down), or does it
         hold one of ``ranks`` of the current mesh (about to leave)? Judged on the pool as it is now."""

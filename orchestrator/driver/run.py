@@ -26,7 +26,7 @@ from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_
 from orchestrator.observe.metrics import build_metrics
 from orchestrator.observe.record_mirror import NoMirror, RecordMirror
 from orchestrator.observe.tensorboard import build_tensorboard
-from workers.faults import FaultSpec
+from workers.faults import FaultSpec, NetworkFault
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ def run_training(
     console: Console | None = None,
     faults: tuple[FaultSpec, ...] = (),
     node_fault: Callable[[str], None] | None = None,
+    network_fault: Callable[[NetworkFault], None] | None = None,
     handle_signals: bool = False,
     chaos_seed: int | None = None,
 ) -> RunResult:
@@ -93,7 +94,9 @@ def run_training(
         if url:
             logger.info("metrics: %s", url)
         started_here = cluster.connect(config)
-        controller = Controller(config, events, faults=faults, node_fault=node_fault, chaos_seed=chaos_seed)
+        controller = Controller(
+            config, events, faults=faults, node_fault=node_fault, network_fault=network_fault, chaos_seed=chaos_seed
+        )
         if handle_signals:
             # After connecting: Ray installs its own SIGTERM handler in the driver, which aborts.
             # Flags, not exceptions: raised inside a Ray call, KeyboardInterrupt can be lost.

@@ -41,6 +41,7 @@ def run_job(
     *overrides: str,
     faults: tuple[str, ...] = (),
     node_fault=None,
+    network_fault=None,
     on_event=None,
     chaos_seed: int | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
@@ -52,6 +53,7 @@ def run_job(
         run_dir,
         faults=tuple(FaultSpec.parse(f) for f in faults),
         node_fault=node_fault,
+        network_fault=network_fault,
         subscribers=subscribers,
         chaos_seed=chaos_seed,
     )

@@ -29,6 +29,10 @@ ranks do is a script (``FakeGroup.script``, set before the controller is built),
     saves_to: the ``FakeCheckpoints`` a pause that asks for a checkpoint commits to
     unanswered_polls: polls nobody answers (a loaded machine)
 
+A network fault (``partition@STEP:NODE``) cuts node ``n{NODE}`` off (``FakeCluster.apply``): its
+ranks answer no poll, their run calls stay in flight (aborts and pauses do not reach them) until
+the driver kills them, and the node accepts no connection (``unreachable_nodes``).
+
 ``FakeCluster`` stands in for what Ray says of the cluster (dead, draining nodes, hosts, room to
 start a replica group in the background: ``capacity``, one node per group). ``FakeTime`` stands in
 for the driver modules' ``time``: every poll of the ranks takes ``POLL_S`` of it, so timeouts
@@ -58,7 +62,7 @@ from orchestrator.driver.states import Finished
 from orchestrator.driver.worker_group import SlotState
 from orchestrator.observe.events import EventLog, read_events
 from tests.jobs import DEMO_CONFIG, REPO
-from workers.faults import FaultSpec
+from workers.faults import FaultSpec, NetworkFault, NetworkFaultKind
 from workers.spec import TrainSpec
 from workers.spec.messages import (
     EvalReport,
@@ -159,6 +163,8 @@ class FakeCluster:
         self.hosts: set[str] = set()
         self.capacity: list[str | None] = []
         self.group: FakeGroup | None = None
+        self.unreachable: set[str] = set()
+        self.network_faults: list[NetworkFault] = []
 
     def draining_nodes(self) -> set[str]:
         return set(self.draining)
@@ -168,6 +174,15 @@ class FakeCluster:
 
     def dead_nodes(self, node_ids: set[str]) -> set[str]:
         return node_ids & self.dead
+
+    def unreachable_nodes(self, node_ids: set[str]) -> set[str]:
+        return node_ids & (self.unreachable | self.dead)
+
+    def apply(self, fault: NetworkFault) -> None:
+        """The driver's network fault: a partition cuts node ``n{fault.node}`` off (never healed here)."""
+        self.network_faults.append(fault)
+        if fault.kind == NetworkFaultKind.PARTITION:
+            self.unreachable.add(f"n{fault.node}")
 
     def remove_node(self, node: str) -> None:
         """A node leaves the cluster (the driver's ``node`` fault): its actors die with it."""
@@ -316,7 +331,11 @@ class FakeGroup:
             return
         stuck = set(run.plan.get("stuck", ()))
         for rank in ranks:
-            if rank not in stuck and self._alive(run.slots[rank]):
+            if (
+                rank not in stuck
+                and self._alive(run.slots[rank])
+                and run.slots[rank].node_id not in self.cluster.unreachable
+            ):
                 run.calls.release(rank, RunOutcome(status, run.steps_done))
         self.applied = run.steps_done
 
@@ -454,6 +473,8 @@ class FakeGroup:
             if not self._alive(slot):
                 answers[rank] = DIED
                 continue
+            if slot.node_id in self.cluster.unreachable:
+                continue
             waiting = plan.get("waiting", {}).get(rank)
             answers[rank] = Heartbeat(
                 rank=rank,
@@ -588,6 +609,7 @@ def make_controller(tmp_path, monkeypatch, event_times) -> MakeController:
     monkeypatch.setattr(cluster, "draining_nodes", fake.draining_nodes)
     monkeypatch.setattr(cluster, "hosts_for", fake.hosts_for)
     monkeypatch.setattr(cluster, "dead_nodes", fake.dead_nodes)
+    monkeypatch.setattr(cluster, "unreachable_nodes", fake.unreachable_nodes)
     events = EventLog(tmp_path / "events.jsonl", [event_times])
 
     def make(
@@ -611,6 +633,7 @@ def make_controller(tmp_path, monkeypatch, event_times) -> MakeController:
             checkpoints=checkpoints,
             faults=tuple(FaultSpec.parse(fault) for fault in faults),
             node_fault=fake.remove_node,
+            network_fault=fake.apply,
             chaos_seed=chaos_seed,
         )
         built.detector.clock = fake_time.monotonic
