@@ -36,6 +36,7 @@ REQUIRED: tuple[str, ...] = (
     "ray._raylet.AuthenticationTokenLoader.has_token",
     "ray._raylet.AuthenticationTokenLoader.get_token_for_http_header",
     "ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available",
+    "ray._private.authentication.authentication_token_setup.AUTH_MODE_ENV_VAR",
     "ray.util.placement_group.placement_group(_soft_target_node_id)",
     "ray._private.services.canonicalize_bootstrap_address",
     "ray._private.grpc_utils.init_grpc_channel",
@@ -124,7 +125,7 @@ def use_token_if_available(address: str) -> bool:
     authentication is on.
 
     Why not whenever a token exists (any embedded ``ray.init`` writes ~/.ray/auth_token): a
-    driver in token mode refuses the calls of a cluster without it, and that cluster's GCS takes
+    driver in token mode refuses the calls of a cluster without it, and that cluster's GCS (Ray 2.60) takes
     the refused poll of an actor's owner for the owner's death, so every actor the driver owns
     (not detached) is destroyed before it starts ("all references to the actor were removed").
     Such a cluster is joined with ``RAY_AUTH_MODE=disabled`` set for this process, which also
