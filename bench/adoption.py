@@ -115,8 +115,7 @@ def main() -> None:
     try:
         env = {**os.environ, "RAY_ADDRESS": cluster.address}
         # Today's behaviour: ``meshpilot train`` on the embedded cluster it starts, which dies with
-        # the driver (a subprocess driver given the Cluster's address without the option fails to
-        # start its store actor on Ray 2.60: see the report of issue 39).
+        # the driver.
         embedded = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
         ours = _side(work, "adopt", steps=steps, kill_at=kill_at, surviving=True, env=env)
         print(f"meshpilot, ranks adopted: {ours}", flush=True)

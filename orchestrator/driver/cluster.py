@@ -62,7 +62,7 @@ def connect_to(
     address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
-            ray_compat.use_token_if_available()
+            ray_compat.use_token_if_available(address)
             ray.init(
                 address=address,
                 namespace=namespace,

@@ -10,6 +10,8 @@ one found, as a UserError (exit 2, no traceback). Public Ray APIs are used direc
 from __future__ import annotations
 
 import logging
+import os
+from enum import Enum
 from typing import Any
 
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -34,7 +36,12 @@ REQUIRED: tuple[str, ...] = (
     "ray._raylet.AuthenticationTokenLoader.has_token",
     "ray._raylet.AuthenticationTokenLoader.get_token_for_http_header",
     "ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available",
+    "ray._private.authentication.authentication_token_setup.AUTH_MODE_ENV_VAR",
     "ray.util.placement_group.placement_group(_soft_target_node_id)",
+    "ray._private.services.canonicalize_bootstrap_address",
+    "ray._private.grpc_utils.init_grpc_channel",
+    "ray.core.generated.gcs_service_pb2.GetClusterIdRequest",
+    "ray.core.generated.gcs_service_pb2_grpc.NodeInfoGcsServiceStub",
     TOKEN_SETUP_LOGGER,
 )
 
@@ -71,14 +78,66 @@ def live_actors() -> list[tuple[str, str]]:
     return [(info["ActorClassName"], info["ActorID"]) for info in state.actors().values() if info["State"] != "DEAD"]
 
 
-def use_token_if_available() -> bool:
-    """Before connecting to a cluster by its address: with ``RAY_AUTH_MODE`` unset and a token
-    found the way Ray's clients find it (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
-    ``~/.ray/auth_token``), turn token authentication on for this process and those it starts.
-    Ray does so by itself only for a cluster it starts; a token-protected cluster (its default)
-    refuses a driver without one. True when token authentication is on."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+class ClusterAuth(Enum):
+    """What a Ray cluster's GCS does with a call that carries no token."""
 
+    TOKEN = "token"  # refuses it: the cluster runs in token mode
+    NONE = "none"  # answers it: the cluster runs without token authentication
+    UNKNOWN = "unknown"  # no answer: unreachable, not a GCS, or a ray:// (Ray Client) address
+
+
+def cluster_auth(address: str, timeout_s: float = 5.0) -> ClusterAuth:
+    """Ask the GCS at ``address`` (``host:port`` or ``auto``) for its cluster id without a token:
+    one call, before ``ray.init`` (which, refused, retries for 20 s)."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    if address.startswith("ray://"):
+        return ClusterAuth.UNKNOWN
+    try:
+        gcs_address = canonicalize_bootstrap_address(address)
+    except Exception:  # noqa: BLE001 - ray.init reports a bad address in its own words
+        return ClusterAuth.UNKNOWN
+    if gcs_address is None:
+        return ClusterAuth.UNKNOWN
+    # This process is not in token mode yet (RAY_AUTH_MODE unset), so the channel sends no token.
+    channel = init_grpc_channel(gcs_address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        # Generated protobuf classes carry no type stubs; the request exists (checked at import).
+        request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]
+        stub.GetClusterId(request, timeout=timeout_s)
+    except grpc.RpcError as error:
+        return ClusterAuth.TOKEN if error.code() == grpc.StatusCode.UNAUTHENTICATED else ClusterAuth.UNKNOWN
+    finally:
+        channel.close()
+    return ClusterAuth.NONE
+
+
+def use_token_if_available(address: str) -> bool:
+    """Before connecting to the cluster at ``address``: with ``RAY_AUTH_MODE`` unset and a token
+    found the way Ray's clients find it (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``), turn token authentication on for this process and those it starts,
+    unless the cluster runs without it. Ray does so by itself only for a cluster it starts; a
+    token-protected cluster (its default) refuses a driver without one. True when token
+    authentication is on.
+
+    Why not whenever a token exists (any embedded ``ray.init`` writes ~/.ray/auth_token): a
+    driver in token mode refuses the calls of a cluster without it, and that cluster's GCS (Ray 2.60) takes
+    the refused poll of an actor's owner for the owner's death, so every actor the driver owns
+    (not detached) is destroyed before it starts ("all references to the actor were removed").
+    Such a cluster is joined with ``RAY_AUTH_MODE=disabled`` set for this process, which also
+    keeps ``ray.init(address="auto")`` from turning token mode on by itself."""
+    from ray._private.authentication.authentication_token_setup import (
+        AUTH_MODE_ENV_VAR,
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    if os.environ.get(AUTH_MODE_ENV_VAR) is None and cluster_auth(address) is ClusterAuth.NONE:
+        os.environ[AUTH_MODE_ENV_VAR] = "disabled"
+        return False
     return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -151,3 +152,29 @@ def test_train_joins_a_token_protected_cluster_by_its_address(tmp_path, monkeypa
         )
     assert process.returncode == 0, process.stderr[-2000:]
     assert [e["step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "step"] == [1, 2]
+
+
+@pytest.mark.slow
+def test_train_joins_a_cluster_without_token_mode_from_a_machine_holding_a_token(ray_cluster, tmp_path):
+    """A cluster started without token mode (the session's ``ray.cluster_utils.Cluster``, or
+    ``RAY_AUTH_MODE=disabled ray start --head``) and a driver's machine holding a token (any
+    embedded run writes ~/.ray/auth_token): the driver joins without token mode, or the cluster,
+    refused by it, destroys its store and ranks before they start."""
+    env = {
+        **{name: value for name, value in os.environ.items() if name not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")},
+        "RAY_ADDRESS": ray_cluster.address,
+        "RAY_AUTH_TOKEN": "0123456789abcdef" * 2,
+    }
+    process = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(DEMO_CONFIG), "--run-dir", str(tmp_path / "run")]
+        + ["--plain"]
+        + [f"--set={override}" for override in single_rank("training.steps=1", "metrics.enabled=false")]
+        + [f"--set=data.path={REPO / 'data' / 'sample.txt'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-2000:]
+    assert [e["step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "step"] == [1]
