@@ -225,8 +225,10 @@ class ElasticConfig:
     min_replicas: int = 1
     max_replicas: int | None = None
     heartbeat_timeout_s: float = 10.0
-    # A step that makes no progress for this long is treated as hung.
-    hang_timeout_s: float = 60.0
+    # The floor of the hang threshold: a step is hung once it has run 4 x the recent p90 step time
+    # and at least this long (the first step of each generation gets a generous warm-up allowance:
+    # orchestrator/driver/detector.py). Low so that a hung rank of a fast job is found in seconds.
+    hang_timeout_s: float = 2.0
     # With training.compile: how long the first step of each mesh may take before it counts as hung
     # (it may compile the blocks; a layout seen before loads them from the job's caches instead).
     compile_timeout_s: float = 600.0

@@ -128,7 +128,7 @@ class MeshChange:
         still hold it; joiners and restoring ranks hold none (``stateless``), so their replica
         groups are not kept. Survivors may wait in the new groups' rendezvous for a rank that
         will never come: they are given the collective timeout to come back before counting as
-        stuck (``_unwind_s``), or only the hang threshold when the peer-memory snapshot is whole
+        stuck (``_unwind_s``), or only the unwind allowance when the peer-memory snapshot is whole
         without them (``_held_elsewhere``)."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
@@ -154,10 +154,11 @@ class MeshChange:
         return now + self._unwind_s(configuring) if purpose == SettlePurpose.FAILURE else math.inf
 
     def _unwind_s(self, configuring: bool) -> float:
-        """How long survivors of an aborted generation may take to leave it: the configured hang
-        threshold; while configuring, at least the collective timeout, since a rank inside torch's
-        rendezvous (a peer died after the join barrier) cannot be interrupted."""
-        threshold = self.detector.hang_threshold_s()
+        """How long survivors of an aborted generation may take to leave it: the hang threshold,
+        at least ``UNWIND_FLOOR_S`` (``Detector.unwind_s``); while configuring, at least the
+        collective timeout, since a rank inside torch's rendezvous (a peer died after the join
+        barrier) cannot be interrupted."""
+        threshold = self.detector.unwind_s()
         return max(threshold, self.collective_timeout_s + 5.0) if configuring else threshold
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
@@ -237,10 +238,10 @@ class MeshChange:
         """Whether the ranks still inside a failed configuration need not be waited for any more.
 
         They may sit in torch's rendezvous, out of reach of the abort, until the collective
-        timeout (``_unwind_s``: minutes). Past the hang threshold that wait saves nothing when the
+        timeout (``_unwind_s``: minutes). Past the unwind allowance that wait saves nothing when the
         peer-memory snapshot of the step the job resumes from is whole with them counted as
         holders: as stuck ranks their actors linger and serve it, and no step is lost."""
-        if not state.configuring or now < state.started_at + self.detector.hang_threshold_s():
+        if not state.configuring or now < state.started_at + self.detector.unwind_s():
             return False
         memory = self._memory_without(lost, state.draining)
         return memory is not None and memory.step >= self.polls.last_step
