@@ -123,12 +123,17 @@ class Detector:
         self.first_step = step + 1
         self.waiting: dict[int, bool | None] = {}
         self.where: dict[int, str | None] = {}
+        self.evaluating: set[int] = set()  # ranks heard evaluating at a step boundary
 
     # --------------------------------------------------------------- inputs
-    def heard(self, rank: int, waiting: bool | None, where: str | None) -> None:
+    def heard(self, rank: int, waiting: bool | None, where: str | None, *, evaluating: bool = False) -> None:
         self.last_heard[rank] = self.clock()
         self.waiting[rank] = waiting
         self.where[rank] = where
+        if evaluating:
+            self.evaluating.add(rank)
+        else:
+            self.evaluating.discard(rank)
 
     def stepped(self, step: int, step_time_s: float | None = None) -> None:
         if step > self.progress[0]:
@@ -153,10 +158,13 @@ class Detector:
     def hang_threshold_s(self) -> float:
         """How long the step under way may go without completing before it is a hang: the job's
         pace (``HANG_STEP_FACTOR`` x ``pace_s``), never under ``hang_timeout_s``; the first step of
-        a generation gets the warm-up allowance (and a compiling job's ``first_step_timeout_s``)."""
+        a generation and an evaluation get the warm-up allowance (and a compiling job's
+        ``first_step_timeout_s``)."""
         pace = self.pace_s()
         threshold = self._paced_threshold_s()
-        if self.progress[0] < self.first_step:  # the generation's first step is under way
+        # The generation's first step is under way, or an evaluation (eval.batches forward passes,
+        # however many: not paced by the steps).
+        if self.progress[0] < self.first_step or self.evaluating:
             warm_up = WARMUP_STEP_FACTOR * pace if pace is not None else FIRST_STEP_ALLOWANCE_S
             return max(threshold, self.first_step_timeout_s, WARMUP_FLOOR_S, warm_up)
         return threshold

@@ -91,3 +91,14 @@ def test_ranks_outside_a_step_are_never_hung_and_survivors_get_time_to_unwind() 
     clock.now += 30.0  # a long checkpoint save between steps
     assert found.hung() is None
     assert found.unwind_s() == UNWIND_FLOOR_S  # an abort's survivors are not stuck after 2 s
+
+
+def test_an_evaluation_longer_than_the_paced_threshold_is_no_hang() -> None:
+    clock = Clock()
+    found = paced(clock, [3.0] + [0.5] * 10)
+    for rank in (0, 1):
+        found.heard(rank, waiting=False, where="evaluation.py:40", evaluating=True)
+    clock.now += 8.0  # eval.batches forward passes: 16 steps' time
+    assert found.hung() is None
+    clock.now += WARMUP_FLOOR_S
+    assert found.hung() == [0, 1]  # a hung evaluation is still found
