@@ -314,12 +314,14 @@ class DrainWatch:
         self.hosts = hosts  # alive nodes that could hold a rank (one GCS call)
         self.noticed: set[str] = set()
         self.retiring: set[object] = set()  # the slots (actors) of signalled processes
+        self.reasons: dict[object, str] = {}  # why a retiring slot leaves, for the ``drain`` event
 
-    def retire(self, slot: object) -> bool:
-        """A rank's process was told to end; True the first time it is heard of."""
+    def retire(self, slot: object, reason: str = "process told to end") -> bool:
+        """A rank's process was told to end (or is a straggler to replace); True the first time it is heard of."""
         if slot in self.retiring:
             return False
         self.retiring.add(slot)
+        self.reasons[slot] = reason
         return True
 
     def notice(self, node: str) -> bool:
@@ -349,6 +351,7 @@ class DrainWatch:
         """The mesh changed without the noticed nodes' and processes' ranks: their notices are handled."""
         self.noticed.clear()
         self.retiring.clear()
+        self.reasons.clear()
 
 
 def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:

@@ -100,6 +100,7 @@ class MeshChange:
         *,
         lost: dict[int, Lost] | None = None,
         draining: frozenset[int] = frozenset(),
+        refill: bool = True,
     ) -> Settling:
         """End the running generation (called by the controller while supervising it): on a
         failure abort the step in flight everywhere, for a drain or a grow pause at the step
@@ -119,6 +120,7 @@ class MeshChange:
             draining=draining,
             started_at=now,
             deadline=self._settle_deadline(purpose, now),
+            refill=refill,
         )
 
     def configuration_failed(self, state: Configuring) -> Settling:
@@ -166,11 +168,14 @@ class MeshChange:
         if purpose == SettlePurpose.DRAIN:
             nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
             signalled = all(self.group.active[rank] in self.drains.retiring for rank in draining)
+            # A signalled process, or a straggler to replace or exclude (``DrainWatch.retire``).
+            reasons = {self.drains.reasons.get(self.group.active[rank], "process told to end") for rank in draining}
+            retired = reasons.pop() if len(reasons) == 1 else "process told to end"
             self.events.emit(
                 "drain",
                 node=nodes[0] if len(nodes) == 1 else nodes,
                 ranks=sorted(draining),
-                reason="process told to end" if signalled else "node draining",
+                reason=retired if signalled else "node draining",
             )
         elif purpose == SettlePurpose.GROW:
             # The grow event comes after the first step of the grown mesh; say now that one began.
@@ -304,6 +309,8 @@ class MeshChange:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
+        if not state.refill:
+            warm = 0  # the leaving replica groups are not replaced (elastic.straggler.action=exclude)
         memory = self._memory_without(lost, state.draining)
         status = GroupStatus(
             mesh=state.mesh,

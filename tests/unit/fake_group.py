@@ -207,6 +207,7 @@ class FakeGroup:
         self.shut_down = False
         self.generation_runs = 0
         self.avoid_nodes: set[str] = set()
+        self.suspect_nodes: set[str] = set()
         self.applied = 0  # the last step the ranks applied (what a kept rank resumes after)
         self.snapshot_interval = 0  # the current generation's, from its snapshot plans
         self.run_call: _Run | None = None
