@@ -99,7 +99,7 @@ def choose_action(
     """What the driver can do now with stragglers ``ranks`` of ``mesh``, and why when it is less
     than ``configured``. Their replica groups leave whole; the others must carry on."""
     if configured == StragglerAction.WARN:
-        return StragglerAction.WARN, "elastic.straggler.action=warn"
+        return StragglerAction.WARN, ""
     hit = len({mesh.replica_of(rank) for rank in ranks})
     remaining = mesh.dp_replicate - hit
     if remaining < 1:

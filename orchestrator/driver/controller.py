@@ -413,6 +413,7 @@ class Controller:
                 # machine, every step of a short run): take them before the run ends.
                 last = max(outcome.last_step for outcome in returned.values() if isinstance(outcome, RunOutcome))
                 self.polls.await_step_reports(last, range(state.mesh.world_size))
+                self.stragglers.take(state.mesh, warm_actors=0, ending=True)  # found in the last steps: reported
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
             return run_failed("stopped", f"ranks ended with {sorted(str(status) for status in statuses)}")

@@ -77,14 +77,20 @@ class StragglerWatch:
         }
         self.found.extend(self.policy.observe(step, compute, self.mesh))
 
-    def take(self, mesh: MeshSpec, *, warm_actors: int) -> StragglerMove | None:
+    def take(self, mesh: MeshSpec, *, warm_actors: int, ending: bool = False) -> StragglerMove | None:
         """The stragglers found since the last call: report each, and return the ranks that leave
-        (None when none does). Called by the controller's housekeeping while the mesh runs."""
+        (None when none does). Called by the controller's housekeeping while the mesh runs, and
+        as the run ends (``ending``: nothing is left to move, they are reported only)."""
         if not self.found:
             return None
         found, self.found = self.found, []
         ranks = frozenset(straggler.rank for straggler in found)
-        action, why = choose_action(self.action, mesh, ranks, warm_actors=warm_actors, min_replicas=self.min_replicas)
+        if ending and self.action != StragglerAction.WARN:
+            action, why = StragglerAction.WARN, "the run ended first"
+        else:
+            action, why = choose_action(
+                self.action, mesh, ranks, warm_actors=warm_actors, min_replicas=self.min_replicas
+            )
         for straggler in found:
             node = self.node_of(straggler.rank)
             if action != StragglerAction.WARN and node:

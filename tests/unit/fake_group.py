@@ -12,6 +12,7 @@ ranks do is a script (``FakeGroup.script``, set before the controller is built),
                                   # ABORTED, a pause PAUSED, a stop STOPPED, a kill or a lost node DIED
         "stuck": {ranks},         # held, and out of reach of aborts and pauses: only a kill ends them
         "waiting": {rank: bool},  # the heartbeat's ``waiting`` (hang blame: busy ranks are the culprits)
+        "slow": {rank: factor},   # the rank's compute phase takes factor x its peers' (a straggler)
         "reports": {rank: [...]}, # reports queued after the step reports (drain notices, evals)
         "draining": {nodes},      # nodes Ray marks draining when the run starts
         "uncopied": {(step, rank)},  # snapshots whose copy to the buddy never completed
@@ -416,7 +417,7 @@ class FakeGroup:
         for rank in range(world):
             queue = self.queued.setdefault(rank, [])
             for step in range(first, steps + 1):
-                queue.append(_step_report(rank, step))
+                queue.append(_step_report(rank, step, compute_s=0.1 * plan.get("slow", {}).get(rank, 1.0)))
                 if interval and step % interval == 0:
                     queue.append(SnapshotReport(rank, 0.0, generation, step, copied=(step, rank) not in uncopied))
             queue.extend(plan.get("reports", {}).get(rank, ()))
@@ -471,8 +472,9 @@ class FakeGroup:
         self.shut_down = True
 
 
-def _step_report(rank: int, step: int) -> StepReport:
+def _step_report(rank: int, step: int, *, compute_s: float = 0.1) -> StepReport:
     return StepReport(
+        phases={"data_s": 0.0, "compute_s": compute_s, "sync_s": 0.01, "optimizer_s": 0.01},
         rank=rank,
         time=fake_time.time(),
         step=step,
