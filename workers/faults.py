@@ -249,12 +249,14 @@ class FaultInjector:
         # How many times as long this process's compute phase takes (a fired slow fault).
         self.slowdown = slowdown
 
-    def after_compute(self, compute_s: float) -> None:
-        """On the rank's loop thread, right after a step's forward and backward took ``compute_s``:
-        a slowed process takes (slowdown - 1) x as long again, so its compute phase lasts
-        ``slowdown`` times as long while its peers wait for it in the next collective."""
+    def after_compute(self, began: float, sync: Callable[[], None]) -> None:
+        """On the rank's loop thread, right after a step's forward and backward, which began at
+        ``began`` (``time.perf_counter``): a slowed process waits for its device (``sync``: on a GPU
+        the work is queued, not done) and takes (slowdown - 1) x as long again, so its compute
+        phase lasts ``slowdown`` times as long while its peers wait for it in the next collective."""
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * compute_s)
+            sync()
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - began))
 
     def before_step(self, step: int) -> None:
         for fault in self.faults:

@@ -104,10 +104,11 @@ class Trainer(TrainerState):
         source: SampleSource,
         committer: Committer | None = None,
         peer_waits: PeerWaitMarker | None = None,
-        after_compute: Callable[[float], None] | None = None,
+        after_compute: Callable[[float, Callable[[], None]], None] | None = None,
     ) -> None:
-        """``after_compute(seconds)`` runs after each step's forward and backward, inside the
-        compute phase (an injected slowdown sleeps there: ``FaultInjector.after_compute``)."""
+        """``after_compute(began, sync)`` runs after each step's forward and backward, inside the
+        compute phase that began at ``began`` (``time.perf_counter``); ``sync`` waits for the device
+        (an injected slowdown sleeps there: ``FaultInjector.after_compute``)."""
         self.spec = spec
         self.after_compute = after_compute
         self.mesh = mesh
@@ -333,7 +334,7 @@ class Trainer(TrainerState):
             rows = slice(index * per_round, (index + 1) * per_round)
             loss_sum += self._forward_backward(batch.rows(rows), last_round=index == self.accumulation - 1)
         if self.after_compute is not None:
-            self.after_compute(time.perf_counter() - loaded)
+            self.after_compute(loaded, self.rank_device.sync)
         computed = time.perf_counter()
         grad_norm = self._clip_gradients()
         # NCCL only enqueues the reductions and the clip: vote once the device has run them, so

@@ -86,15 +86,22 @@ def test_slow_faults_parse_with_a_default_factor_and_stay_with_the_process(monke
         with pytest.raises(ValueError, match="FACTOR must be a number > 1"):
             FaultSpec.parse(bad)
     slept: list[float] = []
+    synced: list[bool] = []
     monkeypatch.setattr("workers.faults.time.sleep", slept.append)
+    monkeypatch.setattr("workers.faults.time.perf_counter", lambda: 10.5)
+
+    def sync() -> None:
+        synced.append(True)
+
     injector = FaultInjector((FaultSpec.parse("slow@3:1:4"),), rank=1)
     injector.before_step(2)
-    injector.after_compute(0.5)
+    injector.after_compute(10.0, sync)
+    assert slept == [] and synced == []  # not slow yet: no device sync either
     injector.before_step(3)
-    injector.after_compute(0.5)
-    assert slept == [1.5]  # from step 3 on: (4 - 1) x the compute time
+    injector.after_compute(10.0, sync)
+    assert slept == [1.5] and synced == [True]  # from step 3 on: (4 - 1) x the 0.5 s compute
     later = FaultInjector((), rank=0, slowdown=injector.slowdown)  # the process's next generation
-    later.after_compute(0.5)
+    later.after_compute(10.0, sync)
     assert slept == [1.5, 1.5]
 
 
