@@ -235,7 +235,8 @@ class StragglerConfig:
     window_steps: int = 5
     # replace: its replica group's work moves to warm actors at the next step boundary (0 steps
     # lost, like a drain) and its node is avoided for new actors while others have room; exclude:
-    # its replica group leaves without a refill; warn: only reported. replace is the default: a
+    # its replica group leaves without a refill (the job grows back later, as after any shrink,
+    # from new actors placed away from its node); warn: only reported. replace is the default: a
     # slow rank costs every step of the job, a replacement costs one step boundary. Without warm
     # actors (elastic.spare_actors) or another replica group, stragglers are only reported.
     action: str = field(default="replace", metadata=_choices("warn", "replace", "exclude"))
