@@ -5,8 +5,11 @@ compute-phase seconds (``StepReport.phases["compute_s"]``: forward and backward,
 clip's and the commit vote's waits on peers, where a slow rank's slowness shows up as everyone
 else's wait). A rank is judged against its peers: the ranks doing the same work, those of the
 same pipeline stage (different stages compute different layers). A rank whose compute time is
-over ``factor`` x the median of its peers' for ``window_steps`` consecutive steps is a straggler,
-found once per generation.
+over ``factor`` x the median of its peers' over ``window_steps`` consecutive steps is a straggler,
+found once per generation. "Over the window" is the median of the window's ratios: a healthy
+rank's one- or two-step hiccup is not enough, and neither can one noisy step of a loaded
+machine (a peer's spike) hide a persistently slow rank, as a rule that every step exceed the
+factor would let it (measured on the shared 2-core machine: found 5 steps late).
 
 ``StragglerPolicy.observe`` finds them; ``choose_action`` says what the driver can do with one
 now (``StragglerAction``): move its replica group's work to warm actors at the next step
@@ -18,6 +21,7 @@ replacement, a replace or exclude is reported only, with the reason.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -35,7 +39,7 @@ class StragglerAction(StrEnum):
 
 @dataclass(frozen=True)
 class Straggler:
-    """A rank found slow: its compute time over its peers' median (the window's smallest ratio)."""
+    """A rank found slow: its compute time over its peers' median (the window's median ratio)."""
 
     rank: int
     factor: float
@@ -43,7 +47,7 @@ class Straggler:
 
 
 class StragglerPolicy:
-    """Counts, per rank of the current generation, the consecutive steps it was slow."""
+    """Per rank of the current generation, its last ``window_steps`` compute ratios."""
 
     def __init__(self, *, factor: float, window_steps: int) -> None:
         self.factor = factor
@@ -52,27 +56,28 @@ class StragglerPolicy:
 
     def reset(self) -> None:
         """A new generation: ranks are renumbered, every count starts again."""
-        self.streaks: dict[int, list[float]] = {}
+        self.windows: dict[int, deque[float]] = {}
         self.found: set[int] = set()
         self.last_step: int | None = None
 
     def observe(self, step: int, compute_s: Mapping[int, float], mesh: MeshSpec) -> list[Straggler]:
         """One completed step's compute seconds by rank; returns the ranks found slow with it."""
         if self.last_step is not None and step != self.last_step + 1:
-            self.streaks = {}  # steps were skipped (a rewind, a redo): consecutive means consecutive
+            self.windows = {}  # steps were skipped (a rewind, a redo): consecutive means consecutive
         self.last_step = step
         ratios = self._ratios(compute_s, mesh)
         found = []
         for rank in sorted(compute_s):
             ratio = ratios.get(rank)
-            if ratio is None or ratio <= self.factor:
-                self.streaks.pop(rank, None)
+            if ratio is None:
+                self.windows.pop(rank, None)
                 continue
-            streak = self.streaks.setdefault(rank, [])
-            streak.append(ratio)
-            if len(streak) >= self.window_steps and rank not in self.found:
+            window = self.windows.setdefault(rank, deque(maxlen=self.window_steps))
+            window.append(ratio)
+            typical = statistics.median(window)
+            if len(window) == self.window_steps and typical > self.factor and rank not in self.found:
                 self.found.add(rank)
-                found.append(Straggler(rank=rank, factor=round(min(streak[-self.window_steps :]), 2), step=step))
+                found.append(Straggler(rank=rank, factor=round(typical, 2), step=step))
         return found
 
     @staticmethod

@@ -38,7 +38,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh"),
     "drain": ("node", "ranks", "reason"),
     # A rank's compute phase took over elastic.straggler.factor x its peers' median for window_steps
-    # steps up to ``step`` (``factor``: the smallest ratio of the window), and what was done (warn,
+    # steps up to ``step`` (``factor``: the median ratio of the window), and what was done (warn,
     # replace, exclude; ``reason`` when a replace or exclude could only warn).
     "straggler": ("rank", "node", "factor", "step", "action"),
     "grow": ("new_mesh", "added_ranks", "join_s"),

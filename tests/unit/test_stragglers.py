@@ -28,19 +28,23 @@ def test_a_rank_slower_than_factor_x_its_peers_for_the_window_is_found_once() ->
     assert [(s.rank, s.factor, s.step) for s in found] == [(3, 4.0, 5)]  # at the window's end, then never again
 
 
-def test_hiccups_and_slowness_under_the_factor_are_no_stragglers() -> None:
-    policy = StragglerPolicy(factor=2.0, window_steps=5)
+def test_hiccups_and_slowness_under_the_factor_are_no_stragglers_but_one_noisy_step_hides_none() -> None:
     slow, fine = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.5}, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}
-    assert feed(policy, TWO_REPLICAS, [slow] * 4 + [fine] + [slow] * 4) == []  # never 5 in a row
-    assert feed(policy, TWO_REPLICAS, [{0: 0.1, 1: 0.1, 2: 0.1, 3: 0.19}] * 10, first=10) == []  # 1.9x < 2
-    assert feed(policy, TWO_REPLICAS, [slow] * 3 + [slow] * 3, first=30)[0].step == 34  # consecutive again
+    policy = StragglerPolicy(factor=2.0, window_steps=5)
+    assert feed(policy, TWO_REPLICAS, ([slow] * 2 + [fine] * 3) * 3) == []  # two-step hiccups: fine
+    assert feed(policy, TWO_REPLICAS, [{0: 0.1, 1: 0.1, 2: 0.1, 3: 0.19}] * 10, first=16) == []  # 1.9x < 2
+    # A loaded machine slows the peers for a step (rank 3 only 1.7x then): the slow rank is still found in time.
+    noisy = {0: 0.3, 1: 0.3, 2: 0.3, 3: 0.5}
+    policy = StragglerPolicy(factor=2.0, window_steps=5)
+    found = feed(policy, TWO_REPLICAS, [slow, slow, noisy, slow, slow])
+    assert [(s.rank, s.factor, s.step) for s in found] == [(3, 5.0, 5)]
 
 
 def test_skipped_steps_start_the_count_again_and_reset_forgets_the_generation() -> None:
     policy = StragglerPolicy(factor=2.0, window_steps=3)
     slow = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.5}
     assert feed(policy, TWO_REPLICAS, [slow] * 2) == []
-    assert feed(policy, TWO_REPLICAS, [slow] * 2, first=7) == []  # a rewind: 7 does not follow 2
+    assert feed(policy, TWO_REPLICAS, [slow] * 2, first=7) == []  # a skip: 7 does not follow 2
     assert [s.rank for s in feed(policy, TWO_REPLICAS, [slow], first=9)] == [3]
     policy.reset()  # a new generation: its rank 3 may be found again
     assert [s.rank for s in feed(policy, TWO_REPLICAS, [slow] * 3, first=12)] == [3]
