@@ -229,10 +229,10 @@ class StragglerConfig:
     # a throttled GPU or a rank sharing its device runs 2x or slower, and a rank at 2x holds every
     # step of the job back by as much.
     factor: float = 2.0
-    # ... over this many consecutive steps (the median of their ratios). 5: a one-off hiccup (a
-    # page-cache miss, a garbage collection, a snapshot copy) lasts a step or two, under the median
-    # of five; a rank slow for most of five steps is a condition, and replacing costs no step, so
-    # acting after five is cheap.
+    # ... in this many consecutive steps (all but one of them, so that one noisy step of a loaded
+    # machine does not hide it). 5: a one-off hiccup (a page-cache miss, a garbage collection, a
+    # snapshot copy) lasts a step or two; four slow steps of five is a condition, and replacing
+    # costs no step, so acting after five is cheap.
     window_steps: int = 5
     # replace: its replica group's work moves to warm actors at the next step boundary (0 steps
     # lost, like a drain) and its node is avoided for new actors while others have room; exclude:

@@ -31,7 +31,7 @@ def test_a_rank_slower_than_factor_x_its_peers_for_the_window_is_found_once() ->
 def test_hiccups_and_slowness_under_the_factor_are_no_stragglers_but_one_noisy_step_hides_none() -> None:
     slow, fine = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.5}, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}
     policy = StragglerPolicy(factor=2.0, window_steps=5)
-    assert feed(policy, TWO_REPLICAS, ([slow] * 2 + [fine] * 3) * 3) == []  # two-step hiccups: fine
+    assert feed(policy, TWO_REPLICAS, ([slow] * 3 + [fine] * 2) * 3) == []  # three-step hiccups: fine
     assert feed(policy, TWO_REPLICAS, [{0: 0.1, 1: 0.1, 2: 0.1, 3: 0.19}] * 10, first=16) == []  # 1.9x < 2
     # A loaded machine slows the peers for a step (rank 3 only 1.7x then): the slow rank is still found in time.
     noisy = {0: 0.3, 1: 0.3, 2: 0.3, 3: 0.5}
