@@ -203,3 +203,20 @@ def test_warn_only_reports_and_the_mesh_stays(overrides, reason, make_controller
     assert len(group.configured) == 1 and group.pauses == [] and not group.suspect_nodes
     assert not events_of(tmp_path, "drain")
     assert [e["step"] for e in events_of(tmp_path, "step")] == list(range(1, 13))
+
+
+def test_a_straggler_is_replaced_at_the_step_boundary_after_its_window(make_controller, tmp_path):
+    """One step per poll, as real ranks report: rank 3 is slow from step 1; with a window of 3 it
+    is found at step 3, and the next housekeeping pauses the generation after the step in flight."""
+    controller = make_controller(
+        *STRAGGLING,
+        "elastic.spare_actors=2",
+        script={"runs": {1: {"steps_done": 12, "held": "all", "paced": True, "slow": {3: 4.0}}}},
+    )
+    assert finish(controller).status == "finished"
+    assert only_straggler(tmp_path)["step"] == 3
+    group = fake_group(controller)
+    resumed_after = group.configured[1]["starts"][-1].step  # the spare's peer copy: the last old-mesh step
+    assert resumed_after == 3 + 1  # the slow rank ran window_steps + 1 steps: its window and the one in flight
+    assert [e["step"] for e in events_of(tmp_path, "step")] == list(range(1, 13))
+    assert [e["lost_steps"] for e in events_of(tmp_path, "recovered")] == [0]
