@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from orchestrator.driver.detector import FIRST_STEP_ALLOWANCE_S, UNWIND_FLOOR_S, WARMUP_FLOOR_S, Detector, LossKind
+from tests.unit.fake_group import ELASTIC, events_of, finish
 
 
 class Clock:
@@ -102,3 +105,23 @@ def test_an_evaluation_longer_than_the_paced_threshold_is_no_hang() -> None:
     assert found.hung() is None
     clock.now += WARMUP_FLOOR_S
     assert found.hung() == [0, 1]  # a hung evaluation is still found
+
+
+def test_a_running_jobs_hang_is_declared_from_its_pace_with_the_default_floor(make_controller, event_times):
+    """The driver over the fake group, defaults: 0.1 s steps reported one per poll, then rank 2
+    busy while the others wait on it. Declared ~2 s after the last step (the floor), not 60 s."""
+    controller = make_controller(
+        *ELASTIC,
+        "training.steps=10",
+        script={
+            "runs": {
+                1: {"steps_done": 6, "held": "all", "paced": True, "waiting": {0: True, 1: True, 2: False, 3: True}}
+            }
+        },
+    )
+    assert finish(controller).status == "finished"
+    steps = [time for name, time in event_times.times if name == "step"]
+    [failure] = event_times.of("failure")
+    # elastic.hang_timeout_s=2 (4 x 0.1 s is less), a poll, the abort's settling: within 5 s
+    assert 2.0 < failure - steps[5] < 5.0
+    assert [e["kind"] for e in events_of(Path(controller.events.path).parent, "failure")] == [LossKind.HANG]
