@@ -7,6 +7,7 @@
                    layer_traffic.py, pipeline_cost.py) and hardware.py behind it;
                    plan_check.py prices one given layout, plan_explain.py says why
     placement.py   which node each replica group goes to
+    straggler.py   which ranks compute persistently slower than their peers, and what to do
     simulator.py   goodput of the recovery policies over a failure trace
 
 Imports nothing of meshpilot's but its own modules and plain-value spec modules (``workers.spec``

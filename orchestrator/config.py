@@ -221,12 +221,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """``elastic.straggler``: a rank whose compute is persistently slower than its peers' (``elastic/straggler.py``)."""
+
+    # Slow = compute phase over this many times the median of its peers'. 2.0: a healthy rank's
+    # compute varies far less (within ~1.3x on the shared 2-core CPU machine, less on GPUs), while
+    # a throttled GPU or a rank sharing its device runs 2x or slower, and a rank at 2x holds every
+    # step of the job back by as much.
+    factor: float = 2.0
+    # ... in this many consecutive steps (all but one of them, so that one noisy step of a loaded
+    # machine does not hide it). 5: a one-off hiccup (a page-cache miss, a garbage collection, a
+    # snapshot copy) lasts a step or two; four slow steps of five is a condition, and replacing
+    # costs no step, so acting after five is cheap.
+    window_steps: int = 5
+    # replace: its replica group's work moves to warm actors at the next step boundary (0 steps
+    # lost, like a drain) and its node is avoided for new actors while others have room; exclude:
+    # its replica group leaves without a refill (the job grows back later, as after any shrink,
+    # from new actors placed away from its node); warn: only reported. replace is the default: a
+    # slow rank costs every step of the job, a replacement costs one step boundary. Without warm
+    # actors (elastic.spare_actors) or another replica group, stragglers are only reported.
+    action: str = field(default="replace", metadata=_choices("warn", "replace", "exclude"))
+
+
+@dataclass
 class ElasticConfig:
     min_replicas: int = 1
     max_replicas: int | None = None
     heartbeat_timeout_s: float = 10.0
-    # A step that makes no progress for this long is treated as hung.
-    hang_timeout_s: float = 60.0
+    # The floor of the hang threshold: a step is hung once it has run 4 x the recent p90 step time
+    # and at least this long (the first step of each generation gets a generous warm-up allowance:
+    # orchestrator/driver/detector.py). Low so that a hung rank of a fast job is found in seconds.
+    hang_timeout_s: float = 2.0
     # With training.compile: how long the first step of each mesh may take before it counts as hung
     # (it may compile the blocks; a layout seen before loads them from the job's caches instead).
     compile_timeout_s: float = 600.0
@@ -255,6 +280,7 @@ class ElasticConfig:
     # (e.g. http://169.254.169.254/latest/meta-data/spot/instance-action on AWS); 200 = notice.
     instance_action_url: str | None = None
     instance_action_poll_s: float = 2.0
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass

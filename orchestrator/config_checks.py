@@ -223,6 +223,21 @@ def _elastic_problems(config: JobConfig) -> list[str]:
             "time snapshots may cost (0: no limit)"
         )
     problems.extend(_snapshot_memory_problems(config))
+    problems.extend(_straggler_problems(config))
+    return problems
+
+
+def _straggler_problems(config: JobConfig) -> list[str]:
+    """``elastic.straggler``: a factor above 1 (at or under 1 every rank would be slow) and a window of steps."""
+    straggler = config.elastic.straggler
+    problems = []
+    if straggler.factor <= 1:
+        problems.append(
+            f"elastic.straggler.factor={straggler.factor:g} must be > 1: a rank is a straggler when its compute "
+            "takes more than factor x its peers' median (e.g. elastic.straggler.factor=2)"
+        )
+    if straggler.window_steps < 1:
+        problems.append(f"elastic.straggler.window_steps={straggler.window_steps} must be >= 1")
     return problems
 
 

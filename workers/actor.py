@@ -345,7 +345,14 @@ class RankActor:
 
             load_published_artifacts(store, mesh)
         trainer = Trainer(
-            self.spec, mesh, rank, device=device, source=self.source, committer=committer, peer_waits=self._peer_waits
+            self.spec,
+            mesh,
+            rank,
+            device=device,
+            source=self.source,
+            committer=committer,
+            peer_waits=self._peer_waits,
+            after_compute=self.faults.after_compute,
         )
         self.trainer = trainer
         self._filled = False
@@ -361,6 +368,7 @@ class RankActor:
             rank=rank,
             on_fire=lambda f: log.warning("firing injected fault %s", f.describe()),
             before_kill=lambda: self.channel.wait_delivered(REPORTS_BEFORE_KILL_S),
+            slowdown=self.faults.slowdown,  # a slowed process stays slow in every generation
         )
 
     def _fill_state(self, start: StartFrom, trainer: Trainer, checkpoints: RankCheckpoints | NoCheckpoints) -> None:

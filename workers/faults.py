@@ -1,8 +1,8 @@
 """Deterministic fault injection, keyed by (rank, step): a feature, not a test hack.
 
-``--inject KIND@STEP[:RANK][/PHASE]`` (repeatable) on ``meshpilot train``, or ``FaultSpec``
-values in tests. The driver keeps the faults not consumed yet (``DriverFaults``) and hands each
-generation those still ahead of it; a rank fires a fault at the start of step STEP when its
+``--inject KIND@STEP[:RANK][/PHASE]`` (``slow@STEP:RANK[:FACTOR]``; repeatable) on ``meshpilot train``,
+or ``FaultSpec`` values in tests. The driver keeps the faults not consumed yet (``DriverFaults``) and
+hands each generation those still ahead of it; a rank fires a fault at the start of step STEP when its
 rank in the current mesh is RANK (default 0), so the same fault hits the same place in every
 run. With ``/configure`` (kill and raise only) it fires instead while a mesh that resumes at
 step STEP is being configured, after the rank filled its state: a fault during a recovery, a
@@ -17,6 +17,9 @@ groups exist, where peers wait in torch's rendezvous, out of reach of an abort. 
     drain       ask Ray to drain this rank's node, as a spot reclaim or autoscaler would
     sigterm     send SIGTERM to this rank's process, as a pod's termination does
     s3_outage   make every storage request of this rank fail for STORAGE_OUTAGE_S seconds
+    slow        from STEP on, this rank's compute phase takes FACTOR (default SLOW_FACTOR) times as
+                long: a throttled device or a noisy neighbour. It stays with the process (a
+                later generation's rank on it is slow too; a replacement is not)
 
 and on the driver side (``DriverFaults``, in the controller):
 
@@ -60,12 +63,23 @@ class FaultKind(StrEnum):
     S3_OUTAGE = "s3_outage"
     DRIVER = "driver"
     NODE = "node"
+    SLOW = "slow"
     PARTITION = "partition"
     THROTTLE = "throttle"
     NETEM = "netem"
 
 
-RANK_KINDS = (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.DRAIN, FaultKind.SIGTERM, FaultKind.S3_OUTAGE)
+RANK_KINDS = (
+    FaultKind.KILL,
+    FaultKind.RAISE,
+    FaultKind.HANG,
+    FaultKind.DRAIN,
+    FaultKind.SIGTERM,
+    FaultKind.S3_OUTAGE,
+    FaultKind.SLOW,
+)
+# A slow fault's compute factor when none is given: clearly a straggler at any sane threshold.
+SLOW_FACTOR = 4.0
 # How long an injected storage outage lasts: long enough to exhaust the writer's retries.
 STORAGE_OUTAGE_S = 8.0
 NETWORK_KINDS = (FaultKind.PARTITION, FaultKind.THROTTLE, FaultKind.NETEM)
@@ -114,6 +128,8 @@ class FaultSpec:
     phase: FaultPhase = FaultPhase.STEP
     # A network kind's numbers after NODE (seconds; Mbit/s; delay ms and loss percent).
     values: tuple[float, ...] = ()
+    # slow: how many times as long the rank's compute phase takes (> 1); 0 for the other kinds.
+    factor: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -135,6 +151,10 @@ class FaultSpec:
                 "e.g. kill@5:1/snapshot)"
             )
         step_text, _, rank_text = where.partition(":")
+        factor = 0.0
+        if kind == FaultKind.SLOW:
+            rank_text, _, factor_text = rank_text.partition(":")
+            factor = _slow_factor(text, factor_text)
         try:
             step = int(step_text)
             rank = int(rank_text) if rank_text else 0
@@ -142,11 +162,13 @@ class FaultSpec:
             raise ValueError(f"--inject {text!r}: STEP and RANK must be integers, e.g. kill@5:1") from None
         if step < 1 or rank < 0:
             raise ValueError(f"--inject {text!r}: STEP must be >= 1 and RANK >= 0")
-        return cls(FaultKind(kind), step, rank, phase)
+        return cls(FaultKind(kind), step, rank, phase, factor=factor)
 
     def describe(self) -> str:
         suffix = f"/{self.phase}" if self.phase != FaultPhase.STEP else ""
         values = "".join(f":{value:g}" for value in self.values)
+        if self.kind == FaultKind.SLOW:
+            values = f":{self.factor:g}"
         return f"{self.kind}@{self.step}:{self.rank}{values}{suffix}"
 
     def network(self) -> NetworkFault:
@@ -208,6 +230,22 @@ def _parse_network(text: str, kind: FaultKind, where: str) -> FaultSpec:
     elif any(value <= 0 for value in values):
         raise ValueError(f"--inject {text!r}: {'SECONDS' if kind == FaultKind.PARTITION else 'MBIT'} must be > 0")
     return FaultSpec(kind, step, node, values=values)
+
+
+def _slow_factor(text: str, factor_text: str) -> float:
+    """A slow fault's FACTOR (SLOW_FACTOR when absent); ValueError unless a number > 1."""
+    if not factor_text:
+        return SLOW_FACTOR
+    try:
+        factor = float(factor_text)
+    except ValueError:
+        factor = 0.0
+    if not factor > 1:
+        raise ValueError(
+            f"--inject {text!r}: FACTOR must be a number > 1 (how many times as long the rank's compute takes), "
+            "e.g. slow@5:1:4"
+        )
+    return factor
 
 
 # How long a rank about to kill itself (an injected kill) waits for the driver to poll the
@@ -288,13 +326,26 @@ class FaultInjector:
         rank: int,
         on_fire: Callable[[FaultSpec], None] | None = None,
         before_kill: Callable[[], object] | None = None,
+        slowdown: float = 1.0,
     ) -> None:
         """``on_fire(fault)`` runs as a fault fires; ``before_kill()`` just before a kill ends the
-        process (the actor waits there until the driver has polled this rank's queued reports)."""
+        process (the actor waits there until the driver has polled this rank's queued reports).
+        ``slowdown``: the factor a slow fault of an earlier generation left on this process."""
         self.faults = [f for f in faults if f.rank == rank and f.kind in RANK_KINDS]
         self.on_fire = on_fire
         self.before_kill = before_kill
         self.storage_outage_until = 0.0
+        # How many times as long this process's compute phase takes (a fired slow fault).
+        self.slowdown = slowdown
+
+    def after_compute(self, began: float, sync: Callable[[], None]) -> None:
+        """On the rank's loop thread, right after a step's forward and backward, which began at
+        ``began`` (``time.perf_counter``): a slowed process waits for its device (``sync``: on a GPU
+        the work is queued, not done) and takes (slowdown - 1) x as long again, so its compute
+        phase lasts ``slowdown`` times as long while its peers wait for it in the next collective."""
+        if self.slowdown > 1:
+            sync()
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - began))
 
     def before_step(self, step: int) -> None:
         for fault in self.faults:
@@ -343,6 +394,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
         elif fault.kind == FaultKind.S3_OUTAGE:
             self.storage_outage_until = time.monotonic() + STORAGE_OUTAGE_S
+        elif fault.kind == FaultKind.SLOW:
+            self.slowdown = max(self.slowdown, fault.factor)
 
 
 def _drain_this_node(message: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -104,8 +104,13 @@ class Trainer(TrainerState):
         source: SampleSource,
         committer: Committer | None = None,
         peer_waits: PeerWaitMarker | None = None,
+        after_compute: Callable[[float, Callable[[], None]], None] | None = None,
     ) -> None:
+        """``after_compute(began, sync)`` runs after each step's forward and backward, inside the
+        compute phase that began at ``began`` (``time.perf_counter``); ``sync`` waits for the device
+        (an injected slowdown sleeps there: ``FaultInjector.after_compute``)."""
         self.spec = spec
+        self.after_compute = after_compute
         self.mesh = mesh
         self.rank = rank
         # rank_device syncs and empties the device; device is the torch device tensors go to.
@@ -328,6 +333,8 @@ class Trainer(TrainerState):
         for index in range(self.accumulation):
             rows = slice(index * per_round, (index + 1) * per_round)
             loss_sum += self._forward_backward(batch.rows(rows), last_round=index == self.accumulation - 1)
+        if self.after_compute is not None:
+            self.after_compute(loaded, self.rank_device.sync)
         computed = time.perf_counter()
         grad_norm = self._clip_gradients()
         # NCCL only enqueues the reductions and the clip: vote once the device has run them, so

@@ -52,6 +52,8 @@ class RunSummary:
     # bytes they read from other ranks' memory.
     memory_restores: int = 0
     memory_restore_bytes: int = 0
+    # One line per ``straggler`` event: rank, node, factor, action.
+    stragglers: tuple[str, ...] = field(default=())
 
     @property
     def goodput(self) -> float:
@@ -159,6 +161,16 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         partial_loss_steps=tuple(int(e["step"]) for e in steps if e.get("loss_partial")),
         memory_restores=sum(e.get("source") == "peer_memory" for e in of("restored")),
         memory_restore_bytes=sum(int(e.get("bytes_from_peers") or 0) for e in of("restored")),
+        stragglers=tuple(_straggler(e) for e in of("straggler")),
+    )
+
+
+def _straggler(event: dict[str, Any]) -> str:
+    """``rank 1 (node n0) 4.02x at step 8: replace`` (and why an action was only a warning)."""
+    why = f" ({event['reason']})" if event.get("reason") else ""
+    return (
+        f"rank {event.get('rank')} (node {event.get('node')}) {float(event.get('factor') or 0):.2f}x "
+        f"at step {event.get('step')}: {event.get('action')}{why}"
     )
 
 
@@ -193,6 +205,8 @@ def format_summary(summary: RunSummary) -> str:
         f"drains: {summary.drains}{_pauses(summary.drain_pause_s)}; "
         f"grows: {summary.grows}{_pauses(summary.grow_pause_s)}",
     ]
+    if summary.stragglers:
+        lines.append(f"stragglers: {len(summary.stragglers)}: " + "; ".join(summary.stragglers))
     if summary.partial_loss_steps:
         shown = ", ".join(map(str, summary.partial_loss_steps))
         lines.append(f"loss from the ranks that reported only (a rank left before its report): step {shown}")

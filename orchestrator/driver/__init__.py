@@ -4,6 +4,7 @@
     controller.py       the state machine, one iteration per ``step()``; states.py holds its states
     polling.py          one poll of the ranks: heartbeats -> detector, reports -> router; the last step
     detector.py         what the driver sees -> which ranks are lost and why
+    stragglers.py       per-rank compute times -> stragglers to replace, exclude or report
     mesh_change.py      settling an ending generation, carrying out the policies' decisions in place
     restore.py          restoring onto a mesh from peer memory or a checkpoint; reshaping
     replicas.py         replica books: who stays, who goes warm, who joins, what fits

@@ -62,6 +62,7 @@ from orchestrator.driver.states import (
     State,
     run_failed,
 )
+from orchestrator.driver.stragglers import StragglerWatch
 from orchestrator.driver.train_spec import data_bytes, train_spec
 from orchestrator.driver.transitions import TransitionTimer
 from orchestrator.driver.worker_group import WorkerGroup
@@ -134,7 +135,14 @@ class Controller:
         self.faults = DriverFaults(
             faults, node_of=self.replicas.node_of, remove_node=node_fault, network_fault=network_fault
         )
-        self.router = _report_router(config, events, self.faults, self.detector)
+        self.stragglers = StragglerWatch(
+            config.elastic.straggler,
+            events,
+            node_of=self.replicas.node_of,
+            suspect=self.group.suspect_nodes.add,
+            min_replicas=config.elastic.min_replicas,
+        )
+        self.router = _report_router(config, events, self.faults, self.detector, self.stragglers)
         self.router.on(ReportKind.DRAIN_NOTICE, self._on_drain_notice)
         self.router.on(ReportKind.CHECKPOINT_UPLOAD, self.checkpoints.on_report)
         self.snapshots = snapshot_book(config, events, self.router, publish_interval=self.group.set_snapshot_interval)
@@ -318,6 +326,7 @@ class Controller:
         recovering = self.router.steps_emitted > 0  # a running job's mesh change, not its start
         self.generation += 1
         self.router.set_mesh(mesh)
+        self.stragglers.reset(mesh)
         self.checkpoints.reset(
             mesh, generation=self.generation, paused_after=generation.paused_after, lost=generation.lost
         )
@@ -420,6 +429,7 @@ class Controller:
                 # machine, every step of a short run): take them before the run ends.
                 last = max(outcome.last_step for outcome in returned.values() if isinstance(outcome, RunOutcome))
                 self.polls.await_step_reports(last, range(state.mesh.world_size))
+                self.stragglers.take(state.mesh, warm_actors=0, ending=True)  # found in the last steps: reported
                 self.replicas_consistent = replicas_consistent(state.mesh, returned)
                 return Finished.of(RunEnd.FINISHED)
             if statuses == {RunStatus.PAUSED} and self.config.runtime.survive_driver_loss:
@@ -440,6 +450,8 @@ class Controller:
         if draining:
             return self.mesh_change.begin_settling(state, SettlePurpose.DRAIN, draining=draining)
         self.group.refresh()
+        if (stragglers := self._straggler_move(state)) is not None:
+            return stragglers
         decision = self.scaling_policy.decide(
             state.mesh, warm_actors=len(self.group.warm()), fits=self.replicas.fits, reshape=self.snapshots.enabled
         )
@@ -452,6 +464,18 @@ class Controller:
             wanted = max(wanted, self.scaling_policy.reshape_shortfall(state.mesh))
         self.replicas.top_up(state.mesh, wanted_ranks=wanted + self.config.elastic.spare_actors)
         return None
+
+    def _straggler_move(self, state: Running) -> Settling | None:
+        """Stragglers found since the last housekeeping: their replica groups leave at the step
+        boundary like a drain (refilled from warm actors unless excluded), or they are only reported."""
+        move = self.stragglers.take(state.mesh, warm_actors=len(self.group.warm()))
+        if move is None:
+            return None
+        for rank in move.ranks:
+            self.drains.retire(self.group.active[rank], reason="straggler")
+        return self.mesh_change.begin_settling(
+            state, SettlePurpose.DRAIN, draining=frozenset(move.ranks), refill=move.refill
+        )
 
     def _on_drain_notice(self, report: DrainNoticeReport) -> None:
         """A rank reports a notice (handler of ``DRAIN_NOTICE`` reports, called by the router while
@@ -515,7 +539,9 @@ class Controller:
             log.warning("interrupted again: stopping now")
 
 
-def _report_router(config: JobConfig, events: EventLog, faults: DriverFaults, detector: Detector) -> ReportRouter:
+def _report_router(
+    config: JobConfig, events: EventLog, faults: DriverFaults, detector: Detector, stragglers: StragglerWatch
+) -> ReportRouter:
     """The run's report router, with its sample ledger and its hooks."""
     return ReportRouter(
         events,
@@ -531,6 +557,7 @@ def _report_router(config: JobConfig, events: EventLog, faults: DriverFaults, de
             # reports that came with it (a later step, a checkpoint's commit) are handled.
             after_step=faults.fire,
             after_eval=detector.evaluated,  # an evaluation is progress for the hang check
+            step_reports=stragglers.on_step,  # each rank's compute time, for the straggler check
         ),
     )
 

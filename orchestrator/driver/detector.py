@@ -13,10 +13,11 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   either (``node_lost``: a partitioned node, or one whose network died; Ray takes its health
   checks' many seconds to say so, and its actors may come back when the network does: the
   controller kills them and fences them by generation);
-* no step (nor evaluation) completed for ``hang_timeout_s``, and for at least
-  ``HANG_STEP_FACTOR`` typical step times (``hang``): the ranks busy in the step while the others wait on them in
-  collectives are the culprits. The second bound keeps a slow machine (or a large step) from
-  looking hung;
+* no step (nor evaluation) completed for the job's own pace (``hang``): ``HANG_STEP_FACTOR`` x the
+  ``HANG_PERCENTILE`` of the recent step times, never less than ``hang_timeout_s`` (a floor). The
+  first step of each generation (warm-up, a mesh's first collectives, compilation) has its own,
+  generous allowance (``Detector.hang_threshold_s``). The ranks busy in the step while the others
+  wait on them in collectives are the culprits;
 * while a generation fails, a rank that answers no poll for ``SILENT_GRACE_S`` on a node Ray
   reports gone (``node_lost``: Ray may take seconds more to report its actors), or that does
   not leave the generation before the settling deadline (``stuck``); a silent rank on a live
@@ -32,7 +33,7 @@ Drain notices are not losses: Ray marks a node draining (autoscaler, spot reclai
 from __future__ import annotations
 
 import logging
-import statistics
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Container, Mapping
@@ -73,8 +74,24 @@ class Lost:
     node: str | None = None
 
 
-# A step is hung only once it has taken this many times the recent median step time.
-HANG_STEP_FACTOR = 5.0
+# A step is hung once it has taken HANG_STEP_FACTOR x the HANG_PERCENTILE of the recent step times
+# (and at least elastic.hang_timeout_s). The 90th percentile of the last 20 steps is the slowest
+# normal step but for the worst two (a loaded machine's spikes are in it, a one-off outlier is
+# not); 4x that leaves a 2x margin over the slowest normal step seen on the shared 2-core CPU
+# test machine (steps vary up to ~2x there), and still finds a 0.7 s step's hang in ~3 s.
+HANG_STEP_FACTOR = 4.0
+HANG_PERCENTILE = 0.9
+RECENT_STEPS = 20
+# The first step of a generation warms up (the mesh's first collectives connect, allocators and
+# caches fill, it may compile): it may take WARMUP_STEP_FACTOR x the percentile, at least
+# WARMUP_FLOOR_S; the run's very first step, with no pace known yet, FIRST_STEP_ALLOWANCE_S
+# (the hang floor this detector had before it followed the job's pace).
+WARMUP_STEP_FACTOR = 10.0
+WARMUP_FLOOR_S = 10.0
+FIRST_STEP_ALLOWANCE_S = 60.0
+# How long survivors of an aborted generation get to leave it: the hang threshold, at least this
+# (a rank checks its collectives were released CHECK_AFTER_S=4 s after an abort, workers/group_abort.py).
+UNWIND_FLOOR_S = 10.0
 # While a generation fails, a rank on a node Ray reports gone that answers no poll for this long is lost.
 SILENT_GRACE_S = 3.0
 # A rank silent this long has its node's reachability checked: a few missed polls (every 0.25 s).
@@ -104,8 +121,9 @@ class Detector:
         self.dead_nodes = dead_nodes
         self.unreachable_nodes = unreachable_nodes
         self.clock = clock
-        # Kept across generations: the first step of a new mesh is judged by the old ones.
-        self.step_times: deque[float] = deque(maxlen=20)
+        # Kept across generations: the first step of a new mesh is judged by the old ones. A
+        # generation's first step is not kept (its warm-up would inflate the pace for 20 steps).
+        self.step_times: deque[float] = deque(maxlen=RECENT_STEPS)
         self.reset(0)
 
     def reset(self, world_size: int, step: int = 0) -> None:
@@ -116,17 +134,23 @@ class Detector:
         self.first_step = step + 1
         self.waiting: dict[int, bool | None] = {}
         self.where: dict[int, str | None] = {}
+        self.evaluating: set[int] = set()  # ranks heard evaluating at a step boundary
 
     # --------------------------------------------------------------- inputs
-    def heard(self, rank: int, waiting: bool | None, where: str | None) -> None:
+    def heard(self, rank: int, waiting: bool | None, where: str | None, *, evaluating: bool = False) -> None:
         self.last_heard[rank] = self.clock()
         self.waiting[rank] = waiting
         self.where[rank] = where
+        if evaluating:
+            self.evaluating.add(rank)
+        else:
+            self.evaluating.discard(rank)
 
     def stepped(self, step: int, step_time_s: float | None = None) -> None:
         if step > self.progress[0]:
+            warming_up = self.progress[0] < self.first_step
             self.progress = (step, self.clock())
-            if step_time_s:
+            if step_time_s and not warming_up:
                 self.step_times.append(step_time_s)
 
     def evaluated(self) -> None:
@@ -134,12 +158,35 @@ class Detector:
         is judged from now (an evaluation itself must end within the hang threshold, like a step)."""
         self.progress = (self.progress[0], self.clock())
 
+    def pace_s(self) -> float | None:
+        """The ``HANG_PERCENTILE`` of the recent step times (None before any step beyond a
+        generation's first completed)."""
+        if not self.step_times:
+            return None
+        ordered = sorted(self.step_times)
+        return ordered[max(0, math.ceil(HANG_PERCENTILE * len(ordered)) - 1)]
+
     def hang_threshold_s(self) -> float:
-        typical = statistics.median(self.step_times) if self.step_times else 0.0
-        threshold = max(self.hang_timeout_s, HANG_STEP_FACTOR * typical)
-        if self.progress[0] < self.first_step:  # the generation's first step is under way
-            return max(threshold, self.first_step_timeout_s)
+        """How long the step under way may go without completing before it is a hang: the job's
+        pace (``HANG_STEP_FACTOR`` x ``pace_s``), never under ``hang_timeout_s``; the first step of
+        a generation and an evaluation get the warm-up allowance (and a compiling job's
+        ``first_step_timeout_s``)."""
+        pace = self.pace_s()
+        threshold = self._paced_threshold_s()
+        # The generation's first step is under way, or an evaluation (eval.batches forward passes,
+        # however many: not paced by the steps).
+        if self.progress[0] < self.first_step or self.evaluating:
+            warm_up = WARMUP_STEP_FACTOR * pace if pace is not None else FIRST_STEP_ALLOWANCE_S
+            return max(threshold, self.first_step_timeout_s, WARMUP_FLOOR_S, warm_up)
         return threshold
+
+    def _paced_threshold_s(self) -> float:
+        return max(self.hang_timeout_s, HANG_STEP_FACTOR * (self.pace_s() or 0.0))
+
+    def unwind_s(self) -> float:
+        """How long the survivors of an aborted generation may take to leave it: the paced hang
+        threshold (no warm-up allowance: leaving runs no step), at least ``UNWIND_FLOOR_S``."""
+        return max(self._paced_threshold_s(), UNWIND_FLOOR_S)
 
     # -------------------------------------------------------------- findings
     def unresponsive(self) -> list[int]:
@@ -247,9 +294,9 @@ class Detector:
         return {
             rank: Lost(
                 LossKind.HANG,
-                f"no step completed for {stalled:.0f} s "
-                f"(elastic.hang_timeout_s={self.hang_timeout_s:g}, and {HANG_STEP_FACTOR:g} typical "
-                f"steps); busy at {self.where.get(rank) or 'unknown'}",
+                f"no step completed for {stalled:.1f} s (the hang threshold {self.hang_threshold_s():.1f} s: "
+                f"{HANG_STEP_FACTOR:g} x the recent p{HANG_PERCENTILE * 100:.0f} step time, at least "
+                f"elastic.hang_timeout_s={self.hang_timeout_s:g}); busy at {self.where.get(rank) or 'unknown'}",
             )
             for rank in culprits
         }
@@ -296,12 +343,14 @@ class DrainWatch:
         self.hosts = hosts  # alive nodes that could hold a rank (one GCS call)
         self.noticed: set[str] = set()
         self.retiring: set[object] = set()  # the slots (actors) of signalled processes
+        self.reasons: dict[object, str] = {}  # why a retiring slot leaves, for the ``drain`` event
 
-    def retire(self, slot: object) -> bool:
-        """A rank's process was told to end; True the first time it is heard of."""
+    def retire(self, slot: object, reason: str = "process told to end") -> bool:
+        """A rank's process was told to end (or is a straggler to replace); True the first time it is heard of."""
         if slot in self.retiring:
             return False
         self.retiring.add(slot)
+        self.reasons[slot] = reason
         return True
 
     def notice(self, node: str) -> bool:
@@ -331,6 +380,7 @@ class DrainWatch:
         """The mesh changed without the noticed nodes' and processes' ranks: their notices are handled."""
         self.noticed.clear()
         self.retiring.clear()
+        self.reasons.clear()
 
 
 def first_found(*findings: dict[int, Lost]) -> dict[int, Lost]:

@@ -54,6 +54,7 @@ class WorkerGroupProtocol(Protocol[SlotT]):
     their rank but serve their peer-memory snapshots until a restore has read them."""
 
     avoid_nodes: set[str]  # nodes announced as going away: never used again
+    suspect_nodes: set[str]  # nodes of replaced stragglers: used for new actors only when no other has room
 
     def __init__(
         self, *, spec: TrainSpec, data: bytes | None, per_rank: RankResources, start_timeout_s: float

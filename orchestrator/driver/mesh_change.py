@@ -101,6 +101,7 @@ class MeshChange:
         *,
         lost: dict[int, Lost] | None = None,
         draining: frozenset[int] = frozenset(),
+        refill: bool = True,
     ) -> Settling:
         """End the running generation (called by the controller while supervising it): on a
         failure abort the step in flight everywhere, for a drain or a grow pause at the step
@@ -120,6 +121,7 @@ class MeshChange:
             draining=draining,
             started_at=now,
             deadline=self._settle_deadline(purpose, now),
+            refill=refill,
         )
 
     def configuration_failed(self, state: Configuring) -> Settling:
@@ -129,7 +131,7 @@ class MeshChange:
         still hold it; joiners and restoring ranks hold none (``stateless``), so their replica
         groups are not kept. Survivors may wait in the new groups' rendezvous for a rank that
         will never come: they are given the collective timeout to come back before counting as
-        stuck (``_unwind_s``), or only the hang threshold when the peer-memory snapshot is whole
+        stuck (``_unwind_s``), or only the unwind allowance when the peer-memory snapshot is whole
         without them (``_held_elsewhere``)."""
         now = time.monotonic()
         log.warning("a rank failed while generation %s was configured: recovering again", state.generation)
@@ -155,10 +157,11 @@ class MeshChange:
         return now + self._unwind_s(configuring) if purpose == SettlePurpose.FAILURE else math.inf
 
     def _unwind_s(self, configuring: bool) -> float:
-        """How long survivors of an aborted generation may take to leave it: the configured hang
-        threshold; while configuring, at least the collective timeout, since a rank inside torch's
-        rendezvous (a peer died after the join barrier) cannot be interrupted."""
-        threshold = self.detector.hang_threshold_s()
+        """How long survivors of an aborted generation may take to leave it: the hang threshold,
+        at least ``UNWIND_FLOOR_S`` (``Detector.unwind_s``); while configuring, at least the
+        collective timeout, since a rank inside torch's rendezvous (a peer died after the join
+        barrier) cannot be interrupted."""
+        threshold = self.detector.unwind_s()
         return max(threshold, self.collective_timeout_s + 5.0) if configuring else threshold
 
     def _request_pause(self, state: Running, purpose: SettlePurpose, draining: frozenset[int]) -> None:
@@ -166,11 +169,14 @@ class MeshChange:
         if purpose == SettlePurpose.DRAIN:
             nodes = sorted({node for rank in draining if (node := self.replicas.node_of(rank))})
             signalled = all(self.group.active[rank] in self.drains.retiring for rank in draining)
+            # A signalled process, or a straggler to replace or exclude (``DrainWatch.retire``).
+            reasons = {self.drains.reasons.get(self.group.active[rank], "process told to end") for rank in draining}
+            retired = reasons.pop() if len(reasons) == 1 else "process told to end"
             self.events.emit(
                 "drain",
                 node=nodes[0] if len(nodes) == 1 else nodes,
                 ranks=sorted(draining),
-                reason="process told to end" if signalled else "node draining",
+                reason=retired if signalled else "node draining",
             )
         elif purpose == SettlePurpose.GROW:
             # The grow event comes after the first step of the grown mesh; say now that one began.
@@ -238,10 +244,10 @@ class MeshChange:
         """Whether the ranks still inside a failed configuration need not be waited for any more.
 
         They may sit in torch's rendezvous, out of reach of the abort, until the collective
-        timeout (``_unwind_s``: minutes). Past the hang threshold that wait saves nothing when the
+        timeout (``_unwind_s``: minutes). Past the unwind allowance that wait saves nothing when the
         peer-memory snapshot of the step the job resumes from is whole with them counted as
         holders: as stuck ranks their actors linger and serve it, and no step is lost."""
-        if not state.configuring or now < state.started_at + self.detector.hang_threshold_s():
+        if not state.configuring or now < state.started_at + self.detector.unwind_s():
             return False
         memory = self._memory_without(lost, state.draining)
         return memory is not None and memory.step >= self.polls.last_step
@@ -304,6 +310,8 @@ class MeshChange:
         warm = len(self.group.warm()) + self.replicas.healthy_in_hit_replicas(
             state.mesh, lost, state.draining, state.stateless
         )
+        if not state.refill:
+            warm = 0  # the leaving replica groups are not replaced (elastic.straggler.action=exclude)
         memory = self._memory_without(lost, state.draining)
         status = GroupStatus(
             mesh=state.mesh,

@@ -17,6 +17,7 @@ from orchestrator.driver.detector import Detector
 from orchestrator.driver.group import Slot, WorkerGroupProtocol
 from orchestrator.driver.rank_reports import ReportRouter
 from orchestrator.driver.transitions import TransitionTimer
+from workers.spec.messages import Phase
 
 
 class RankPolls:
@@ -48,7 +49,7 @@ class RankPolls:
         for rank, heartbeat in self.group.poll(min(timeout, self.heartbeat_timeout_s)).items():
             if isinstance(heartbeat, CallFailed):
                 continue  # a dead actor: its run call says so
-            self.detector.heard(rank, heartbeat.waiting, heartbeat.where)
+            self.detector.heard(rank, heartbeat.waiting, heartbeat.where, evaluating=heartbeat.phase == Phase.EVAL)
             self.router.route(list(heartbeat.reports))
         self.last_step = max(self.last_step, self.router.last_emitted_step)
         self.detector.stepped(self.router.last_emitted_step, self.router.last_step_time_s)

@@ -18,7 +18,7 @@ evaluation as progress for the hang check).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,8 @@ class RouterHooks:
     after_step: Callable[[int], None] = _nothing
     # After each eval event.
     after_eval: Callable[[], None] = _nothing
+    # With each step every rank of the mesh reported: the step and its reports by rank.
+    step_reports: Callable[[int, Mapping[int, StepReport]], None] = _nothing
 
 
 class ReportRouter:
@@ -181,6 +183,8 @@ class ReportRouter:
             completed_at=max(r.time for r in ranks.values()),
         )
         self.ledger.record(step, ranks.values(), self.mesh)
+        if len(ranks) == self.mesh.world_size:
+            self.hooks.step_reports(step, ranks)
         self.last_emitted_step = step
         self.steps_emitted += 1
         self.last_step_time_s = max(r.step_time_s for r in ranks.values())

@@ -59,11 +59,13 @@ class Replicas:
         """Ranks that stay (``drop``ped replica groups leave) and warm actors for ``refill``
         replica groups, or none if there are too few."""
         kept, pool = self.split(mesh, lost, draining, drop)
-        return kept, self.pick_warm(pool, refill * mesh.replica_size)
+        return kept, self.pick_warm(pool, refill * mesh.replica_size, suspect=self.group.suspect_nodes)
 
     def grow(self, mesh: MeshSpec, *, add: int) -> tuple[list[Slot], list[Slot]]:
         """Every active rank stays; warm actors for ``add`` more replica groups, or none."""
-        return list(self.group.active), self.pick_warm(self.group.warm(), add * mesh.replica_size)
+        return list(self.group.active), self.pick_warm(
+            self.group.warm(), add * mesh.replica_size, suspect=self.group.suspect_nodes
+        )
 
     def release(self, lost: Collection[int], draining: Collection[int], *, linger: Collection[int] = ()) -> None:
         """No replica group survived: lost and draining actors are removed (the ``linger`` ones
@@ -111,13 +113,14 @@ class Replicas:
             self.group.start_replica_in_background(mesh)
 
     @staticmethod
-    def pick_warm(pool: Sequence[Slot], count: int) -> list[Slot]:
+    def pick_warm(pool: Sequence[Slot], count: int, *, suspect: Collection[str] = ()) -> list[Slot]:
         """``count`` actors of ``pool``, or none if it has fewer: actors started together (one
         placement group, one node) stay together, and within a group the pool's order (the order
         they started in) is kept: the same history hands the same ranks to the same actors, so
         a chaos seed's later faults hit the same actors when it is replayed (not their memory
-        addresses' order)."""
-        ordered = sorted(pool, key=lambda slot: slot.batch_id)  # stable: the pool's order within a group
+        addresses' order). Actors on ``suspect`` nodes (a replaced straggler's) come last."""
+        # Stable: the pool's order within a group.
+        ordered = sorted(pool, key=lambda slot: (slot.node_id in suspect, slot.batch_id))
         return ordered[:count] if len(ordered) >= count else []
 
     @staticmethod

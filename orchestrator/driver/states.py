@@ -134,6 +134,8 @@ class Settling:
     configuring: bool = False
     # When the last rank's run call returned (monotonic), once every one has.
     all_returned_at: float | None = None
+    # Whether the leaving replica groups are refilled from warm actors (not for excluded stragglers).
+    refill: bool = True
 
     def noting_returns(self, now: float) -> Settling:
         """This state, with ``all_returned_at`` set to ``now`` the first time every call has returned."""

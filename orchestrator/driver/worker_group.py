@@ -116,6 +116,9 @@ class WorkerGroup:
         self.store_address: tuple[str, int] | None = None
         # Nodes announced as going away (a cloud notice Ray does not know of): never used again.
         self.avoid_nodes: set[str] = set()
+        # Nodes of replaced stragglers (a throttled device, a flaky link): new actors go elsewhere
+        # while another node has room.
+        self.suspect_nodes: set[str] = set()
         # Ranks per bundle of each placement group (by id): the tensor-parallel degree it was made for.
         self._bundle_ranks: dict[int, int] = {}
         # Each placement group's name (by id): a detached rank actor's name says where it sits.
@@ -164,7 +167,10 @@ class WorkerGroup:
         if self._refill_vacated_bundles():
             return True
         nodes = [node for node in cluster.free_nodes() if node.node_id not in self.avoid_nodes]
-        if shortfall(mesh.with_replicas(1), self.per_rank, nodes):
+        trusted = [node for node in nodes if node.node_id not in self.suspect_nodes]
+        if not shortfall(mesh.with_replicas(1), self.per_rank, trusted):
+            nodes = trusted
+        elif shortfall(mesh.with_replicas(1), self.per_rank, nodes):
             return False
         target = spread_replicas(1, self.per_rank, mesh.replica_size, nodes)[0]
         self._start_replica(mesh, target)

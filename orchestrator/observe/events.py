@@ -37,6 +37,10 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "failure": ("kind", "ranks", "node", "message"),
     "recovered": ("mttr_s", "lost_steps", "old_mesh", "new_mesh"),
     "drain": ("node", "ranks", "reason"),
+    # A rank's compute phase took over elastic.straggler.factor x its peers' median in window_steps
+    # steps (all but one) up to ``step`` (``factor``: the median ratio of the window), and what was
+    # done (warn, replace, exclude; ``reason`` when a replace or exclude could only warn).
+    "straggler": ("rank", "node", "factor", "step", "action"),
     "grow": ("new_mesh", "added_ranks", "join_s"),
     "log": ("rank", "level", "message"),
     # A rank filled its slices from released weights (model.init_from): bytes it fetched of all.

@@ -157,6 +157,11 @@ METRICS: dict[str, MetricSpec] = {
     "drains": _counter("drains", "Nodes drained ahead of a spot reclaim or shutdown."),
     "drain_time": _histogram("drain_seconds", "Drain notice to training again on the smaller mesh.", _RECOVERY_BUCKETS),
     "grows": _counter("grows", "Times the mesh grew back."),
+    "stragglers": _counter(
+        "stragglers",
+        "Ranks found persistently slower than their peers, by what was done (elastic.straggler).",
+        ("action",),
+    ),
     "grow_time": _histogram(
         "grow_seconds",
         "Pause for a grow to training again on the larger mesh (new ranks joined, state copied from a replica).",

@@ -34,6 +34,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_wsgi_server
 
+from elastic.straggler import StragglerAction
 from orchestrator.errors import UserError
 from orchestrator.observe.events import CHECKPOINT_FAILURE_REASONS, checkpoint_failure_reason, is_failure_recovery
 from orchestrator.observe.metric_names import MESH_DIMS, METRICS, peak_flops
@@ -108,6 +109,8 @@ class MetricsExporter:
         m.mfu.set(math.nan)
         for reason in CHECKPOINT_FAILURE_REASONS:  # present from the start, so increase() sees the first
             m.checkpoint_failures.labels(reason=reason)
+        for action in StragglerAction:  # likewise
+            m.stragglers.labels(action=str(action))
         m.goodput.set_function(self._goodput)
         m.checkpoint_age.set_function(self._checkpoint_age)
         m.heartbeat_age.set_function(self._heartbeat_age)
@@ -266,6 +269,9 @@ class MetricsExporter:
 
     def _on_drain(self, event: dict[str, Any]) -> None:
         self.m.drains.inc()
+
+    def _on_straggler(self, event: dict[str, Any]) -> None:
+        self.m.stragglers.labels(action=str(event.get("action"))).inc()
 
     def _on_grow(self, event: dict[str, Any]) -> None:
         self.m.grows.inc()

@@ -12,6 +12,9 @@ ranks do is a script (``FakeGroup.script``, set before the controller is built),
                                   # ABORTED, a pause PAUSED, a stop STOPPED, a kill or a lost node DIED
         "stuck": {ranks},         # held, and out of reach of aborts and pauses: only a kill ends them
         "waiting": {rank: bool},  # the heartbeat's ``waiting`` (hang blame: busy ranks are the culprits)
+        "slow": {rank: factor},   # the rank's compute phase takes factor x its peers' (a straggler)
+        "paced": True,            # one step per poll (else every step at the first): a pause then
+                                  # ends the run after the step in flight
         "reports": {rank: [...]}, # reports queued after the step reports (drain notices, evals)
         "draining": {nodes},      # nodes Ray marks draining when the run starts
         "uncopied": {(step, rank)},  # snapshots whose copy to the buddy never completed
@@ -200,6 +203,7 @@ class _Run:
     slots: list[FakeSlot]
     steps_done: int
     plan: dict[str, Any]
+    delivered: int = 0  # with ``paced``: the last step whose reports a poll handed over
 
 
 class FakeGroup:
@@ -222,6 +226,7 @@ class FakeGroup:
         self.shut_down = False
         self.generation_runs = 0
         self.avoid_nodes: set[str] = set()
+        self.suspect_nodes: set[str] = set()
         self.applied = 0  # the last step the ranks applied (what a kept rank resumes after)
         self.snapshot_interval = 0  # the current generation's, from its snapshot plans
         self.run_call: _Run | None = None
@@ -330,6 +335,11 @@ class FakeGroup:
         if run is None:
             return
         stuck = set(run.plan.get("stuck", ()))
+        if run.plan.get("paced") and run.delivered < run.steps_done:
+            # The step in flight completes; the later ones never run.
+            run.steps_done = run.delivered + 1
+            for queue in self.queued.values():
+                queue[:] = [r for r in queue if not isinstance(r, StepReport) or r.step <= run.steps_done]
         for rank in ranks:
             if (
                 rank not in stuck
@@ -434,7 +444,7 @@ class FakeGroup:
         for rank in range(world):
             queue = self.queued.setdefault(rank, [])
             for step in range(first, steps + 1):
-                queue.append(_step_report(rank, step))
+                queue.append(_step_report(rank, step, compute_s=0.1 * plan.get("slow", {}).get(rank, 1.0)))
                 if interval and step % interval == 0:
                     queue.append(SnapshotReport(rank, 0.0, generation, step, copied=(step, rank) not in uncopied))
             queue.extend(plan.get("reports", {}).get(rank, ()))
@@ -468,6 +478,10 @@ class FakeGroup:
             self.script["unanswered_polls"] -= 1
             return {}
         plan = self.run_call.plan if self.run_call is not None else {}
+        upto: int | None = None  # with ``paced``: one more step's reports each poll
+        if self.run_call is not None and plan.get("paced") and self.run_call.delivered < self.run_call.steps_done:
+            self.run_call.delivered += 1
+            upto = self.run_call.delivered
         answers: dict[int, Heartbeat | CallFailed] = {}
         for rank, slot in enumerate(self.active):
             if not self._alive(slot):
@@ -481,18 +495,29 @@ class FakeGroup:
                 phase=Phase.STEP,
                 step=self.applied,
                 phase_age_s=0.0,
-                reports=tuple(self.queued.pop(rank, [])),
+                reports=tuple(self._take_reports(rank, upto=upto)),
                 waiting=waiting,
                 where="model.py:42" if waiting is False else None,
             )
         return answers
 
+    def _take_reports(self, rank: int, *, upto: int | None) -> list[RankReport]:
+        """Rank ``rank``'s queued reports, those of steps up to ``upto`` only when given."""
+        queue = self.queued.pop(rank, [])
+        if upto is None:
+            return queue
+        later = next((i for i, r in enumerate(queue) if isinstance(r, StepReport) and r.step > upto), len(queue))
+        if later < len(queue):
+            self.queued[rank] = queue[later:]
+        return queue[:later]
+
     def shutdown(self, *, grace_s: float = 5.0) -> None:
         self.shut_down = True
 
 
-def _step_report(rank: int, step: int) -> StepReport:
+def _step_report(rank: int, step: int, *, compute_s: float = 0.1) -> StepReport:
     return StepReport(
+        phases={"data_s": 0.0, "compute_s": compute_s, "sync_s": 0.01, "optimizer_s": 0.01},
         rank=rank,
         time=fake_time.time(),
         step=step,
