@@ -88,7 +88,6 @@ JOB = (
 )
 # How meshpilot runs it: tests/faults/harness.py's elastic layout, on the worker nodes.
 MESHPILOT = (
-    "elastic.hang_timeout_s=8",
     "elastic.heartbeat_timeout_s=10",
     f"elastic.spare_actors={SPARE_ACTORS}",
     f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}",

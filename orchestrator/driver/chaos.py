@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 
 from orchestrator.errors import UserError
-from workers.faults import CONFIGURE_KINDS, NETWORK_KINDS, FaultKind, FaultPhase, FaultSpec
+from workers.faults import CONFIGURE_KINDS, NETWORK_KINDS, SLOW_FACTOR, FaultKind, FaultPhase, FaultSpec
 
 DEFAULT_FAULTS = 6
 # Faults keep off the first steps (start-up) and the last one.
@@ -49,10 +49,11 @@ def parse_chaos(text: str) -> tuple[int, int]:
 
 
 def chaos_kinds(*, storage: bool, nodes: bool, network: bool = False) -> tuple[FaultKind, ...]:
-    """The kinds a run can meet: storage outages only with checkpoints to upload; drains and
-    node losses only with other nodes to go to (a multi-node cluster); partitions and slow links
-    only on nodes with networks of their own (tests/fixtures/netns_nodes.py)."""
-    kinds = [FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.SIGTERM]
+    """The kinds a run can meet: a rank slowed ``SLOW_FACTOR`` times (a straggler) always;
+    storage outages only with checkpoints to upload; drains and node losses only with other
+    nodes to go to (a multi-node cluster); partitions and slow links only on nodes with networks
+    of their own (tests/fixtures/netns_nodes.py)."""
+    kinds = [FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.SIGTERM, FaultKind.SLOW]
     if storage:
         kinds.append(FaultKind.S3_OUTAGE)
     if nodes:
@@ -94,7 +95,8 @@ def chaos_schedule(
         if kind in NETWORK_KINDS:
             faults.append(_network_fault(kind, step, rng.randrange(network_nodes)))
             continue
-        faults.append(FaultSpec(kind, step, rng.randrange(world_size)))
+        factor = SLOW_FACTOR if kind == FaultKind.SLOW else 0.0
+        faults.append(FaultSpec(kind, step, rng.randrange(world_size), factor=factor))
         if len(faults) < count and rng.random() < DURING_RECOVERY_ODDS:
             recovery_step = step if kind in REDONE_STEP_KINDS else step + 1 if kind in NEXT_STEP_KINDS else None
             if recovery_step is not None and recovery_step <= last:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.driver.chaos import chaos_kinds, chaos_schedule
-from workers.faults import CONFIGURE_KINDS, FaultKind, FaultPhase
+from workers.faults import CONFIGURE_KINDS, SLOW_FACTOR, FaultKind, FaultPhase, FaultSpec
 
 KINDS = chaos_kinds(storage=True, nodes=True)
 
@@ -37,4 +37,11 @@ def test_without_storage_or_nodes_no_outage_drain_or_node_fault_is_drawn():
     faults = [
         f for seed in range(30) for f in chaos_schedule(seed, 6, steps=30, world_size=4, replica_size=2, kinds=kinds)
     ]
-    assert {f.kind for f in faults} <= {FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.SIGTERM}
+    in_ranks = {FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG, FaultKind.SIGTERM, FaultKind.SLOW}
+    assert {f.kind for f in faults} <= in_ranks
+
+
+def test_a_drawn_straggler_is_slowed_by_the_default_factor_and_replays_as_written():
+    faults = [f for seed in range(30) for f in schedule(seed, 9) if f.kind == FaultKind.SLOW]
+    assert faults and all(f.factor == SLOW_FACTOR for f in faults)
+    assert all(FaultSpec.parse(f.describe()) == f for f in faults)
