@@ -114,14 +114,6 @@ class NullChannel(ReportChannel):
     def send(self, report: RankReport) -> None:
         return None
 
-    def redeliver_last(self) -> None:
-        """Queue the last drain's reports again, before those queued since (a new driver adopts
-        this rank: it drops what the old driver had already recorded, by step)."""
-        with self._lock:
-            self._reports.extendleft(reversed(self._last_drained))
-            self._queued += len(self._last_drained)
-            self._last_drained = []
-
     def wait_delivered(self, timeout_s: float) -> bool:
         return True
 
