@@ -142,7 +142,7 @@ class RankSnapshots:
         self.channel = channel
         self._owns_plain = owns_plain_tensors(trainer)
         self._placement = Placement.of(trainer.world_mesh)
-        self._cuda = trainer.device.type == "cuda"
+        self._pin = trainer.device.type == "cuda"
         self._buffers: list[HostBuffer | None] = [None] * LABELS_KEPT
         self._keys: list[str | None] = [None] * LABELS_KEPT
         self._turn = 0
@@ -157,8 +157,10 @@ class RankSnapshots:
         _check_memory(self._layout.size, plan.memory_limit_bytes)
         self._send_layout(self._layout)
         self._while_copying = while_copying
-        # On a GPU the copies run on their own stream, beside the next step's kernels.
-        self._stream = _side_stream(trainer.device) if self._cuda else None
+        # State on a GPU is copied on a stream of its own, beside the next step's kernels; state
+        # in host memory (a CPU run, FSDP's CPU offload) by the copier thread.
+        on_device = any(source.device.type == "cuda" for source in self._sources.values())
+        self._stream = _side_stream(trainer.device) if on_device else None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"meshpilot-snapshot-r{rank}")
         self._in_flight: _InFlight | None = None
 
@@ -178,7 +180,7 @@ class RankSnapshots:
         if buffer is None or buffer.layout.signature != self._layout.signature:
             from checkpointing.staging import HostBuffer
 
-            buffer = self._buffers[slot] = HostBuffer(self._layout, pin_memory=self._cuda)
+            buffer = self._buffers[slot] = HostBuffer(self._layout, pin_memory=self._pin)
         key = snapshot_key(self.generation, step, self.rank)
         self._keys[slot] = key
         copied_on_device = self._start_device_copy(buffer)
@@ -243,9 +245,9 @@ class RankSnapshots:
         )
 
     def _start_device_copy(self, buffer: HostBuffer) -> Any:
-        """Loop thread, on a GPU: queue the copies to the pinned buffer on the side stream, after
-        the step's update, and return the event that marks them done (None on CPU: the copier
-        thread copies)."""
+        """Loop thread, state on a GPU: queue the copies to the pinned buffer on the side stream,
+        after the step's update, and return the event that marks them done (None for state in
+        host memory: the copier thread copies)."""
         if self._stream is None:
             return None
         import torch
