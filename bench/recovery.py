@@ -150,6 +150,35 @@ class DeathWatch:
             time.sleep(self.interval_s)
 
 
+class ClusterCpu:
+    """CPU seconds (user + system) this process and its descendants (the benchmark's Ray cluster:
+    raylets, the job's ranks, the driver) had used when each step completed, read from /proc as
+    the step event arrives. What snapshots cost a CPU-bound job, measured in a way the machine's
+    other load barely moves, unlike the step times (other jobs share this machine's cores)."""
+
+    def __init__(self) -> None:
+        self.at_step: dict[int, float] = {}
+        self._pids: list[int] | None = None  # taken at the first step: every rank is up by then
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event["event"] != "step" or event["step"] in self.at_step:
+            return
+        if self._pids is None:
+            ours = os.getpid()
+            self._pids = [ours, *(pid for pid in _pids() if pid != ours and _descends_from(pid, ours))]
+        self.at_step[event["step"]] = sum(_cpu_s(pid) for pid in self._pids)
+
+    def per_step(self, *, after: int) -> dict[int, float]:
+        """CPU seconds each step past ``after`` took, the step before it complete."""
+        done = self.at_step
+        return {step: done[step] - done[step - 1] for step in sorted(done) if step > after + 1 and step - 1 in done}
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)  # utime and stime: fields 14 and 15 of /proc/PID/stat, in clock ticks
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if len(fields) > 12 else 0.0
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
@@ -305,22 +334,28 @@ def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     In one run: a job snapshotting every second step (the cadence held still), so snapshots go on
     and off step by step and the machine's load (other jobs, start-up) hits both alike: the
     median pace of the steps that run beside a snapshot's copy (each step after a snapshotted
-    one) over the median pace of the others. Across runs: jobs with snapshots every step (the
-    defaults) and off, in the order off, on, on, off (balanced, since the first runs after
-    another scenario start on a busier machine): the ratio of their median paces, the median
-    wait for a snapshot before an update, the interval the cadence ended with, and the host
-    memory per rank. A pace is the time between the slowest rank's completions of consecutive
-    steps: it counts every wait snapshots cause, inside the step or between steps.
+    one) over the median pace of the others, and the same for the CPU the cluster's processes
+    used per step (``ClusterCpu``: on this CPU-bound machine, what a step costs). Across runs:
+    jobs with snapshots every step (the defaults) and off, in the order off, on, on, off
+    (balanced, since the first runs after another scenario start on a busier machine): the ratio
+    of their median paces and of their CPU per step, the median wait for a snapshot before an
+    update, the interval the cadence ended with, and the host memory per rank. A pace is the
+    time between the slowest rank's completions of consecutive steps: it counts every wait
+    snapshots cause, inside the step or between steps.
     """
     nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
     paces: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     in_step: dict[bool, list[float]] = {True: [], False: []}
     waits: list[float] = []
     memory: list[int] = []
     intervals: list[int] = []
     try:
         every_other = (*ONE_REPLICA, "elastic.snapshot_interval_steps=2", "elastic.snapshot_overhead_limit=0")
-        events = run_meshpilot(run_dir / "alternating", steps=2 * steps, faults=(), overrides=every_other)
+        used = ClusterCpu()
+        events = run_meshpilot(
+            run_dir / "alternating", steps=2 * steps, faults=(), overrides=every_other, on_event=used.on_event
+        )
         done = {e["step"]: e["completed_at"] for e in of_kind(events, "step")}
         alternating = {
             beside_a_copy: [
@@ -328,13 +363,25 @@ def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
             ]
             for beside_a_copy in (True, False)
         }
+        alternating_cpu = {
+            beside_a_copy: [
+                seconds for step, seconds in used.per_step(after=3).items() if (step % 2 == 1) == beside_a_copy
+            ]
+            for beside_a_copy in (True, False)
+        }
         for number, snapshots_on in enumerate((False, True, True, False)):
             overrides = ONE_REPLICA if snapshots_on else (*ONE_REPLICA, *SNAPSHOTS_OFF)
+            used = ClusterCpu()
             events = run_meshpilot(
-                run_dir / f"{number}-{'on' if snapshots_on else 'off'}", steps=steps, faults=(), overrides=overrides
+                run_dir / f"{number}-{'on' if snapshots_on else 'off'}",
+                steps=steps,
+                faults=(),
+                overrides=overrides,
+                on_event=used.on_event,
             )
             steady = [e for e in of_kind(events, "step") if e["step"] > 3]
             paces[snapshots_on] += step_paces(events, after=3)
+            cpu[snapshots_on] += list(used.per_step(after=3).values())
             in_step[snapshots_on] += [e["step_time_s"] for e in steady]
             memory += [e["max_bytes"] for e in of_kind(events, "snapshot_memory")]
             if snapshots_on:
@@ -348,15 +395,26 @@ def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
     return {
         "step_beside_copy_s": beside_s,
         "step_alone_s": alone_s,
-        "ratio": None if not beside_s or not alone_s else beside_s / alone_s,
+        "ratio": _ratio(beside_s, alone_s),
+        # Means: a process's CPU is read in clock ticks (10 ms); over many steps they even out.
+        "cpu_ratio": _ratio(_mean(alternating_cpu[True]), _mean(alternating_cpu[False])),
         "step_on_s": on_s,
         "step_off_s": off_s,
-        "ratio_across_runs": None if not on_s or not off_s else on_s / off_s,
-        "in_step_ratio": None if not in_on_s or not in_off_s else in_on_s / in_off_s,
+        "ratio_across_runs": _ratio(on_s, off_s),
+        "cpu_ratio_across_runs": _ratio(_mean(cpu[True]), _mean(cpu[False])),
+        "in_step_ratio": _ratio(in_on_s, in_off_s),
         "snapshot_wait_s": median(waits),
         "interval_steps": max(intervals, default=None),
         "host_bytes_per_rank": max(memory, default=None),
     }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if not numerator or not denominator else numerator / denominator
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def step_paces(events: list[dict[str, Any]], *, after: int) -> list[float]:
@@ -692,6 +750,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "step_on_s": mid("snapshot_cost", "step_on_s"),
         "step_off_s": mid("snapshot_cost", "step_off_s"),
         "ratio_across_runs": mid("snapshot_cost", "ratio_across_runs"),
+        "cpu_ratio": mid("snapshot_cost", "cpu_ratio"),
+        "cpu_ratio_across_runs": mid("snapshot_cost", "cpu_ratio_across_runs"),
         "in_step_ratio": mid("snapshot_cost", "in_step_ratio"),
         "snapshot_wait_s": mid("snapshot_cost", "snapshot_wait_s"),
         "interval_steps": worst("snapshot_cost", "interval_steps"),
@@ -728,6 +788,9 @@ def loss_parity(results: dict[str, list[dict]]) -> float | None:
 def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> None:
     def s(value) -> str:
         return "-" if value is None else (f"{value:.2f} s" if isinstance(value, float) else str(value))
+
+    def x3(value) -> str:
+        return "-" if value is None else f"{value:.3f}x"
 
     def x(value) -> str:
         return "-" if value is None else f"{value:.1f}x"
@@ -798,6 +861,8 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
             "-" if snap["ratio"] is None else f"{snap['ratio']:.3f}x",
             f"<= {SNAPSHOT_STEP_COST_GOAL}x",
         ),
+        ("", "CPU per step beside a copy / not (one run)", x3(snap["cpu_ratio"]), "", "", ""),
+        ("", "CPU per step on / off (across runs)", x3(snap["cpu_ratio_across_runs"]), "", "", ""),
         (
             "",
             "step pace on / off (across runs)",
