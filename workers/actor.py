@@ -169,14 +169,11 @@ class RankActor:
             self._drain_reported = True
             self.channel.drain_notice(reason, scope)
 
-    def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> float:
-        """Control thread, called by rank ``owner``'s snapshot sender: hold a copy of its snapshot,
-        and say so to the driver (should the owner die before its own report gets there).
-        Returns the CPU seconds it took here (part of what the snapshot costs)."""
-        started = time.thread_time()
+    def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> None:
+        """Control thread, called by rank ``owner``'s snapshot copier: hold a copy of its snapshot,
+        and say so to the driver (should the owner die before its own report gets there)."""
         self.snapshot_store.put(key, (generation, step), bytes(memoryview(data)))
         self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True))
-        return time.thread_time() - started
 
     def read_snapshot(self, key: str, start: int, end: int) -> bytes:
         """Control thread, called by a restoring rank: bytes of a snapshot object held here."""
