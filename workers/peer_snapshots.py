@@ -12,7 +12,9 @@ restoring from memory. ``RankSnapshots`` is one generation's writer, called by t
                                    # to host memory, then to the buddy, runs meanwhile
     snapshots.wait_before_update() # (Trainer.train_step, before the commit vote of step + 1)
                                    # the snapshot is in host memory and with the buddy; it is
-                                   # reported with what the loop waited for it
+                                   # reported with what the loop waited for it (the copier
+                                   # reported it held here as soon as it was, and the buddy
+                                   # reports its copy)
 
 Only the update of the next step waits: it is the first thing that changes the tensors being
 copied (the optimizer step; forward and backward only read the parameters' shards). Its wait and
@@ -269,6 +271,9 @@ class RankSnapshots:
             copied_on_device.synchronize()
         data = buffer.memoryview()
         self.store.put(key, (self.generation, step), data)
+        # Held here now: the driver counts on it at once, without waiting for a buddy that may be
+        # the rank just lost (its copy, and this rank's report with the cost, come after).
+        self.channel.send(SnapshotReport(self.rank, time.time(), self.generation, step, copied=False))
         self._while_copying(step)
         return self._copy_to_buddy(key, step, data)
 

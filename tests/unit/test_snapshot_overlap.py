@@ -92,8 +92,9 @@ def test_the_copy_of_a_step_overlaps_the_next_steps_compute_and_holds_that_step_
     held = store.read(key, 0, snapshots._layout.size)
     assert held == state_bytes(snapshots, after_step_1)  # step 1's state, bit for bit
     assert held != state_bytes(snapshots, trainer.checkpoint_state())  # not step 2's, applied since
-    [report] = [r for r in channel.drain() if isinstance(r, SnapshotReport)]
-    assert (report.step, report.copied) == (1, False)  # a world of one: no buddy
+    held, report = [r for r in channel.drain() if isinstance(r, SnapshotReport)]
+    assert (held.step, held.copied, held.cost_steps) == (1, False, 0.0)  # in this rank's memory, as it got there
+    assert (report.step, report.copied) == (1, False)  # then its cost (a world of one: no buddy)
     # What the loop waited for the copy (step 2's snapshot_wait_s) is what the snapshot cost it.
     assert report.cost_steps * first.step_time_s >= second.phases["snapshot_wait_s"] >= 0
     snapshots.close(wait=True)
@@ -109,5 +110,5 @@ def test_a_snapshot_is_taken_only_when_due_and_the_next_update_waits_for_nothing
         result = trainer.train_step(step, copies=snapshots)
         snapshots.after_step(step, due=due, step_time_s=result.step_time_s)
     snapshots.close(wait=True)
-    assert [r.step for r in channel.drain() if isinstance(r, SnapshotReport)] == [2]
+    assert [r.step for r in channel.drain() if isinstance(r, SnapshotReport)] == [2, 2]  # held; its cost
     assert store.holds(snapshot_key(GENERATION, 2, 0)) and not store.holds(snapshot_key(GENERATION, 1, 0))
