@@ -20,8 +20,9 @@ Only the update of the next step waits: it is the first thing that changes the t
 copied (the optimizer step; forward and backward only read the parameters' shards). Its wait and
 the stall of starting a snapshot are the snapshot's exposed cost, which the adaptive cadence
 (``elastic/snapshot_cadence.py``) keeps under ``elastic.snapshot_overhead_limit``: with copies
-shorter than a step's forward and backward it is near zero and snapshots run every step. (On
-CPU the copier shares the cores with the step; that shows in the step time, not in the cost.)
+shorter than a step's forward and backward it is near zero and snapshots run every step. (On a
+CPU host the copier and the transfer to the buddy share the cores with the step: that shows in
+the step time, not in this cost; ``bench/recovery.py --only snapshot_cost`` measures it.)
 
 Why the wait comes before the commit vote and includes the copy to the buddy: once any rank
 applies a step, every rank has voted on it, so every rank's snapshot before it is with its
