@@ -19,14 +19,20 @@ on CPU, global batch 16, seq_len 64. Measured, side by side:
    (from the last step completed on the old mesh to the first on the smaller one).
 4. meshpilot, grow: right after the shrink of (2) a node is added; from the node being up to
    the first step on the grown mesh, and the ``grow`` event's ``join_s`` (the pause itself).
-5. One replica (dp_replicate=1 x dp_shard=4 over the two worker nodes), SIGKILL of rank 3 at
-   the start of step S, no spare: meshpilot restoring from peer memory (every rank snapshots its
-   state to host memory after each step, a rank of the other node keeps a copy; the job goes on
-   at once on dp_shard=2), beside meshpilot with snapshots off restoring its newest checkpoint
-   from S3 (a local SeaweedFS, a checkpoint every CHECKPOINT_EVERY steps like the reference's):
-   fault to first step and steps lost. Ray Train has no replica groups: its figure is (6)'s (a).
-   Also the snapshots' cost: the median step time of uninterrupted one-replica runs with
-   snapshots on over runs with them off (off, on, on, off), and the host memory per rank.
+5. One replica (dp_replicate=1 x dp_shard=4 over the two worker nodes), defaults, SIGKILL of
+   rank 3 at the start of step ONE_REPLICA_FAULT_STEP (late enough for the snapshot cadence to
+   have settled), no spare: meshpilot restoring from peer memory (every rank snapshots its state
+   to host memory after each step, the copy overlapping the next step, and a rank of the other
+   node keeps a copy; the job goes on at once on dp_shard=2), beside meshpilot with snapshots off
+   restoring its newest checkpoint from S3 (a local SeaweedFS, a checkpoint every
+   CHECKPOINT_EVERY steps like the reference's): fault to first step and steps lost. Ray Train
+   has no replica groups: its figure is (6)'s (a).
+   Also the snapshots' cost (``--only snapshot_cost``): uninterrupted one-replica runs with
+   snapshots on and off alternating (off, on, on, off), the median pace of each (the time
+   between the slowest rank's completions of consecutive steps, which counts every wait the
+   snapshots cause, inside the step or between steps) and their ratio; the median time the loop
+   waited for a snapshot before an update, the interval the cadence ended with, and the host
+   memory per rank.
 6. The reference: Ray Train V2's ``TorchTrainer`` (``bench/support/recovery_reference.py``) on the same
    model, FSDP2 layout, data and world size, checkpointing every few steps: (a) a worker
    SIGKILLs itself at the start of step S; (b) the node of a worker is removed (a spare node
@@ -87,11 +93,13 @@ LAYOUT = (
     f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}",
 )
 FAULT_STEP = 8  # the step whose start a kill or a drain hits; a node goes once it has completed
+# One replica: the kill a new user tried (issue 39), after the snapshot cadence had a dozen steps to move.
+ONE_REPLICA_FAULT_STEP = 12
 CHECKPOINT_EVERY = 5  # the reference's checkpoint interval (steps)
 # How long the node scenario waits for the new node's replica group to join before giving up.
 GROW_WAIT_S = 90.0
-GOALS = {"kill_s": 3.0, "node_s": 5.0, "drain_pause_s": 1.0, "grow_s": 10.0, "one_replica_s": 3.0}
-SNAPSHOT_STEP_COST_GOAL = 1.03  # step time with peer-memory snapshots over without
+GOALS = {"kill_s": 3.0, "node_s": 5.0, "drain_pause_s": 1.0, "grow_s": 10.0, "one_replica_s": 1.0}
+SNAPSHOT_STEP_COST_GOAL = 1.03  # pace of a step beside a peer-memory snapshot's copy over one without
 # One replica: no surviving replica group can hand the lost rank's state over.
 ONE_REPLICA = ("parallelism.dp_replicate=1", "parallelism.dp_shard=4")
 SNAPSHOTS_OFF = ("elastic.snapshot_interval_steps=0",)
@@ -140,6 +148,35 @@ class DeathWatch:
                     return
                 seen[pid] = now
             time.sleep(self.interval_s)
+
+
+class ClusterCpu:
+    """CPU seconds (user + system) this process and its descendants (the benchmark's Ray cluster:
+    raylets, the job's ranks, the driver) had used when each step completed, read from /proc as
+    the step event arrives. What snapshots cost a CPU-bound job, measured in a way the machine's
+    other load barely moves, unlike the step times (other jobs share this machine's cores)."""
+
+    def __init__(self) -> None:
+        self.at_step: dict[int, float] = {}
+        self._pids: list[int] | None = None  # taken at the first step: every rank is up by then
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event["event"] != "step" or event["step"] in self.at_step:
+            return
+        if self._pids is None:
+            ours = os.getpid()
+            self._pids = [ours, *(pid for pid in _pids() if pid != ours and _descends_from(pid, ours))]
+        self.at_step[event["step"]] = sum(_cpu_s(pid) for pid in self._pids)
+
+    def per_step(self, *, after: int) -> dict[int, float]:
+        """CPU seconds each step past ``after`` took, the step before it complete."""
+        done = self.at_step
+        return {step: done[step] - done[step - 1] for step in sorted(done) if step > after + 1 and step - 1 in done}
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)  # utime and stime: fields 14 and 15 of /proc/PID/stat, in clock ticks
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if len(fields) > 12 else 0.0
 
 
 def _pids() -> list[int]:
@@ -245,8 +282,10 @@ class StopRun(Exception):
     """Raised by a scenario's event hook once it has seen what it measures."""
 
 
-def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """SIGKILL of rank 3 (replica group 1 with the default layout) at the start of FAULT_STEP."""
+def meshpilot_kill(
+    cluster, run_dir: Path, *, steps: int, overrides: tuple[str, ...] = (), fault_step: int = FAULT_STEP
+) -> dict[str, Any]:
+    """SIGKILL of rank 3 (replica group 1 with the default layout) at the start of ``fault_step``."""
     nodes, watch = WorkerNodes(cluster, 2, ranks_per_node=2), DeathWatch()
 
     def arm_before_the_kill(event):
@@ -255,17 +294,17 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, 
 
     try:
         events = run_meshpilot(
-            run_dir, steps=steps, faults=(f"kill@{FAULT_STEP}:3",), on_event=arm_before_the_kill, overrides=overrides
+            run_dir, steps=steps, faults=(f"kill@{fault_step}:3",), on_event=arm_before_the_kill, overrides=overrides
         )
     finally:
         watch.close()
         nodes.close()
-    # The kill fires right after rank 3 reported FAULT_STEP - 1: within milliseconds of that step's completion.
-    previous_step_at = step_completed_at(events, FAULT_STEP - 1)
+    # The kill fires right after rank 3 reported fault_step - 1: within milliseconds of that step's completion.
+    previous_step_at = step_completed_at(events, fault_step - 1)
     fault_at = watch.died_at
     if fault_at is None or abs(fault_at - previous_step_at) > 1.0:
         print(
-            f"  warning: the kill was not seen in /proc; timing it from step {FAULT_STEP - 1}'s completion", flush=True
+            f"  warning: the kill was not seen in /proc; timing it from step {fault_step - 1}'s completion", flush=True
         )
         fault_at = previous_step_at
     change = mesh_change(events, after_event="failure", new_mesh_event="recovered", began_at=fault_at)
@@ -284,34 +323,110 @@ def meshpilot_kill(cluster, run_dir: Path, *, steps: int, overrides: tuple[str, 
         "kill_window_s": (
             None if watch.died_at is None or watch.seen_dead_at is None else watch.seen_dead_at - watch.died_at
         ),
-        "losses": _losses(events, upto=FAULT_STEP - 1),
+        "losses": _losses(events, upto=fault_step - 1),
+        "snapshot_interval_steps": _final_snapshot_interval(events),
     }
 
 
 def snapshot_step_cost(cluster, run_dir: Path, *, steps: int) -> dict[str, Any]:
-    """Uninterrupted one-replica runs with peer-memory snapshots off, on, on, off (the order
-    balanced, since the first runs after another scenario start on a busier machine): the median
-    step time of each setting (the first steps left out: start-up), and the host memory per rank."""
+    """What peer-memory snapshots cost the steps of one-replica jobs, two ways.
+
+    In one run: a job snapshotting every second step (the cadence held still), so snapshots go on
+    and off step by step and the machine's load (other jobs, start-up) hits both alike: the
+    median pace of the steps that run beside a snapshot's copy (each step after a snapshotted
+    one) over the median pace of the others, and the same for the CPU the cluster's processes
+    used per step (``ClusterCpu``: on this CPU-bound machine, what a step costs). Across runs:
+    jobs with snapshots every step (the defaults) and off, in the order off, on, on, off
+    (balanced, since the first runs after another scenario start on a busier machine): the ratio
+    of their median paces and of their CPU per step, the median wait for a snapshot before an
+    update, the interval the cadence ended with, and the host memory per rank. A pace is the
+    time between the slowest rank's completions of consecutive steps: it counts every wait
+    snapshots cause, inside the step or between steps.
+    """
     nodes = WorkerNodes(cluster, 2, ranks_per_node=2)
-    times: dict[bool, list[float]] = {True: [], False: []}
+    paces: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    in_step: dict[bool, list[float]] = {True: [], False: []}
+    waits: list[float] = []
     memory: list[int] = []
+    intervals: list[int] = []
     try:
+        every_other = (*ONE_REPLICA, "elastic.snapshot_interval_steps=2", "elastic.snapshot_overhead_limit=0")
+        used = ClusterCpu()
+        events = run_meshpilot(
+            run_dir / "alternating", steps=2 * steps, faults=(), overrides=every_other, on_event=used.on_event
+        )
+        done = {e["step"]: e["completed_at"] for e in of_kind(events, "step")}
+        alternating = {
+            beside_a_copy: [
+                done[step] - done[step - 1] for step in done if step > 4 and (step % 2 == 1) == beside_a_copy
+            ]
+            for beside_a_copy in (True, False)
+        }
+        alternating_cpu = {
+            beside_a_copy: [
+                seconds for step, seconds in used.per_step(after=3).items() if (step % 2 == 1) == beside_a_copy
+            ]
+            for beside_a_copy in (True, False)
+        }
         for number, snapshots_on in enumerate((False, True, True, False)):
             overrides = ONE_REPLICA if snapshots_on else (*ONE_REPLICA, *SNAPSHOTS_OFF)
+            used = ClusterCpu()
             events = run_meshpilot(
-                run_dir / f"{number}-{'on' if snapshots_on else 'off'}", steps=steps, faults=(), overrides=overrides
+                run_dir / f"{number}-{'on' if snapshots_on else 'off'}",
+                steps=steps,
+                faults=(),
+                overrides=overrides,
+                on_event=used.on_event,
             )
-            times[snapshots_on] += [e["step_time_s"] for e in of_kind(events, "step") if e["step"] > 3]
+            steady = [e for e in of_kind(events, "step") if e["step"] > 3]
+            paces[snapshots_on] += step_paces(events, after=3)
+            cpu[snapshots_on] += list(used.per_step(after=3).values())
+            in_step[snapshots_on] += [e["step_time_s"] for e in steady]
             memory += [e["max_bytes"] for e in of_kind(events, "snapshot_memory")]
+            if snapshots_on:
+                waits += [e["phases_s"].get("snapshot_wait_s", 0.0) for e in steady if e.get("phases_s")]
+                intervals.append(_final_snapshot_interval(events))
     finally:
         nodes.close()
-    on_s, off_s = median(times[True]), median(times[False])
+    beside_s, alone_s = median(alternating[True]), median(alternating[False])
+    on_s, off_s = median(paces[True]), median(paces[False])
+    in_on_s, in_off_s = median(in_step[True]), median(in_step[False])
     return {
+        "step_beside_copy_s": beside_s,
+        "step_alone_s": alone_s,
+        "ratio": _ratio(beside_s, alone_s),
+        # Means: a process's CPU is read in clock ticks (10 ms); over many steps they even out.
+        "cpu_ratio": _ratio(_mean(alternating_cpu[True]), _mean(alternating_cpu[False])),
         "step_on_s": on_s,
         "step_off_s": off_s,
-        "ratio": None if not on_s or not off_s else on_s / off_s,
+        "ratio_across_runs": _ratio(on_s, off_s),
+        "cpu_ratio_across_runs": _ratio(_mean(cpu[True]), _mean(cpu[False])),
+        "in_step_ratio": _ratio(in_on_s, in_off_s),
+        "snapshot_wait_s": median(waits),
+        "interval_steps": max(intervals, default=None),
         "host_bytes_per_rank": max(memory, default=None),
     }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if not numerator or not denominator else numerator / denominator
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def step_paces(events: list[dict[str, Any]], *, after: int) -> list[float]:
+    """Seconds between the slowest rank's completions of consecutive steps past ``after``."""
+    done = {e["step"]: e["completed_at"] for e in of_kind(events, "step") if e.get("completed_at") is not None}
+    return [done[step] - done[step - 1] for step in sorted(done) if step > after + 1 and step - 1 in done]
+
+
+def _final_snapshot_interval(events: list[dict[str, Any]]) -> int:
+    """The peer-memory snapshot interval a run ended with (the cadence's last word; 1 if it never spoke)."""
+    changes = of_kind(events, "snapshot_interval")
+    return changes[-1]["interval_steps"] if changes else 1
 
 
 def meshpilot_node_then_grow(
@@ -515,6 +630,10 @@ def run_all(
     # Enough steps after the fault for the figures; the node run stops on its own once grown.
     steps, node_steps = FAULT_STEP + 8, FAULT_STEP + 400
 
+    def one_replica_kill(run_dir: Path, overrides: tuple[str, ...]) -> dict[str, Any]:
+        fault_step = ONE_REPLICA_FAULT_STEP
+        return meshpilot_kill(cluster, run_dir, steps=fault_step + 8, overrides=overrides, fault_step=fault_step)
+
     def one_replica_storage(run_dir: Path) -> tuple[str, ...]:
         uri, endpoint = storage
         return (
@@ -532,8 +651,8 @@ def run_all(
         ("meshpilot_node", lambda d: meshpilot_node_then_grow(cluster, d, steps=node_steps)),
         ("meshpilot_drain", lambda d: meshpilot_drain(cluster, d, steps=steps)),
         ("reference_kill", lambda d: reference_kill(cluster, d, steps=steps)),
-        ("one_replica_memory", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=ONE_REPLICA)),
-        ("one_replica_storage", lambda d: meshpilot_kill(cluster, d, steps=steps, overrides=one_replica_storage(d))),
+        ("one_replica_memory", lambda d: one_replica_kill(d, ONE_REPLICA)),
+        ("one_replica_storage", lambda d: one_replica_kill(d, one_replica_storage(d))),
         ("snapshot_cost", lambda d: snapshot_step_cost(cluster, d, steps=16 if quick else 30)),
     ]
     if not quick:
@@ -613,6 +732,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
         "ours_s": mid("one_replica_memory", "fault_to_step_s"),
         "ours_lost_steps": worst("one_replica_memory", "lost_steps"),
         "ours_source": next((r["source"] for r in results["one_replica_memory"]), None),
+        "ours_first_step_s": mid("one_replica_memory", "first_step_s"),
+        "ours_snapshot_interval_steps": worst("one_replica_memory", "snapshot_interval_steps"),
+        "fault_step": ONE_REPLICA_FAULT_STEP,
         "ours_new_mesh": next((r["new_mesh"] for r in results["one_replica_memory"]), None),
         "storage_s": mid("one_replica_storage", "fault_to_step_s"),
         "storage_lost_steps": worst("one_replica_storage", "lost_steps"),
@@ -622,9 +744,17 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, Any]:
     }
     one_replica["ratio_vs_storage"] = _round(ratio(one_replica["storage_s"], one_replica["ours_s"]))
     snapshots: dict[str, Any] = {
+        "step_beside_copy_s": mid("snapshot_cost", "step_beside_copy_s"),
+        "step_alone_s": mid("snapshot_cost", "step_alone_s"),
+        "ratio": mid("snapshot_cost", "ratio"),
         "step_on_s": mid("snapshot_cost", "step_on_s"),
         "step_off_s": mid("snapshot_cost", "step_off_s"),
-        "ratio": mid("snapshot_cost", "ratio"),
+        "ratio_across_runs": mid("snapshot_cost", "ratio_across_runs"),
+        "cpu_ratio": mid("snapshot_cost", "cpu_ratio"),
+        "cpu_ratio_across_runs": mid("snapshot_cost", "cpu_ratio_across_runs"),
+        "in_step_ratio": mid("snapshot_cost", "in_step_ratio"),
+        "snapshot_wait_s": mid("snapshot_cost", "snapshot_wait_s"),
+        "interval_steps": worst("snapshot_cost", "interval_steps"),
         "host_bytes_per_rank": worst("snapshot_cost", "host_bytes_per_rank"),
         "goal_ratio": SNAPSHOT_STEP_COST_GOAL,
     }
@@ -658,6 +788,9 @@ def loss_parity(results: dict[str, list[dict]]) -> float | None:
 def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> None:
     def s(value) -> str:
         return "-" if value is None else (f"{value:.2f} s" if isinstance(value, float) else str(value))
+
+    def x3(value) -> str:
+        return "-" if value is None else f"{value:.3f}x"
 
     def x(value) -> str:
         return "-" if value is None else f"{value:.1f}x"
@@ -717,16 +850,37 @@ def print_table(summary: dict[str, Any], *, node_reference_note: str | None) -> 
             f"<= {GOALS['one_replica_s']:g} s",
         ),
         ("", "completed steps lost", s(one["ours_lost_steps"]), s(one["reference_lost_steps"]), "", "0"),
+        ("", "snapshot interval at the kill", s(one["ours_snapshot_interval_steps"]), "", "", "1"),
         ("", "  snapshots off: from S3", s(one["storage_s"]), "", x(one["ratio_vs_storage"]), ""),
         ("", "  snapshots off: steps lost", s(one["storage_lost_steps"]), "", "", ""),
         (
-            "snapshots, every step",
-            "step time on / off",
-            f"{s(snap['step_on_s'])} / {s(snap['step_off_s'])}",
+            "snapshot cost",
+            "step beside a copy / not (one run)",
+            f"{s(snap['step_beside_copy_s'])} / {s(snap['step_alone_s'])}",
             "",
             "-" if snap["ratio"] is None else f"{snap['ratio']:.3f}x",
             f"<= {SNAPSHOT_STEP_COST_GOAL}x",
         ),
+        ("", "CPU per step beside a copy / not (one run)", x3(snap["cpu_ratio"]), "", "", ""),
+        ("", "CPU per step on / off (across runs)", x3(snap["cpu_ratio_across_runs"]), "", "", ""),
+        (
+            "",
+            "step pace on / off (across runs)",
+            f"{s(snap['step_on_s'])} / {s(snap['step_off_s'])}",
+            "",
+            "-" if snap["ratio_across_runs"] is None else f"{snap['ratio_across_runs']:.3f}x",
+            "",
+        ),
+        (
+            "",
+            "step time (in the step) on / off",
+            "-" if snap["in_step_ratio"] is None else f"{snap['in_step_ratio']:.3f}x",
+            "",
+            "",
+            "",
+        ),
+        ("", "wait before an update (median)", s(snap["snapshot_wait_s"]), "", "", ""),
+        ("", "interval the cadence ended with", s(snap["interval_steps"]), "", "", "1"),
         (
             "",
             "host memory per rank",
@@ -837,6 +991,7 @@ def main() -> int:
             "seq_len": SEQ_LEN,
             "global_batch": 16,
             "fault_step": FAULT_STEP,
+            "one_replica_fault_step": ONE_REPLICA_FAULT_STEP,
             "reference": (
                 "Ray Train V2 TorchTrainer (ray " + ray.__version__ + "): the same Trainer (FSDP2, "
                 "dp_replicate=2 x dp_shard=2), data and batch, gloo on CPU, ray.train.report every step, "

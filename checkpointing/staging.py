@@ -423,14 +423,16 @@ class HostBuffer:
     def chunk_starts(self) -> list[int] | None:
         return self.bytes.chunk_starts
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy every owned slice into the buffer; returns once the bytes are in host memory."""
+    def stage(self, tensors: dict[str, torch.Tensor], *, wait: bool = True) -> None:
+        """Copy every owned slice into the buffer; returns once the bytes are in host memory, or,
+        without ``wait``, once the copies from a device are queued on the current stream (the
+        caller waits for them: peer-memory snapshots record an event there)."""
         on_device = False
         for slot, view in zip(self.layout.slots, self.views):
             source = local_data(tensors[slot.fqn]).detach()
             on_device = on_device or source.device.type != "cpu"
             self.bytes.copy_in(view, slot.begin, source)
-        if on_device and self.pinned:
+        if wait and on_device and self.pinned:
             torch.cuda.synchronize()  # non-blocking copies must land before the optimizer moves on
 
     def memoryview(self) -> memoryview:

@@ -3,9 +3,12 @@
 Pure (no ray, no torch); the driver's snapshot book (``orchestrator/driver/peer_memory.py``)
 feeds it the ranks' measurements and carries out the interval it returns.
 
-A snapshot costs a rank the copy of its state to host memory (the loop thread waits for it),
-any wait for the previous copy to reach its buddy, and the CPU the background copy burns. Each
-rank reports that cost in units of its own step time (``cost_steps``); a step is as slow as its
+A snapshot costs a rank what its loop thread waits for it: starting it after the step it
+snapshots (a stall, normally only queueing the copies), and the wait, before the next step's
+optimizer step, for the copy to host memory and to the buddy that ran beside that step's
+forward and backward (``workers/peer_snapshots.py``). That exposed cost is near zero while the
+copies take less than a step's compute; a state too large to copy within a step shows it. Each
+rank reports it in units of its own step time (``cost_steps``); a step is as slow as its
 slowest rank, so a snapshot's cost is the largest any rank reported for it. The cadence uses the
 median of the ``WINDOW`` snapshots before the newest (whose reports may still be coming in; the
 first one also allocates its buffers). Taking a snapshot every ``k`` steps then costs
@@ -44,6 +47,8 @@ class SnapshotCadence:
         self.overhead_limit = overhead_limit
         self.interval = interval_steps
         self._costs: dict[int, float] = {}  # step -> largest cost_steps any rank reported
+        # The cost per snapshot (in steps) the interval was last judged on: why it changed.
+        self.measured_cost: float | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -59,7 +64,7 @@ class SnapshotCadence:
             del self._costs[old]
         if len(steps) < 2:
             return None  # the newest snapshot's reports may still be coming in
-        cost = median(self._costs[done] for done in steps[-(WINDOW + 1) : -1])
+        cost = self.measured_cost = median(self._costs[done] for done in steps[-(WINDOW + 1) : -1])
         wanted = self.interval_for(cost)
         if wanted < self.interval:
             wanted = min(self.interval, self.interval_for(cost, limit=LOWER_MARGIN * self.overhead_limit))

@@ -266,7 +266,9 @@ class ElasticConfig:
     snapshot_interval_steps: int = 1
     # The fraction of step time snapshots may cost: when one costs more than this times the
     # interval, they are taken less often (measured as the run goes, at most every 100 steps;
-    # 0: no limit, exactly every snapshot_interval_steps).
+    # 0: no limit, exactly every snapshot_interval_steps). The cost is what the loop waits for
+    # a snapshot: its copy overlaps the next step, so only a state too large to copy within
+    # a step's forward and backward costs anything.
     snapshot_overhead_limit: float = 0.02
     # The host memory the snapshots may take per rank; a job needing more is refused at start
     # (None: no limit; the memory they take is reported either way).

@@ -219,20 +219,18 @@ class RankActor:
             self._drain_reported = True
             self.channel.drain_notice(reason, scope)
 
-    def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> float:
-        """Control thread, called by rank ``owner``'s snapshot sender: hold a copy of its snapshot,
-        and say so to the driver (should the owner die before its own report gets there).
-        Returns the CPU seconds it took here (part of what the snapshot costs). A copy from a
-        generation older than this actor's is refused (``StaleSnapshotError``): fenced by generation."""
+    def keep_snapshot(self, key: str, generation: int, step: int, owner: int, data: Any) -> None:
+        """Control thread, called by rank ``owner``'s snapshot copier: hold a copy of its snapshot,
+        and say so to the driver (should the owner die before its own report gets there). A copy
+        from a generation older than this actor's is refused (``StaleSnapshotError``): fenced by
+        generation."""
         if generation < self.generation:
             raise StaleSnapshotError(
                 f"rank {owner}'s snapshot of step {step} in generation {generation} refused: "
                 f"this actor is in generation {self.generation}"
             )
-        started = time.thread_time()
         self.snapshot_store.put(key, (generation, step), bytes(memoryview(data)))
         self.channel.send(SnapshotReport(owner, time.time(), generation, step, copied=True))
-        return time.thread_time() - started
 
     def read_snapshot(self, key: str, start: int, end: int) -> bytes:
         """Control thread, called by a restoring rank: bytes of a snapshot object held here."""
@@ -367,9 +365,20 @@ class RankActor:
             faults,
             rank=rank,
             on_fire=lambda f: log.warning("firing injected fault %s", f.describe()),
-            before_kill=lambda: self.channel.wait_delivered(REPORTS_BEFORE_KILL_S),
+            before_kill=self._before_kill,
             slowdown=self.faults.slowdown,  # a slowed process stays slow in every generation
         )
+
+    def _before_kill(self) -> None:
+        """Just before an injected kill. On the loop thread (``kill@S``), the peer-memory snapshot
+        of step S - 1 is let finish first: it is copied while step S's forward and backward run,
+        so ``kill@S`` stands for a crash during that compute, after the copy, as a crash at a
+        random moment of a step is unless it falls within the copy; a crash within it is
+        ``kill@S-1/snapshot`` (one step redone). Then the driver polls the reports."""
+        snapshots = self.snapshots
+        if snapshots is not None and threading.get_ident() == self._loop_thread:
+            snapshots.flush()
+        self.channel.wait_delivered(REPORTS_BEFORE_KILL_S)
 
     def _fill_state(self, start: StartFrom, trainer: Trainer, checkpoints: RankCheckpoints | NoCheckpoints) -> None:
         """Inside ``configure``: fill the new generation's trainer as ``start`` says (the kept
@@ -447,6 +456,7 @@ class RankActor:
 
     def _loop(self, last_step: int) -> RunOutcome:
         from workers.evaluation import Evaluator
+        from workers.trainer import NO_STATE_COPIES
 
         trainer = self.trainer
         assert trainer is not None, "run follows a configure"
@@ -459,10 +469,8 @@ class RankActor:
             step = self.last_step + 1
             self._set_phase(Phase.STEP)
             snapshots = self.snapshots
-            if snapshots is not None:
-                snapshots.before_step()
             self.faults.before_step(step)
-            result = trainer.train_step(step)
+            result = trainer.train_step(step, copies=snapshots or NO_STATE_COPIES)
             self.last_step = step
             self._set_phase(Phase.CHECKPOINT)
             if snapshots is not None:

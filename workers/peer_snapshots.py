@@ -4,16 +4,35 @@ Runs on every rank. ``SnapshotStore`` lives as long as the actor (across generat
 this rank's own snapshots and the copies it keeps for its peers, and answers the reads of ranks
 restoring from memory. ``RankSnapshots`` is one generation's writer, called by the loop thread:
 
-    snapshots.before_step()        # waits for the previous snapshot's copy to reach the buddy
     snapshots.after_step(step, due=..., step_time_s=...)
-                                   # when the commit vote said so: copy the slices to a host
-                                   # buffer (the only stall), send the copy to the buddy in the
-                                   # background, report what it cost
+                                   # when the commit vote said so: start the snapshot of ``step``
+                                   # and return at once (on a GPU the copies are queued on a side
+                                   # stream into pinned memory; on CPU the copier thread copies)
+    ...                            # step + 1: data, forward, backward, gradient clip: the copy
+                                   # to host memory, then to the buddy, runs meanwhile
+    snapshots.wait_before_update() # (Trainer.train_step, before the commit vote of step + 1)
+                                   # the snapshot is in host memory and with the buddy; it is
+                                   # reported with what the loop waited for it (the copier
+                                   # reported it held here as soon as it was, and the buddy
+                                   # reports its copy)
 
-Why a step waits for the previous copy: once any rank completes a step, every rank has entered
-it (the commit vote), so every rank's copy of the snapshot before it is with its buddy. A store
-keeps the newest ``LABELS_KEPT`` snapshots, so the older of the two is complete whenever the
-newer one is being made: a failure during a copy always leaves a complete snapshot to use.
+Only the update of the next step waits: it is the first thing that changes the tensors being
+copied (the optimizer step; forward and backward only read the parameters' shards). Its wait and
+the stall of starting a snapshot are the snapshot's exposed cost, which the adaptive cadence
+(``elastic/snapshot_cadence.py``) keeps under ``elastic.snapshot_overhead_limit``: with copies
+shorter than a step's forward and backward it is near zero and snapshots run every step. (On a
+CPU host the copier and the transfer to the buddy share the cores with the step: that shows in
+the step time, not in this cost; ``bench/recovery.py --only snapshot_cost`` measures it.)
+
+Why the wait comes before the commit vote and includes the copy to the buddy: once any rank
+applies a step, every rank has voted on it, so every rank's snapshot before it is with its
+buddy (the driver's book relies on it, ``orchestrator/driver/peer_memory.py``). Two host buffers
+take turns (double buffering): a snapshot is copied into the buffer of the one before the
+previous, whose store entry is dropped first, so the previous snapshot stays whole in the
+store while the next one is copied. A store keeps the newest ``LABELS_KEPT`` snapshots, so the
+older of the two is complete whenever the newer one is being made: a failure during a copy
+always leaves a complete snapshot to use, and a snapshot enters the store only once its bytes
+are all in host memory. Every snapshot has the generation's one layout, which restores read.
 
 ``PeerMemory`` is the reader's storage backend over the snapshots: byte ranges come from this
 process's store when it holds the object, else from its holders, owner first, by actor call.
@@ -29,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from checkpointing.errors import CheckpointError
@@ -105,7 +125,7 @@ class SnapshotStore:
 
 
 class RankSnapshots:
-    """One generation's peer-memory snapshots of this rank (loop thread; a sender thread)."""
+    """One generation's peer-memory snapshots of this rank (loop thread; a copier thread)."""
 
     def __init__(
         self,
@@ -117,7 +137,8 @@ class RankSnapshots:
         generation: int,
         while_copying: Callable[[int], None] = lambda step: None,
     ) -> None:
-        """``while_copying(step)``: called by the sender as it copies the snapshot of ``step`` (fault injection)."""
+        """``while_copying(step)``: called by the copier as it copies the snapshot of ``step`` to
+        the buddy (fault injection)."""
         from checkpointing.staging import Placement, local_data, plan_layout
         from workers.checkpoints import owns_plain_tensors
 
@@ -144,51 +165,64 @@ class RankSnapshots:
         _check_memory(self._layout.size, plan.memory_limit_bytes)
         self._send_layout(self._layout)
         self._while_copying = while_copying
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"meshpilot-snapshot-r{rank}")
-        self._in_flight: Future | None = None
-        self._waited_s = 0.0  # the loop thread's waits for copies in flight since the last snapshot
-
-    def before_step(self) -> None:
-        """Loop thread, before a step: the previous snapshot's copy must have reached the buddy."""
-        self.flush()
+        # State on a GPU is copied on a stream of its own, beside the next step's kernels; state
+        # in host memory (a CPU run, FSDP's CPU offload) by the copier thread.
+        on_device = any(source.device.type == "cuda" for source in self._sources.values())
+        self._stream = _side_stream(trainer.device) if on_device else None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"meshpilot-snapshot-r{rank}")
+        self._in_flight: _InFlight | None = None
 
     def after_step(self, step: int, *, due: bool, step_time_s: float) -> None:
-        """Loop thread, after ``step`` was applied: snapshot it when the commit vote said so
-        (``due``; the loop waits only for the copy to host memory)."""
+        """Loop thread, after ``step`` was applied: when the commit vote said so (``due``), start
+        the snapshot of it (to a host buffer, then to the buddy) and return; the next step's
+        forward and backward run meanwhile."""
         if not due:
             return
         started = time.perf_counter()
-        self.flush()
-        layout = self._layout
+        self.flush()  # normally done already: the previous copy was awaited before this step's update
         slot = self._turn
         self._turn = (self._turn + 1) % LABELS_KEPT
         if (old := self._keys[slot]) is not None:
             self.store.discard(old)  # no reader may see the bytes being overwritten
         buffer = self._buffers[slot]
-        if buffer is None or buffer.layout.signature != layout.signature:
+        if buffer is None or buffer.layout.signature != self._layout.signature:
             from checkpointing.staging import HostBuffer
 
-            buffer = self._buffers[slot] = HostBuffer(layout, pin_memory=self._pin)
-        buffer.stage(self._sources)
+            buffer = self._buffers[slot] = HostBuffer(self._layout, pin_memory=self._pin)
         key = snapshot_key(self.generation, step, self.rank)
         self._keys[slot] = key
-        data = buffer.memoryview()
-        self.store.put(key, (self.generation, step), data)
-        stalled_s, self._waited_s = self._waited_s + time.perf_counter() - started, 0.0
-        self._in_flight = self._sender.submit(self._copy_to_buddy, key, step, data, stalled_s, step_time_s)
+        copied_on_device = self._start_device_copy(buffer)
+        stalled_s = time.perf_counter() - started
+        future = self._copier.submit(self._copy, key, step, buffer, copied_on_device)
+        self._in_flight = _InFlight(step=step, future=future, stalled_s=stalled_s, step_time_s=step_time_s)
+
+    def wait_before_update(self) -> None:
+        """Loop thread, in the step after a snapshot, before its commit vote and optimizer step
+        (``Trainer.train_step``): the snapshot in flight must be in host memory, since the update
+        changes the tensors it copies, and with its buddy, so that a step applied anywhere proves
+        every rank's snapshot before it whole (see the module docstring)."""
+        self.flush()
 
     def flush(self) -> None:
-        """Wait for the copy in flight (its failure was reported and logged by the sender)."""
-        if self._in_flight is not None:
-            started = time.perf_counter()
-            self._in_flight.result()
-            self._in_flight = None
-            self._waited_s += time.perf_counter() - started
+        """Loop thread: wait for the snapshot in flight, then report it with its exposed cost."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        started = time.perf_counter()
+        copied = in_flight.future.result()  # a failure to reach the buddy was logged by the copier
+        self._report(in_flight, copied, waited_s=time.perf_counter() - started)
 
     def close(self, *, wait: bool) -> None:
+        """Leave the generation. Without ``wait``, a snapshot in flight finishes (or fails) on the
+        copier and reports on its own."""
         if wait:
             self.flush()
-        self._sender.shutdown(wait=wait)
+        elif (in_flight := self._in_flight) is not None:
+            self._in_flight = None
+            in_flight.future.add_done_callback(
+                lambda done: self._report(in_flight, not done.exception() and done.result(), waited_s=0.0)
+            )
+        self._copier.shutdown(wait=wait)
 
     def _send_layout(self, layout: Layout) -> None:
         from checkpointing.spec import ChunkEntry
@@ -218,38 +252,87 @@ class RankSnapshots:
             )
         )
 
-    def _copy_to_buddy(self, key: str, step: int, data: memoryview, stalled_s: float, step_time_s: float) -> None:
-        """Sender thread: hand the snapshot to the buddy, wait for it to be held there, and report
-        it with its cost in steps: ``stalled_s`` of the loop thread, and the CPU this thread and
-        the buddy spent on the copy (the ranks share their hosts' cores with it)."""
+    def _start_device_copy(self, buffer: HostBuffer) -> Any:
+        """Loop thread, state on a GPU: queue the copies to the pinned buffer on the side stream,
+        after the step's update, and return the event that marks them done (None for state in
+        host memory: the copier thread copies)."""
+        if self._stream is None:
+            return None
+        import torch
+
+        self._stream.wait_stream(torch.cuda.current_stream(self.trainer.device))  # after the update
+        with torch.cuda.stream(self._stream):
+            buffer.stage(self._sources, wait=False)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return done
+
+    def _copy(self, key: str, step: int, buffer: HostBuffer, copied_on_device: Any) -> bool:
+        """Copier thread: the snapshot into host memory (on CPU the copy itself; on a GPU the wait
+        for the side stream), held in the store, then handed to the buddy. Returns whether the
+        buddy holds it."""
+        if copied_on_device is None:
+            buffer.stage(self._sources)
+        else:
+            copied_on_device.synchronize()
+        data = buffer.memoryview()
+        self.store.put(key, (self.generation, step), data)
+        # Held here now: the driver counts on it at once, without waiting for a buddy that may be
+        # the rank just lost (its copy, and this rank's report with the cost, come after).
+        self.channel.send(SnapshotReport(self.rank, time.time(), self.generation, step, copied=False))
+        self._while_copying(step)
+        return self._copy_to_buddy(key, step, data)
+
+    def _copy_to_buddy(self, key: str, step: int, data: memoryview) -> bool:
+        """Copier thread: hand the snapshot to the buddy and wait for it to be held there."""
         import numpy as np
         import ray
 
-        cpu_started = time.thread_time()
-        copied, buddy_cpu_s = False, 0.0
-        self._while_copying(step)
-        if self.plan.buddy is not None:
-            try:
-                payload = np.frombuffer(data, np.uint8)
-                buddy_cpu_s = ray.get(
-                    self.plan.buddy.keep_snapshot.remote(key, self.generation, step, self.rank, payload),
-                    timeout=PEER_CALL_TIMEOUT_S,
-                )
-                copied = True
-            except Exception as error:  # noqa: BLE001 - the buddy is gone: the own copy still counts
-                buddy = self.plan.buddy_rank
-                log.warning("rank %d: snapshot of step %d not copied to rank %s: %s", self.rank, step, buddy, error)
-        cost_s = stalled_s + time.thread_time() - cpu_started + buddy_cpu_s
+        if self.plan.buddy is None:
+            return False
+        try:
+            payload = np.frombuffer(data, np.uint8)
+            ray.get(
+                self.plan.buddy.keep_snapshot.remote(key, self.generation, step, self.rank, payload),
+                timeout=PEER_CALL_TIMEOUT_S,
+            )
+            return True
+        except Exception as error:  # noqa: BLE001 - the buddy is gone: the own copy still counts
+            buddy = self.plan.buddy_rank
+            log.warning("rank %d: snapshot of step %d not copied to rank %s: %s", self.rank, step, buddy, error)
+            return False
+
+    def _report(self, in_flight: _InFlight, copied: bool, *, waited_s: float) -> None:
+        """The snapshot is in this rank's memory (and the buddy's when ``copied``); what it cost
+        the loop, in steps: the stall starting it and the wait for it before the next update."""
         self.channel.send(
             SnapshotReport(
                 rank=self.rank,
                 time=time.time(),
                 generation=self.generation,
-                step=step,
+                step=in_flight.step,
                 copied=copied,
-                cost_steps=cost_s / max(step_time_s, 1e-6),
+                cost_steps=(in_flight.stalled_s + waited_s) / max(in_flight.step_time_s, 1e-6),
             )
         )
+
+
+@dataclass
+class _InFlight:
+    """A snapshot the copier is working on: its step, the copier's answer (whether the buddy holds
+    it) and what it cost the loop thread so far."""
+
+    step: int
+    future: Future[bool]
+    stalled_s: float  # starting it (a buffer allocated, the copies queued)
+    step_time_s: float  # of the step it snapshots: the unit of its cost
+
+
+def _side_stream(device: Any) -> Any:
+    """A CUDA stream of ``device`` for the snapshot copies, so they overlap the next step's kernels."""
+    import torch
+
+    return torch.cuda.Stream(device=device)
 
 
 def _check_memory(snapshot_bytes: int, limit_bytes: int | None) -> None:

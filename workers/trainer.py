@@ -63,6 +63,22 @@ class Committer(Protocol):
         """Blocks until every rank is ready to apply ``step``; returns what every rank does with it."""
 
 
+class StateCopies(Protocol):
+    def wait_before_update(self) -> None:
+        """Blocks until nothing copies the training state in the background any more (the
+        optimizer step is about to change it)."""
+
+
+class NoStateCopies:
+    """The null copies: nothing reads the state in the background (snapshots off, torchrun, tests)."""
+
+    def wait_before_update(self) -> None:
+        return None
+
+
+NO_STATE_COPIES = NoStateCopies()
+
+
 class AlwaysCommit:
     """The null committer: a run with no controller (torchrun reference, unit tests)."""
 
@@ -313,12 +329,14 @@ class Trainer(TrainerState):
         with loss_parallel():
             yield
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, *, copies: StateCopies = NO_STATE_COPIES) -> StepResult:
         """Collective: every rank of the mesh runs the same step.
 
         The commit vote follows a device sync (``RankDevice.sync``), so every rank votes on
         gradients its device has finished reducing and clipping; a vetoed step raises
-        StepAborted after that sync, with nothing of it applied.
+        StepAborted after that sync, with nothing of it applied. Between the two, ``copies``
+        (the previous step's peer-memory snapshot, ``workers/peer_snapshots.py``) must finish:
+        they read the state the optimizer step changes, while forward and backward ran.
         """
         started = time.perf_counter()
         batch = local_batch(
@@ -341,6 +359,12 @@ class Trainer(TrainerState):
         # a peer dying meanwhile is seen before this rank votes COMMIT on partial gradients.
         with self.peer_waits.waiting(PeerWait.DEVICE_SYNC):
             self.rank_device.sync()
+        # The hook before the optimizer step, pipelined or not (the schedule's step ran above):
+        # before the vote too, so that a step applied anywhere proves the copies of the step
+        # before it done on every rank.
+        copies_started = time.perf_counter()
+        copies.wait_before_update()
+        copies_waited_s = time.perf_counter() - copies_started
         with self.peer_waits.waiting(PeerWait.COMMIT_VOTE):
             decision = self.committer.vote(step)
         voted = time.perf_counter()
@@ -363,8 +387,9 @@ class Trainer(TrainerState):
             phases={
                 "data_s": loaded - started,
                 "compute_s": computed - loaded,
-                "sync_s": voted - computed,
+                "sync_s": voted - computed - copies_waited_s,
                 "optimizer_s": finished - voted,
+                "snapshot_wait_s": copies_waited_s,
             },
             samples=local_samples(
                 step=step, global_batch=self.spec.global_batch, dp_rank=self.dp_rank, dp=self.mesh.dp

@@ -14,8 +14,8 @@ ranks (``publish_interval``, given to the constructor: the worker group's store)
 next generations with it.
 
 A snapshot is complete when every rank reported it, or when some rank of its generation applied
-a later step: a rank starts a step only once its previous snapshot reached its buddy, and no
-step completes before every rank started it (``workers/peer_snapshots.py``).
+a later step: a rank votes on a step only once its previous snapshot reached its buddy, and no
+step is applied before every rank voted on it (``workers/peer_snapshots.py``).
 """
 
 from __future__ import annotations
@@ -148,8 +148,22 @@ class SnapshotBook:
                 del generation.reported[old]
         if (interval := self.cadence.observe(report.step, report.cost_steps)) is not None and self._generations:
             newest = max(self._generations)
-            log.info("peer-memory snapshots every %d steps from now on (the overhead limit)", interval)
-            self.events.emit("snapshot_interval", generation=newest, step=report.step, interval_steps=interval)
+            cost, limit = self.cadence.measured_cost or 0.0, self.cadence.overhead_limit
+            log.info(
+                "peer-memory snapshots every %d steps from now on: a snapshot costs %.3f of a step "
+                "(what the loop waits for it), elastic.snapshot_overhead_limit=%g",
+                interval,
+                cost,
+                limit,
+            )
+            self.events.emit(
+                "snapshot_interval",
+                generation=newest,
+                step=report.step,
+                interval_steps=interval,
+                cost_steps=round(cost, 6),
+                overhead_limit=limit,
+            )
             self.publish_interval(newest, interval)
 
     def on_restore(self, report: MemoryRestoreReport) -> None:

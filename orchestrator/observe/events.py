@@ -54,9 +54,10 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     # Host memory the peer-memory snapshots take per rank ({rank: bytes}) in a generation, the
     # largest of them and elastic.snapshot_memory_limit_mb in bytes.
     "snapshot_memory": ("generation", "bytes_per_rank", "max_bytes", "limit_bytes"),
-    # Peer-memory snapshots are taken every interval_steps steps from here on (their measured
-    # cost against elastic.snapshot_overhead_limit; elastic/snapshot_cadence.py).
-    "snapshot_interval": ("generation", "step", "interval_steps"),
+    # Peer-memory snapshots are taken every interval_steps steps from here on: cost_steps, what
+    # the loop waits for one snapshot (in steps, the slowest rank's, a median), against
+    # overhead_limit (elastic.snapshot_overhead_limit; elastic/snapshot_cadence.py).
+    "snapshot_interval": ("generation", "step", "interval_steps", "cost_steps", "overhead_limit"),
     # runtime.survive_driver_loss: this driver took over the live ranks a dead driver left, at
     # step (the dead driver's record ends at recorded_step; the ranks' queued reports fill the gap).
     "adopted": ("generation", "step", "recorded_step", "world_size", "lost_steps", "adopt_s"),

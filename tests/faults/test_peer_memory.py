@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.config import ElasticConfig
 from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, before_grow, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import losses, single_rank
@@ -78,12 +79,17 @@ def test_killed_rank_is_rebuilt_from_peer_memory_with_bitwise_equal_state(refere
 
 
 @pytest.mark.slow  # CI runs this
-def test_without_a_spare_the_mesh_shrinks_dp_shard_in_place(reference, tmp_path):
-    result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", faults=("kill@6:1",))
+def test_without_a_spare_the_mesh_shrinks_dp_shard_in_place_and_no_step_is_lost_with_the_defaults(reference, tmp_path):
+    """Snapshot settings left at their defaults, a rank killed late in the run: every step was
+    snapshotted (each copy overlaps the next step, so the cadence has no cost to stretch the
+    interval for), and the newest step is restored: nothing is redone."""
+    default_cadence = f"elastic.snapshot_overhead_limit={ElasticConfig.snapshot_overhead_limit}"  # the harness fixes it
+    result, events = run_job(tmp_path, *ONE_REPLICA, f"training.steps={STEPS}", default_cadence, faults=("kill@9:1",))
     assert result.exit_code == 0, result.reason
     assert_completed_like(events, reference(ONE_REPLICA), STEPS, rel=1e-3)
+    assert of_kind(events, "snapshot_interval") == []  # every step, all along
     [restored] = before_grow(events, "restored")
-    assert restored["source"] == "peer_memory" and restored["step"] == 5
+    assert restored["source"] == "peer_memory" and restored["step"] == 8
     assert restored["to_mesh"]["dp_shard"] < 4
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0

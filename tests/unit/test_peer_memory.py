@@ -149,6 +149,34 @@ def test_snapshots_costing_more_than_the_limit_are_taken_less_often_from_the_cur
     assert [(e["generation"], e["step"], e["interval_steps"]) for e in changes] == [(2, 2, 4)]
 
 
+def test_snapshots_every_step_stay_while_their_copies_hide_behind_the_step_and_a_lengthening_says_why(tmp_path):
+    """The cost the ranks report is what the loop waited for a snapshot (its copy overlaps the next
+    step): near zero, snapshots stay at every step; a state too large to copy within a step makes
+    the loop wait, and the interval event says by how much against the limit."""
+    events = EventLog(tmp_path / "events.jsonl")
+    published: list[tuple[int, int]] = []
+    book = SnapshotBook(
+        events,
+        cadence=SnapshotCadence(1, 0.02),
+        memory_limit_bytes=None,
+        model={"preset": "debug"},
+        publish_interval=lambda generation, interval_steps: published.append((generation, interval_steps)),
+    )
+    book.plans(1, ONE_REPLICA, [Slot(rank) for rank in range(4)])
+    for step in range(1, 8):  # copies hidden behind the next step's compute: 0.001 of a step waited
+        for rank in range(4):
+            book.on_snapshot(SnapshotReport(rank, 0.0, 1, step, copied=True, cost_steps=0.001))
+    assert published == [] and book.interval_steps == 1
+    for step in range(8, 16):  # copies a half step longer than the compute they overlap
+        for rank in range(4):
+            book.on_snapshot(SnapshotReport(rank, 0.0, 1, step, copied=True, cost_steps=0.5 if rank == 2 else 0.001))
+    assert book.interval_steps == 25 and published[-1] == (1, 25)  # ceil(0.5 / 0.02)
+    changes = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "snapshot_interval"]
+    assert changes and changes[-1]["interval_steps"] == 25
+    assert changes[-1]["cost_steps"] == 0.5 and changes[-1]["overhead_limit"] == 0.02
+    assert all(change["cost_steps"] / change["interval_steps"] <= change["overhead_limit"] for change in changes)
+
+
 def test_a_rank_and_its_buddy_both_gone_leave_no_recoverable_snapshot(book):
     book, slots, _ = book
     for rank in range(4):

@@ -238,8 +238,9 @@ class SnapshotLayoutReport:
 class SnapshotReport:
     """A rank's snapshot of ``step`` is in its own memory and, when ``copied``, its buddy's.
 
-    ``cost_steps``: what the snapshot cost this rank, in units of its step time (the copy to
-    host memory, the wait for the previous copy, the CPU of the copy to the buddy).
+    ``cost_steps``: what the snapshot cost this rank's loop, in units of its step time: the
+    stall starting it and the wait for its copies (to host memory, to the buddy) before the next
+    step's update (``workers/peer_snapshots.py``); 0 in the buddy's report of its copy.
     """
 
     rank: int
