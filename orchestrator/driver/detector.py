@@ -14,7 +14,8 @@ ones), so it is tested with plain values. Sources, each a ``LossKind``:
   checks' many seconds to say so, and its actors may come back when the network does: the
   controller kills them and fences them by generation);
 * no step (nor evaluation) completed for the job's own pace (``hang``): ``HANG_STEP_FACTOR`` x the
-  ``HANG_PERCENTILE`` of the recent step times, never less than ``hang_timeout_s`` (a floor). The
+  ``HANG_PERCENTILE`` of the recent step times and ``LATEST_STEP_FACTOR`` x the slowest of the
+  last few, never less than ``hang_timeout_s`` (a floor). The
   first step of each generation (warm-up, a mesh's first collectives, compilation) has its own,
   generous allowance (``Detector.hang_threshold_s``). The ranks busy in the step while the others
   wait on them in collectives are the culprits;
@@ -82,6 +83,12 @@ class Lost:
 HANG_STEP_FACTOR = 4.0
 HANG_PERCENTILE = 0.9
 RECENT_STEPS = 20
+# ... and at least LATEST_STEP_FACTOR x the slowest of the LATEST_STEPS last steps (a generation's
+# first included): when the pace changes at once (a slow link, replacement actors starting on the
+# same cores, the first steps after a mesh change) the percentile lags for many steps, and in the
+# chaos soak a 2 s floor over 0.2 s steps then took 3 s steps for hangs and restored for nothing.
+LATEST_STEP_FACTOR = 2.0
+LATEST_STEPS = 3
 # The first step of a generation warms up (the mesh's first collectives connect, allocators and
 # caches fill, it may compile): it may take WARMUP_STEP_FACTOR x the percentile, at least
 # WARMUP_FLOOR_S; the run's very first step, with no pace known yet, FIRST_STEP_ALLOWANCE_S
@@ -124,6 +131,7 @@ class Detector:
         # Kept across generations: the first step of a new mesh is judged by the old ones. A
         # generation's first step is not kept (its warm-up would inflate the pace for 20 steps).
         self.step_times: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.latest_step_times: deque[float] = deque(maxlen=LATEST_STEPS)
         self.reset(0)
 
     def reset(self, world_size: int, step: int = 0) -> None:
@@ -152,6 +160,8 @@ class Detector:
             self.progress = (step, self.clock())
             if step_time_s and not warming_up:
                 self.step_times.append(step_time_s)
+            if step_time_s:
+                self.latest_step_times.append(step_time_s)
 
     def evaluated(self) -> None:
         """An evaluation ended: the ranks made progress though no step completed, so the next step
@@ -168,7 +178,8 @@ class Detector:
 
     def hang_threshold_s(self) -> float:
         """How long the step under way may go without completing before it is a hang: the job's
-        pace (``HANG_STEP_FACTOR`` x ``pace_s``), never under ``hang_timeout_s``; the first step of
+        pace (``HANG_STEP_FACTOR`` x ``pace_s``, ``LATEST_STEP_FACTOR`` x the slowest of the last
+        ``LATEST_STEPS``), never under ``hang_timeout_s``; the first step of
         a generation and an evaluation get the warm-up allowance (and a compiling job's
         ``first_step_timeout_s``)."""
         pace = self.pace_s()
@@ -181,7 +192,8 @@ class Detector:
         return threshold
 
     def _paced_threshold_s(self) -> float:
-        return max(self.hang_timeout_s, HANG_STEP_FACTOR * (self.pace_s() or 0.0))
+        latest = max(self.latest_step_times, default=0.0)
+        return max(self.hang_timeout_s, HANG_STEP_FACTOR * (self.pace_s() or 0.0), LATEST_STEP_FACTOR * latest)
 
     def unwind_s(self) -> float:
         """How long the survivors of an aborted generation may take to leave it: the paced hang
@@ -295,7 +307,8 @@ class Detector:
             rank: Lost(
                 LossKind.HANG,
                 f"no step completed for {stalled:.1f} s (the hang threshold {self.hang_threshold_s():.1f} s: "
-                f"{HANG_STEP_FACTOR:g} x the recent p{HANG_PERCENTILE * 100:.0f} step time, at least "
+                f"{HANG_STEP_FACTOR:g} x the recent p{HANG_PERCENTILE * 100:.0f} step time, "
+                f"{LATEST_STEP_FACTOR:g} x the slowest of the last {LATEST_STEPS}, at least "
                 f"elastic.hang_timeout_s={self.hang_timeout_s:g}); busy at {self.where.get(rank) or 'unknown'}",
             )
             for rank in culprits
