@@ -88,6 +88,7 @@ JOB = (
 )
 # How meshpilot runs it: tests/faults/harness.py's elastic layout, on the worker nodes.
 MESHPILOT = (
+    "elastic.hang_timeout_s=2",  # steady 0.2-0.5 s steps: the hang floor lowered, as such a job would
     "elastic.heartbeat_timeout_s=10",
     f"elastic.spare_actors={SPARE_ACTORS}",
     f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}",

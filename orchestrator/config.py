@@ -249,9 +249,12 @@ class ElasticConfig:
     max_replicas: int | None = None
     heartbeat_timeout_s: float = 10.0
     # The floor of the hang threshold: a step is hung once it has run 4 x the recent p90 step time
-    # and at least this long (the first step of each generation gets a generous warm-up allowance:
-    # orchestrator/driver/detector.py). Low so that a hung rank of a fast job is found in seconds.
-    hang_timeout_s: float = 2.0
+    # (and 2 x the slowest of the last 3) and at least this long (the first step of each generation
+    # gets a generous warm-up allowance: orchestrator/driver/detector.py). 10 s, not lower: on a
+    # shared 2-core machine a single-replica job's step stalled over 2 s during a storage outage, and
+    # a hang declared there failed a run that had nothing to restore. A job that knows its steps are
+    # steady lowers it (the chaos soak runs with 2 s: each hang found in 2-4.3 s).
+    hang_timeout_s: float = 10.0
     # With training.compile: how long the first step of each mesh may take before it counts as hung
     # (it may compile the blocks; a layout seen before loads them from the job's caches instead).
     compile_timeout_s: float = 600.0

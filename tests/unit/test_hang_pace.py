@@ -127,12 +127,14 @@ def test_an_evaluation_longer_than_the_paced_threshold_is_no_hang() -> None:
     assert found.hung() == [0, 1]  # a hung evaluation is still found
 
 
-def test_a_running_jobs_hang_is_declared_from_its_pace_with_the_default_floor(make_controller, event_times):
-    """The driver over the fake group, defaults: 0.1 s steps reported one per poll, then rank 2
-    busy while the others wait on it. Declared ~2 s after the last step (the floor), not 60 s."""
+def test_a_running_jobs_hang_is_declared_from_its_pace_with_a_lowered_floor(make_controller, event_times):
+    """The driver over the fake group, the floor lowered to 2 s (as the chaos soak does): 0.1 s
+    steps reported one per poll, then rank 2 busy while the others wait on it. Declared ~2 s
+    after the last step (the floor)."""
     controller = make_controller(
         *ELASTIC,
         "training.steps=10",
+        "elastic.hang_timeout_s=2",
         script={
             "runs": {
                 1: {"steps_done": 6, "held": "all", "paced": True, "waiting": {0: True, 1: True, 2: False, 3: True}}
