@@ -127,16 +127,21 @@ def test_a_later_applied_step_proves_a_snapshot_whole_and_an_unconfirmed_copy_is
     assert book.recoverable(lambda slot: slot is slots[3]) == RecoveryPoint(1, 4)
 
 
-def test_snapshots_costing_more_than_the_limit_are_taken_less_often_from_the_current_generation_on(tmp_path):
-    events = EventLog(tmp_path / "events.jsonl")
+def publishing_book(tmp_path, *, overhead_limit: float) -> tuple[SnapshotBook, list[tuple[int, int]]]:
+    """A snapshot book asked for snapshots every step, and the (generation, interval) it publishes."""
     published: list[tuple[int, int]] = []
     book = SnapshotBook(
-        events,
-        cadence=SnapshotCadence(1, 0.05),
+        EventLog(tmp_path / "events.jsonl"),
+        cadence=SnapshotCadence(1, overhead_limit),
         memory_limit_bytes=None,
         model={"preset": "debug"},
         publish_interval=lambda generation, interval_steps: published.append((generation, interval_steps)),
     )
+    return book, published
+
+
+def test_snapshots_costing_more_than_the_limit_are_taken_less_often_from_the_current_generation_on(tmp_path):
+    book, published = publishing_book(tmp_path, overhead_limit=0.05)
     book.plans(1, ONE_REPLICA, [Slot(rank) for rank in range(4)])
     book.plans(2, ONE_REPLICA, [Slot(rank) for rank in range(4)])
     for rank in range(4):  # a snapshot costing a fifth of a step on its slowest rank
@@ -153,15 +158,7 @@ def test_snapshots_every_step_stay_while_their_copies_hide_behind_the_step_and_a
     """The cost the ranks report is what the loop waited for a snapshot (its copy overlaps the next
     step): near zero, snapshots stay at every step; a state too large to copy within a step makes
     the loop wait, and the interval event says by how much against the limit."""
-    events = EventLog(tmp_path / "events.jsonl")
-    published: list[tuple[int, int]] = []
-    book = SnapshotBook(
-        events,
-        cadence=SnapshotCadence(1, 0.02),
-        memory_limit_bytes=None,
-        model={"preset": "debug"},
-        publish_interval=lambda generation, interval_steps: published.append((generation, interval_steps)),
-    )
+    book, published = publishing_book(tmp_path, overhead_limit=0.02)
     book.plans(1, ONE_REPLICA, [Slot(rank) for rank in range(4)])
     for step in range(1, 8):  # copies hidden behind the next step's compute: 0.001 of a step waited
         for rank in range(4):
