@@ -21,8 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 DIM_ORDER: tuple[str, ...] = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
+
+
+class CpMethod(StrEnum):
+    """How attention is made whole over the cp ranks that split every sequence
+    (``parallelism.cp_method``; the rank side: ``workers.context_parallel``).
+
+    ``allgather``: every rank gathers the whole sequence's keys and values (Llama 3).
+    ``ring``: key/value blocks pass around the cp ring beside the attention on the block held,
+    partial results merged by log-sum-exp; a rank never holds more than two blocks.
+    ``ulysses``: an all-to-all trades the sequence split for a head split, attention runs over
+    the whole sequence for heads / cp heads, and a second all-to-all trades back.
+    """
+
+    ALLGATHER = "allgather"
+    RING = "ring"
+    ULYSSES = "ulysses"
 
 
 class MeshError(ValueError):

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from elastic.spec import MeshSpec
+from elastic.spec import CpMethod, MeshSpec
 from orchestrator.config_checks import resolve_data_path, validate
 from orchestrator.errors import ConfigError
 from orchestrator.model_source import resolve_model, shipped_preset_spec
@@ -35,6 +35,7 @@ from workers.spec.train import EvalSpec, OptimizerSpec, ReshardAfterForward
 
 PP_SCHEDULES = tuple(schedule.value for schedule in PipelineSchedule)
 RESHARD_AFTER_FORWARD = tuple(choice.value for choice in ReshardAfterForward)
+CP_METHODS = tuple(method.value for method in CpMethod)
 DATA_SOURCES = ("text", "synthetic", "tokens")
 PACKINGS = tuple(Packing)
 BACKENDS = ("auto", "nccl", "gloo")
@@ -140,8 +141,10 @@ class ParallelismConfig:
     reshard_after_forward: str = field(default="auto", metadata=_choices(*RESHARD_AFTER_FORWARD))
     # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy).
     cpu_offload: bool = False
-    # Context parallel: ranks that split every sequence (same samples, attention all-gathers K/V).
+    # Context parallel: ranks that split every sequence (same samples).
     cp: int = 1
+    # How their attention spans the whole sequence: allgather (K/V), ring, ulysses (elastic.spec.CpMethod).
+    cp_method: str = field(default="allgather", metadata=_choices(*CP_METHODS))
 
     def mesh(self) -> MeshSpec:
         return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp)

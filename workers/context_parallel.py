@@ -3,8 +3,11 @@
 Runs on every rank. A rank's ``SequenceShard`` says which part of each sequence it holds; the
 trainer cuts inputs and labels with ``take`` and hands the shard to the model's attention
 layers (``workers.parallelize.apply_context_parallel``), which read their tokens' global
-positions (for rotary embeddings and the causal mask) and all-gather keys and values over the
-cp group with ``gather_sequence``.
+positions (for rotary embeddings) and call ``attend`` with their queries, keys and values.
+``attend`` makes attention whole by the shard's ``method`` (``elastic.spec.CpMethod``):
+``allgather`` all-gathers keys and values over the cp group (``gather_sequence``), ``ring``
+passes them around it (``workers.ring_attention``), ``ulysses`` trades the sequence split for a
+head split (``workers.ulysses``).
 
 Load-balanced causal sharding (Llama 3, TorchTitan): the sequence is cut into ``2 * cp`` equal
 chunks and cp rank ``i`` keeps chunks ``i`` and ``2 * cp - 1 - i``. Under a causal mask a late
@@ -26,16 +29,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from elastic.spec import CpMethod
 
 
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's part of every sequence: chunks ``cp_rank`` and ``2 * cp - 1 - cp_rank`` of
-    ``2 * cp``; ``group`` is the cp process group (None when cp = 1)."""
+    ``2 * cp``; ``group`` is the cp process group (None when cp = 1); ``method`` how attention
+    spans the whole sequence."""
 
     cp: int = 1
     cp_rank: int = 0
     group: Any = None
+    method: CpMethod = CpMethod.ALLGATHER
 
     @property
     def split(self) -> bool:
@@ -80,6 +88,56 @@ class SequenceShard:
         queries = self.positions(local_len, device)
         keys = torch.arange(local_len * self.cp, device=device)
         return queries[:, None] >= keys[None, :]
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys, fenced to each
+        query's document when ``documents`` [batch, whole seq] is given. ``q`` [batch, heads,
+        local seq, head_dim] and ``k``, ``v`` [batch, kv heads, local seq, head_dim] are this
+        rank's tokens (rotary applied), in the order ``take`` cut them; the result is ``q``'s shape.
+        Collective over the cp group when the sequence is split (every cp rank calls it)."""
+        if not self.split:
+            mask = None if documents is None else document_mask(documents, self)
+            return local_attention(q, k, v, mask)
+        if self.method is CpMethod.RING:
+            from workers.ring_attention import ring_attention
+
+            return ring_attention(q, k, v, self, documents)
+        if self.method is CpMethod.ULYSSES:
+            from workers.ulysses import ulysses_attention
+
+            return ulysses_attention(q, k, v, self, documents)
+        local_len = q.shape[2]
+        mask = self.causal_mask(local_len, q.device) if documents is None else document_mask(documents, self)
+        k, v = self.gather_sequence(k, dim=2), self.gather_sequence(v, dim=2)
+        return local_attention(q, k, v, mask)
+
+
+def document_mask(documents: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """[batch, 1, local seq, seq] booleans: a query (one of this rank's tokens) sees a key (any
+    position of the whole sequence) when the key is not after it and of the same document."""
+    local_len = documents.shape[-1] // shard.cp
+    queries = shard.positions(local_len, documents.device)
+    same_document = documents[:, queries, None] == documents[:, None, :]
+    causal = queries[:, None] >= torch.arange(documents.shape[-1], device=documents.device)[None, :]
+    return (same_document & causal).unsqueeze(1)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention, or attention under ``mask`` (True: the query sees the key), on this
+    rank's tensors alone (no communication); ``k``, ``v`` may have fewer (grouped) heads."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:  # the plain causal kernel (flash on GPU): a run without packing or cp is unchanged
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa and q.device.type != "cpu":
+        # Flash takes no mask, and the memory-efficient kernel (which does) no grouped heads: on
+        # a GPU the keys and values are repeated per query head rather than fall back to the
+        # math kernel, which would hold [batch, heads, seq, seq] scores.
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class _GatherParts(torch.autograd.Function):

@@ -29,7 +29,7 @@ from checkpointing.torch_compat import (
     flatten_mesh,
     unflatten_mesh_dim,
 )
-from elastic.spec import DIM_ORDER, MeshSpec
+from elastic.spec import DIM_ORDER, CpMethod, MeshSpec
 from workers.context_parallel import SequenceShard
 from workers.models import ModelFamily, StageModel
 from workers.models.moe.grouped_experts import EXPERT_WEIGHTS, GroupedExperts
@@ -154,11 +154,13 @@ def data_parallel_mesh(world_mesh: DeviceMesh, mesh: MeshSpec) -> DeviceMesh:
     return _shard_mesh(world_mesh, world_mesh, ("dp_shard", "cp") if mesh.cp > 1 else ("dp_shard",), mesh)
 
 
-def sequence_shard(world_mesh: DeviceMesh, mesh: MeshSpec, cp_rank: int) -> SequenceShard:
+def sequence_shard(
+    world_mesh: DeviceMesh, mesh: MeshSpec, cp_rank: int, method: CpMethod = CpMethod.ALLGATHER
+) -> SequenceShard:
     """This rank's part of every sequence; collective-free (the cp group exists with the mesh)."""
     if mesh.cp == 1:
         return SequenceShard()
-    return SequenceShard(cp=mesh.cp, cp_rank=cp_rank, group=world_mesh["cp"].get_group())
+    return SequenceShard(cp=mesh.cp, cp_rank=cp_rank, group=world_mesh["cp"].get_group(), method=method)
 
 
 def apply_context_parallel(module: StageModel, shard: SequenceShard) -> None:

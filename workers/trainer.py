@@ -141,7 +141,7 @@ class Trainer(TrainerState):
         self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
-        self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp)
+        self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp, spec.cp_method)
         self.ep, self.expert_meshes = self._expert_parallel()
         self.whole_weight_mesh = self._whole_weight_mesh()
         self.plans = par.stage_plans(

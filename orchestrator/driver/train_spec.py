@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from elastic.spec import CpMethod
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
 from orchestrator.model_source import locate, lora_base
@@ -58,6 +59,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         reshard_after_forward=ReshardAfterForward(par.reshard_after_forward),
         cpu_offload=par.cpu_offload,
         activation_checkpointing=par.activation_checkpointing,
+        cp_method=CpMethod(par.cp_method),
         compile=train.compile,
         compile_cache_dir=compile_cache_dir(config) if train.compile else "",
         float8=train.float8,

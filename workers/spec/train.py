@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from elastic.spec import BatchPlan
+from elastic.spec import BatchPlan, CpMethod
 from workers.spec.lora import LoraBase, LoraSpec
 from workers.spec.model import ModelSpec
 from workers.spec.tokens import Packing
@@ -183,6 +183,8 @@ class TrainSpec(OptimizerSpec):
     reshard_after_forward: ReshardAfterForward = ReshardAfterForward.AUTO
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    # How attention spans a sequence split over cp > 1 ranks (``parallelism.cp_method``).
+    cp_method: CpMethod = CpMethod.ALLGATHER
     # ``training.compile``: each transformer block compiled (workers/compile.py); ``training.float8``:
     # its linear layers' matmuls in float8 (workers/float8.py).
     compile: bool = False

@@ -92,22 +92,12 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def document_mask(documents: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
-    """[batch, 1, local seq, seq] booleans: a query (one of this rank's tokens) sees a key (any
-    position of the whole sequence) when the key is not after it and of the same document."""
-    local_len = documents.shape[-1] // shard.cp
-    queries = shard.positions(local_len, documents.device)
-    same_document = documents[:, queries, None] == documents[:, None, :]
-    causal = queries[:, None] >= torch.arange(documents.shape[-1], device=documents.device)[None, :]
-    return (same_document & causal).unsqueeze(1)
-
-
 class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings, causal.
 
     ``sequence_shard`` (set by ``workers.parallelize.apply_context_parallel``) says which part of
-    each sequence this rank holds when cp > 1: rotary embeddings use its global positions, keys
-    and values are all-gathered over the cp group and the mask is causal in global positions.
+    each sequence this rank holds when cp > 1: rotary embeddings use its global positions and
+    the shard's ``attend`` makes attention span the whole sequence (by ``parallelism.cp_method``).
     """
 
     def __init__(self, spec: LlamaArgs) -> None:
@@ -129,35 +119,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         shard = self.sequence_shard
         positions = shard.positions(seq_len, x.device) if shard.split else None
-        mask: torch.Tensor | None = None
         if documents is not None:
-            local = shard.positions(seq_len, x.device)
-            positions = document_positions(documents)[:, local]
-            mask = document_mask(documents, shard)
-        elif shard.split:
-            mask = shard.causal_mask(seq_len, x.device)
+            positions = document_positions(documents)[:, shard.positions(seq_len, x.device)]
         cos, sin = rotary_cos_sin(self.spec, seq_len, x.device, q.dtype, positions)
         if cos.dim() == 3:  # per row: [batch, seq, head_dim] -> broadcast over the heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if shard.split:
-            k, v = shard.gather_sequence(k, dim=2), shard.gather_sequence(v, dim=2)
-        return self.o_proj(_attend(q, k, v, mask).transpose(1, 2).reshape(batch, seq_len, -1))
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention, or attention under ``mask`` (True: the query sees the key)."""
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:  # the plain causal kernel (flash on GPU): a run without packing or cp is unchanged
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa and q.device.type != "cpu":
-        # Flash takes no mask, and the memory-efficient kernel (which does) no grouped heads: on
-        # a GPU the keys and values are repeated per query head rather than fall back to the
-        # math kernel, which would hold [batch, heads, seq, seq] scores.
-        repeats = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(shard.attend(q, k, v, documents).transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class FeedForward(nn.Module):
