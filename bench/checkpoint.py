@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing
 import os
 import statistics
@@ -35,6 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+from bench.common import emit  # noqa: E402
 
 PART_SIZE = 8 << 20
 CONCURRENCY = 4
@@ -325,7 +326,7 @@ def main() -> None:
     for key, value in figures.items():
         if key != "goals_met":
             print(f"{key:>32}: {value}", file=sys.stderr)
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Two measurements, both printed; the last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import emit  # noqa: E402
 from orchestrator.config import config_from_dict, load_config  # noqa: E402
 from orchestrator.observe.metrics import MetricsExporter  # noqa: E402
 
@@ -224,28 +224,25 @@ def main(argv: list[str] | None = None) -> None:
         f"({ab['world_size']} ranks); {cost_large['event_us']:.0f} us and {cost_large['scrape_ms']:.1f} ms "
         "for 1024 ranks"
     )
-    print(
-        json.dumps(
-            {
-                "benchmark": "metrics_overhead",
-                "quick": args.quick,
-                "measured": "one real run, exporter switched on/off in alternating step blocks, "
-                "scraped over HTTP while on",
-                "world_size": ab["world_size"],
-                "steps": ab["steps"],
-                "step_time_on_s": round(on_s, 5),
-                "step_time_off_s": round(off_s, 5),
-                "ratio": round(on_s / off_s, 4),
-                "paired_ratio": round(ab["paired_ratio"], 4),
-                "goal": 1.02,
-                "scrape_interval_s": args.scrape_interval_s,
-                "event_cost_us": cost_here["event_us"],
-                "scrape_cost_ms": cost_here["scrape_ms"],
-                "event_cost_us_1024_ranks": cost_large["event_us"],
-                "scrape_cost_ms_1024_ranks": cost_large["scrape_ms"],
-                "driver_cost_ratio": round((off_s + per_step_s) / off_s, 6),
-            }
-        )
+    emit(
+        {
+            "benchmark": "metrics_overhead",
+            "quick": args.quick,
+            "measured": "one real run, exporter switched on/off in alternating step blocks, scraped over HTTP while on",
+            "world_size": ab["world_size"],
+            "steps": ab["steps"],
+            "step_time_on_s": round(on_s, 5),
+            "step_time_off_s": round(off_s, 5),
+            "ratio": round(on_s / off_s, 4),
+            "paired_ratio": round(ab["paired_ratio"], 4),
+            "goal": 1.02,
+            "scrape_interval_s": args.scrape_interval_s,
+            "event_cost_us": cost_here["event_us"],
+            "scrape_cost_ms": cost_here["scrape_ms"],
+            "event_cost_us_1024_ranks": cost_large["event_us"],
+            "scrape_cost_ms_1024_ranks": cost_large["scrape_ms"],
+            "driver_cost_ratio": round((off_s + per_step_s) / off_s, 6),
+        }
     )
 
 

@@ -27,6 +27,8 @@ import torch
 # rank and Ray actor inherits: a graph is compiled once per run of the suite, not once per test,
 # and nothing is left in the machine's shared default cache.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="meshpilot-tests-inductor-"))
+# Benchmarks the tests start (bench/gpu_check.py --smoke, ...) record nothing in bench/results.
+os.environ["MESHPILOT_BENCH_RECORD"] = "0"
 
 pytest_plugins = ["tests.fixtures.ray_cluster", "tests.fixtures.s3"]
 
