@@ -58,6 +58,8 @@ def take_no_record_flag(argv: list[str], environ: dict[str, str] | os._Environ[s
 # At import, so that every script gets the flag without its parser knowing it.
 take_no_record_flag(sys.argv, os.environ)
 os.environ.setdefault(RECORDER_ENV, str(os.getpid()))
+# The running script, resolved now: a later working directory does not move it.
+SCRIPT = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
 
 
 def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
@@ -98,10 +100,9 @@ def emit(result: dict[str, Any]) -> None:
     """The benchmark's last stdout line; also recorded (``record_run``) unless recording is off."""
     result = {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(result), flush=True)
-    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
     recording = os.environ.get(RECORD_ENV, "1") != "0" and os.environ.get(RECORDER_ENV) == str(os.getpid())
-    if recording and script is not None and script.parent == BENCH_DIR:
-        path = record_run(result, bench=script.stem, argv=sys.argv)
+    if recording and SCRIPT is not None and SCRIPT.parent == BENCH_DIR:
+        path = record_run(result, bench=SCRIPT.stem, argv=[str(SCRIPT), *sys.argv[1:]])
         print(f"recorded in {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", file=sys.stderr)
 
 
