@@ -10,6 +10,8 @@ one row per goal: the newest run that measured the figure, the goal, met or miss
 the run's date, commit and machine, and a link to ``<page dir>/<page name>/<bench>.md``, which lists
 every recorded run of that benchmark with the same figures. Lines marked ``"source": "README"``
 were copied from the README's benchmark table when recording began, not re-run by the recorder.
+The page links ``<page dir>/<page name>/learned.md`` when it exists: the diagnoses behind the
+figures, written by hand (this script never writes or removes it).
 The output depends on the recorded lines only (no render time in it), so re-running without new
 runs changes nothing.
 """
@@ -29,6 +31,8 @@ from bench.common import REPO, RESULTS_DIR  # noqa: E402
 from bench.goals import GOALS, Goal  # noqa: E402
 
 DEFAULT_PAGE = REPO / "docs" / "benchmarks.md"
+# Written by hand beside the history pages: the diagnoses behind the figures, linked when present.
+LEARNED = "learned.md"
 Run = dict[str, Any]
 
 
@@ -145,7 +149,8 @@ def benches(runs: dict[str, list[Run]]) -> list[str]:
     return ordered + sorted(set(runs) - set(ordered))
 
 
-def render_page(runs: dict[str, list[Run]], history_dir: str) -> str:
+def render_page(runs: dict[str, list[Run]], history_dir: str, *, learned: bool = False) -> str:
+    """The table; ``learned``: link the hand-written diagnoses page ``<history_dir>/learned.md``."""
     lines = [
         "# Benchmarks",
         "",
@@ -158,6 +163,10 @@ def render_page(runs: dict[str, list[Run]], history_dir: str) -> str:
         "`bench/results/latest.json` is apart from these: the figures `meshpilot simulate` reads, which",
         "`bench/recovery.py` also writes.",
         "",
+    ]
+    if learned:
+        lines += [f"Why figures are what they are: [what we learned]({history_dir}/{LEARNED}).", ""]
+    lines += [
         "| benchmark | figure | latest | goal | met | command | measured | history |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -219,7 +228,8 @@ def write(results_dir: Path, page: Path) -> list[Path]:
     history_dir = page.parent / page.stem
     history_dir.mkdir(parents=True, exist_ok=True)
     written = [page]
-    page.write_text(render_page(runs, page.stem), encoding="utf-8")
+    learned = (history_dir / LEARNED).is_file()
+    page.write_text(render_page(runs, page.stem, learned=learned), encoding="utf-8")
     for bench in benches(runs):
         path = history_dir / f"{bench}.md"
         path.write_text(render_history(bench, runs.get(bench, []), f"../{page.name}"), encoding="utf-8")
