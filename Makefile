@@ -42,10 +42,11 @@ test: setup lint docs
 
 # The reference pages are generated during the build (mkdocs.yml's hook, orchestrator/cli/docs_reference.py);
 # the benchmarks page is rendered from bench/results/ first (the hook stands in a placeholder until
-# bench/report.py exists). NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, not about this site.
+# bench/report.py exists). PYTHONPATH: the hook documents this checkout's code, whatever the venv's editable
+# install points at. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, not about this site.
 docs: setup
 	if [ -f bench/report.py ]; then $(PY) bench/report.py; fi
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Everything, the long scenarios marked slow included: CI runs this.
 test-all: setup lint
