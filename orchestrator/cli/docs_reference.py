@@ -178,20 +178,30 @@ def _cell(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------- CLI
-def cli_commands() -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    """Every command's name (``meshpilot train``, ``meshpilot ckpt ls``, ...) and its parser."""
+def cli_commands() -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
+    """Every command's name (``meshpilot train``, ``meshpilot ckpt ls``, ...), its parser and the
+    one-line help its parent lists it with."""
     from orchestrator.cli import build_parser
 
-    yield from _walk(build_parser(), "meshpilot")
+    yield from _walk(build_parser(), "meshpilot", "")
 
 
-def _walk(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+def _walk(
+    parser: argparse.ArgumentParser, name: str, help_text: str
+) -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
     if name != "meshpilot":
-        yield name, parser
-    for action in subcommands:
-        for sub_name, sub_parser in action.choices.items():
-            yield from _walk(sub_parser, f"{name} {sub_name}")
+        yield name, parser, help_text
+    for subcommands in arguments(parser):
+        if isinstance(subcommands, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in subcommands._choices_actions}
+            for sub_name, sub_parser in subcommands.choices.items():
+                yield from _walk(sub_parser, f"{name} {sub_name}", helps.get(sub_name, ""))
+
+
+def arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's arguments, as ``add_argument`` returned them: argparse keeps them in ``_actions``
+    and names no public accessor (sphinx-argparse reads the same list)."""
+    return list(parser._actions)
 
 
 def cli_page() -> str:
@@ -203,39 +213,24 @@ def cli_page() -> str:
         "(one line naming the key or flag and the fix), 130 interrupted, 143 terminated.",
         "",
     ]
-    helps = _subcommand_helps()
-    for name, parser in cli_commands():
+    for name, parser, help_text in cli_commands():
         lines += [f"## `{name}`", ""]
-        summary = parser.description or helps.get(name, "")
+        summary = parser.description or help_text
         if summary:
             lines += [summary.strip(), ""]
         lines += ["```text", parser.format_usage().strip().replace("usage: ", "", 1), "```", ""]
-        rows = [_flag_row(action) for action in parser._actions if _documented(action)]
+        rows = [_flag_row(action) for action in arguments(parser) if _documented(action)]
         if rows:
             lines += ["| argument | default | help |", "| --- | --- | --- |", *rows, ""]
     return "\n".join(lines)
 
 
-def _subcommand_helps() -> dict[str, str]:
-    from orchestrator.cli import build_parser
-
-    helps: dict[str, str] = {}
-
-    def visit(parser: argparse.ArgumentParser, name: str) -> None:
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for choice in action._choices_actions:
-                    helps[f"{name} {choice.dest}"] = choice.help or ""
-                for sub_name, sub_parser in action.choices.items():
-                    visit(sub_parser, f"{name} {sub_name}")
-
-    visit(build_parser(), "meshpilot")
-    return helps
-
-
 def _documented(action: argparse.Action) -> bool:
+    """A flag or positional to list: not -h (every command has it) nor the sub-command slot."""
     return (
-        not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and action.help != argparse.SUPPRESS
+        action.dest != "help"
+        and not isinstance(action, argparse._SubParsersAction)
+        and action.help != argparse.SUPPRESS
     )
 
 
