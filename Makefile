@@ -49,7 +49,7 @@ docs: setup
 	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Everything, the long scenarios marked slow included: CI runs this.
-test-all: setup lint
+test-all: setup lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Every process the suite starts measures itself (COVERAGE_PROCESS_START; coverage's own .pth
