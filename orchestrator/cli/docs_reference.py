@@ -218,11 +218,18 @@ def cli_page() -> str:
         summary = parser.description or help_text
         if summary:
             lines += [summary.strip(), ""]
-        lines += ["```text", parser.format_usage().strip().replace("usage: ", "", 1), "```", ""]
+        lines += ["```text", _usage(parser), "```", ""]
         rows = [_flag_row(action) for action in arguments(parser) if _documented(action)]
         if rows:
             lines += ["| argument | default | help |", "| --- | --- | --- |", *rows, ""]
     return "\n".join(lines)
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """argparse's usage without its ``usage: `` prefix, continuation lines moved left by as much."""
+    prefix = "usage: "
+    lines = parser.format_usage().strip().splitlines()
+    return "\n".join([lines[0].removeprefix(prefix), *(line.removeprefix(" " * len(prefix)) for line in lines[1:])])
 
 
 def _documented(action: argparse.Action) -> bool:
@@ -239,7 +246,7 @@ def _flag_row(action: argparse.Action) -> str:
     if action.option_strings and action.nargs != 0:
         names += f" `{action.metavar or action.dest.upper()}`"
     default = action.default
-    shown = "" if default in (None, argparse.SUPPRESS, False) or action.nargs == 0 else f"`{default}`"
+    shown = "" if default in (None, argparse.SUPPRESS, False, []) or action.nargs == 0 else f"`{default}`"
     help_text = (action.help or "").replace("%(default)s", str(default)).replace("%%", "%")
     if action.choices and not isinstance(action, argparse._SubParsersAction):
         help_text += " (one of: " + ", ".join(f"`{choice}`" for choice in action.choices) + ")"
