@@ -70,7 +70,8 @@ class ModelConfig:
     """The model: a family, its shape (a preset, or a Hugging Face config.json), any field of
     which may be overridden, and optionally the released weights it starts from."""
 
-    #: A registered family (llama) or your own: package.module:Class (a ModelFamily subclass).
+    #: A registered family: llama (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM) or moe (Qwen2-MoE), or your
+    #: own: package.module:Class (a ModelFamily subclass).
     family: str = "llama"
     #: A shipped shape of the family (debug-moe is the moe family's); hf_config or init_from give the shape instead.
     preset: str = field(default="debug", metadata=_choices(*PRESETS))
@@ -121,7 +122,8 @@ class ModelConfig:
     router_score: str | None = None
     #: Rescale each token's top-k scores to sum to one (norm_topk_prob).
     normalize_top_k: bool | None = None
-    #: LoRA: {rank, alpha, dropout, target_modules}; null (the default) trains every weight.
+    #: LoRA: {rank, alpha, dropout, target_modules}, e.g. {rank: 16}; the base stays frozen. null (the
+    #: default) trains every weight.
     lora: LoraConfig | None = None
     # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.
     resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
@@ -203,7 +205,8 @@ class TrainingConfig(OptimizerSpec):
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     #: Per-block torch.compile (inductor: C++ on CPU, Triton on CUDA), caches kept for the job.
     compile: bool = False
-    #: float8 matmuls through torchao (CUDA, compute capability 8.9 or higher); weights stay high precision.
+    #: float8 matmuls through torchao (CUDA, compute capability 8.9 or higher, tp=1;
+    #: pip install 'meshpilot[float8]'); weights stay high precision.
     float8: bool = False
 
 
