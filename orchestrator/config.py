@@ -50,12 +50,13 @@ def _choices(*values: str) -> dict[str, Any]:
 class LoraConfig:
     """``model.lora``: train low-rank adapters beside the frozen model (``workers.spec.lora``)."""
 
+    #: Rank of each adapter (the inner dimension of its two matrices).
     rank: int = 16
-    # The adapters' output is scaled by alpha / rank.
+    #: The adapters' output is scaled by alpha / rank.
     alpha: float = 32.0
-    # Dropout on each adapter's input (0: none).
+    #: Dropout on each adapter's input (0: none).
     dropout: float = 0.0
-    # Hugging Face module names of the linear layers that get an adapter.
+    #: Hugging Face module names of the linear layers that get an adapter.
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
     def spec(self) -> LoraSpec:
@@ -69,37 +70,60 @@ class ModelConfig:
     """The model: a family, its shape (a preset, or a Hugging Face config.json), any field of
     which may be overridden, and optionally the released weights it starts from."""
 
-    # A registered family (llama) or your own: package.module:Class (a ModelFamily subclass).
+    #: A registered family: llama (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM) or moe (Qwen2-MoE), or your
+    #: own: package.module:Class (a ModelFamily subclass).
     family: str = "llama"
+    #: A shipped shape of the family (debug-moe is the moe family's); hf_config or init_from give the shape instead.
     preset: str = field(default="debug", metadata=_choices(*PRESETS))
-    # A Hugging Face config.json (file, directory or s3:// prefix) that gives every shape field.
+    #: A Hugging Face config.json (file, directory or s3:// prefix) that gives every shape field.
     hf_config: str | None = None
-    # A Hugging Face model directory or s3:// prefix (config.json + safetensors): a fresh run
-    # starts from these weights (its config.json gives the shape unless hf_config is set).
-    # A checkpoint under checkpoint.uri takes precedence once one exists.
+    #: A Hugging Face model directory or s3:// prefix (config.json + safetensors): a fresh run
+    #: starts from these weights (its config.json gives the shape unless hf_config is set).
+    #: A checkpoint under checkpoint.uri takes precedence once one exists.
     init_from: str | None = None
+    #: Any of the shape keys below overrides the preset's (or config.json's) value: the model width.
     dim: int | None = None
+    #: Transformer blocks.
     n_layers: int | None = None
+    #: Attention heads.
     n_heads: int | None = None
+    #: Key/value heads (grouped-query attention).
     n_kv_heads: int | None = None
+    #: Vocabulary size.
     vocab_size: int | None = None
+    #: SwiGLU hidden size.
     ffn_dim: int | None = None
+    #: RMSNorm's epsilon.
     norm_eps: float | None = None
+    #: RoPE base frequency.
     rope_theta: float | None = None
+    #: Longest sequence the positions are built for.
     max_seq_len: int | None = None
+    #: Width of one head, when it is not dim / n_heads.
     head_dim: int | None = None
+    #: Biases on the q, k and v projections (Qwen2).
     qkv_bias: bool | None = None
+    #: The release ties lm_head to the embedding (loaded untied).
     tie_embeddings: bool | None = None
     # Mixture of experts (family moe, preset debug-moe): see workers.spec.families.moe.MoeArgs.
+    #: Mixture of experts (family moe): routed experts per layer.
     n_experts: int | None = None
+    #: Experts each token goes to (dropless: every token reaches all of them).
     top_k_experts: int | None = None
+    #: One routed expert's SwiGLU hidden size (default ffn_dim).
     moe_ffn_dim: int | None = None
+    #: Shared experts every token passes, behind a sigmoid gate (Qwen2-MoE).
     n_shared_experts: int | None = None
+    #: Weight of the load-balancing loss in the gradient (preset debug-moe: 0.01).
     router_aux_loss_coef: float | None = None
+    #: Auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0 or null: off.
     router_bias_update_rate: float | None = None
+    #: softmax (default) or sigmoid: how router logits become expert scores.
     router_score: str | None = None
+    #: Rescale each token's top-k scores to sum to one (norm_topk_prob).
     normalize_top_k: bool | None = None
-    # LoRA: {rank, alpha, dropout, target_modules}; null (the default) trains every weight.
+    #: LoRA: {rank, alpha, dropout, target_modules}, e.g. {rank: 16}; the base stays frozen. null (the
+    #: default) trains every weight.
     lora: LoraConfig | None = None
     # The shape once resolved by ``orchestrator.model_source`` (preset or config.json); not a key.
     resolved: ModelSpec | None = field(default=None, metadata={"internal": True}, repr=False)
@@ -125,25 +149,31 @@ _NOT_SHAPE_KEYS = ("family", "preset", "hf_config", "init_from", "lora")
 
 @dataclass
 class ParallelismConfig:
+    #: Replica groups: whole copies of the state (HSDP); the unit that fails and is dropped.
     dp_replicate: int = 1
+    #: FSDP2 sharding inside a replica group.
     dp_shard: int = 2
-    # Expert parallelism (moe models): ranks of dp_shard that split the experts; must divide dp_shard.
+    #: Expert parallelism (moe models): ranks of dp_shard that split the experts; must divide dp_shard.
     ep: int = 1
+    #: Tensor parallel, with sequence parallelism; must divide heads, kv heads, ffn_dim and seq_len / cp.
     tp: int = 2
+    #: Pipeline stages, balanced by layer count.
     pp: int = 2
+    #: torch's pipeline schedule of that name.
     pp_schedule: str = field(default="1f1b", metadata=_choices(*PP_SCHEDULES))
-    # Model chunks per pipeline rank; None = 2 for interleaved_1f1b, zero_bubble, zbv and dualpipev, else 1.
+    #: Model chunks per pipeline rank; None = 2 for interleaved_1f1b, zero_bubble, zbv and dualpipev, else 1.
     stages_per_rank: int | None = None
-    # Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
+    #: Pipeline microbatches per step with pp > 1; gradient-accumulation microbatches without.
     microbatches: int = 4
+    #: Recompute each block's activations in the backward instead of keeping them.
     activation_checkpointing: bool = False
-    # When FSDP2 frees gathered parameters: always (ZeRO-3), never (ZeRO-2), auto (never with pp > 1).
+    #: When FSDP2 frees gathered parameters: always (ZeRO-3), never (ZeRO-2), auto (never with pp > 1).
     reshard_after_forward: str = field(default="auto", metadata=_choices(*RESHARD_AFTER_FORWARD))
-    # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy).
+    #: Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy).
     cpu_offload: bool = False
-    # Context parallel: ranks that split every sequence (same samples).
+    #: Context parallel: ranks that split every sequence (same samples).
     cp: int = 1
-    # How their attention spans the whole sequence: allgather (K/V), ring, ulysses (elastic.spec.CpMethod).
+    #: How their attention spans the whole sequence: allgather (K/V), ring, ulysses (elastic.spec.CpMethod).
     cp_method: str = field(default="allgather", metadata=_choices(*CP_METHODS))
 
     def mesh(self) -> MeshSpec:
@@ -161,38 +191,45 @@ class TrainingConfig(OptimizerSpec):
     """The ``training:`` section: the run's length and batch, and every optimizer setting
     (``lr``, ``warmup_steps``, ... are OptimizerSpec's fields, declared once there)."""
 
+    #: Optimizer steps the run trains for (a resumed run may be extended).
     steps: int = 50
+    #: Sequences per step, constant whatever the mesh (accumulation makes up for lost ranks).
     global_batch: int = 16
+    #: Tokens per sequence.
     seq_len: int = 128
-    # A job warms up over its first steps unless told otherwise; OptimizerSpec itself does not.
+    #: A job warms up over its first steps unless told otherwise; OptimizerSpec itself does not.
     warmup_steps: int = 5
+    #: Seed of the initial weights and the data order.
     seed: int = 0
-    # auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
+    #: auto: bfloat16 parameters with float32 gradient reduction on GPU, float32 on CPU.
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
-    # Per-block torch.compile (inductor: C++ on CPU, Triton on CUDA), caches kept for the job.
+    #: Per-block torch.compile (inductor: C++ on CPU, Triton on CUDA), caches kept for the job.
     compile: bool = False
-    # float8 matmuls through torchao (CUDA, compute capability 8.9 or higher); weights stay high precision.
+    #: float8 matmuls through torchao (CUDA, compute capability 8.9 or higher, tp=1;
+    #: pip install 'meshpilot[float8]'); weights stay high precision.
     float8: bool = False
 
 
 @dataclass
 class DataConfig:
+    #: text: byte-level tokens of data.path; synthetic: seeded, learnable samples; tokens: a corpus
+    #: from `meshpilot data prepare` at data.uri.
     source: str = field(default="text", metadata=_choices(*DATA_SOURCES))
-    # A text file, tokenized at byte level; relative paths are tried from the current
-    # directory, then from the config file's directory.
+    #: A text file, tokenized at byte level; relative paths are tried from the current
+    #: directory, then from the config file's directory.
     path: str = "data/sample.txt"
-    # source=tokens: a corpus written by ``meshpilot data prepare`` (a directory, tried like path,
-    # or s3://bucket/prefix read with checkpoint.endpoint_url and region). Ranks read it; the driver
-    # reads only its manifest.
+    #: source=tokens: a corpus written by ``meshpilot data prepare`` (a directory, tried like path,
+    #: or s3://bucket/prefix read with checkpoint.endpoint_url and region). Ranks read it; the driver
+    #: reads only its manifest.
     uri: str | None = None
-    # The tokenizer.json the job expects: the corpus must have been prepared with this very file.
+    #: The tokenizer.json the job expects: the corpus must have been prepared with this very file.
     tokenizer: str | None = None
-    # Write RUN_DIR/samples.jsonl: per applied step and data-parallel rank, the samples consumed.
+    #: Write RUN_DIR/samples.jsonl: per applied step and data-parallel rank, the samples consumed.
     record_samples: bool = False
-    # source=tokens: how samples are cut from the corpus. windows: seq_len + 1 tokens of the stream
-    # (pre-training); documents: whole documents packed up to seq_len, positions restarting and
-    # attention fenced at each. Unset: windows for a text corpus, documents for chat and
-    # prompt-completion corpora (set from the corpus manifest when the job is checked).
+    #: source=tokens: how samples are cut from the corpus. windows: seq_len + 1 tokens of the stream
+    #: (pre-training); documents: whole documents packed up to seq_len, positions restarting and
+    #: attention fenced at each. Unset: windows for a text corpus, documents for chat and
+    #: prompt-completion corpora (set from the corpus manifest when the job is checked).
     packing: str | None = field(default=None, metadata=_choices(*PACKINGS))
     # sha256 of the corpus manifest once checked (the config hash names the corpus by it); not a key.
     manifest_sha256: str | None = field(default=None, metadata={"internal": True}, repr=False)
@@ -207,19 +244,27 @@ class EvalConfig(EvalSpec):
 
 @dataclass
 class CheckpointConfig:
-    # s3://bucket/prefix, file:///dir or a plain directory; None turns checkpoints off.
+    #: s3://bucket/prefix, file:///dir or a plain directory; None turns checkpoints off.
     uri: str | None = None
+    #: The S3 endpoint for S3-compatible servers (SeaweedFS, MinIO); null: AWS.
     endpoint_url: str | None = None
+    #: The S3 region.
     region: str | None = None
+    #: Steps between checkpoints; the last step is also saved.
     interval_steps: int = 10
+    #: Committed checkpoints kept; older ones are deleted.
     keep_last: int = 3
-    # Also keep every M-th step forever (0 = none).
+    #: Also keep every M-th step forever (0 = none).
     keep_every: int = 0
+    #: Upload in the background while training goes on; false: every save waits until durable.
     async_: bool = field(default=True, metadata={"key": "async"})
+    #: Multipart upload part size.
     part_size_mb: int = 8
+    #: Parts each rank uploads at once.
     upload_concurrency: int = 4
+    #: Saves being uploaded at once; the loop waits before staging another.
     max_in_flight: int = 1
-    # Resume from the latest committed checkpoint under uri when one exists.
+    #: Resume from the latest committed checkpoint under uri when one exists.
     resume: bool = True
 
 
@@ -227,131 +272,158 @@ class CheckpointConfig:
 class StragglerConfig:
     """``elastic.straggler``: a rank whose compute is persistently slower than its peers' (``elastic/straggler.py``)."""
 
-    # Slow = compute phase over this many times the median of its peers'. 2.0: a healthy rank's
+    #: Slow = compute phase over this many times the median of its peers' (the ranks of the same
+    #: pipeline stage; must be > 1).
+    # 2.0: a healthy rank's
     # compute varies far less (within ~1.3x on the shared 2-core CPU machine, less on GPUs), while
     # a throttled GPU or a rank sharing its device runs 2x or slower, and a rank at 2x holds every
     # step of the job back by as much.
     factor: float = 2.0
-    # ... in this many consecutive steps (all but one of them, so that one noisy step of a loaded
-    # machine does not hide it). 5: a one-off hiccup (a page-cache miss, a garbage collection, a
+    #: ... in this many consecutive steps (all but one of them, so that one noisy step of a loaded
+    #: machine does not hide it).
+    # 5: a one-off hiccup (a page-cache miss, a garbage collection, a
     # snapshot copy) lasts a step or two; four slow steps of five is a condition, and replacing
     # costs no step, so acting after five is cheap.
     window_steps: int = 5
-    # replace: its replica group's work moves to warm actors at the next step boundary (0 steps
-    # lost, like a drain) and its node is avoided for new actors while others have room; exclude:
-    # its replica group leaves without a refill (the job grows back later, as after any shrink,
-    # from new actors placed away from its node); warn: only reported. replace is the default: a
-    # slow rank costs every step of the job, a replacement costs one step boundary. Without warm
-    # actors (elastic.spare_actors) or another replica group, stragglers are only reported.
+    #: replace: its replica group's work moves to warm actors at the next step boundary (0 steps
+    #: lost, like a drain) and its node is avoided for new actors while others have room; exclude:
+    #: its replica group leaves without a refill (the job grows back later, as after any shrink,
+    #: from new actors placed away from its node); warn: only reported. Without warm
+    #: actors (elastic.spare_actors) or another replica group, stragglers are only reported.
+    # replace is the default: a
+    # slow rank costs every step of the job, a replacement costs one step boundary.
     action: str = field(default="replace", metadata=_choices("warn", "replace", "exclude"))
 
 
 @dataclass
 class ElasticConfig:
+    #: Fewest replica groups to keep training in place with.
     min_replicas: int = 1
+    #: Grow up to this many replica groups when capacity allows (null: parallelism.dp_replicate).
     max_replicas: int | None = None
+    #: A rank silent this long is lost.
     heartbeat_timeout_s: float = 10.0
-    # The floor of the hang threshold: a step is hung once it has run 4 x the recent p90 step time
-    # (and 2 x the slowest of the last 3) and at least this long (the first step of each generation
-    # gets a generous warm-up allowance: orchestrator/driver/detector.py). 10 s, not lower: on a
+    #: The floor of the hang threshold: a step is hung once it has run 4 x the recent p90 step time
+    #: (and 2 x the slowest of the last 3) and at least this long (the first step of each generation
+    #: gets a generous warm-up allowance: orchestrator/driver/detector.py). A job that knows its steps are
+    #: steady lowers it (the chaos soak runs with 2 s: each hang found in 2-4.3 s).
+    # 10 s, not lower: on a
     # shared 2-core machine a single-replica job's step stalled over 2 s during a storage outage, and
-    # a hang declared there failed a run that had nothing to restore. A job that knows its steps are
-    # steady lowers it (the chaos soak runs with 2 s: each hang found in 2-4.3 s).
+    # a hang declared there failed a run that had nothing to restore.
     hang_timeout_s: float = 10.0
-    # With training.compile: how long the first step of each mesh may take before it counts as hung
-    # (it may compile the blocks; a layout seen before loads them from the job's caches instead).
+    #: With training.compile: how long the first step of each mesh may take before it counts as hung
+    #: (it may compile the blocks; a layout seen before loads them from the job's caches instead).
     compile_timeout_s: float = 600.0
-    # gloo/NCCL timeout for one collective.
+    #: gloo/NCCL timeout for one collective.
     collective_timeout_s: float = 120.0
-    # Warm spare actors started with the job (rounded up to whole replica groups): a failed
-    # replica group is refilled from them at once, state copied from a surviving replica.
+    #: Warm spare actors started with the job (rounded up to whole replica groups): a failed
+    #: replica group is refilled from them at once, state copied from a surviving replica.
     spare_actors: int = 0
-    # Peer-memory snapshots: every this many steps each rank copies its state to host memory
-    # and a rank on another node keeps a copy, so a lost rank's state is rebuilt without
-    # storage (0: off). Each rank holds two of its own and two of its buddy's.
+    #: Peer-memory snapshots: every this many steps each rank copies its state to host memory
+    #: and a rank on another node keeps a copy, so a lost rank's state is rebuilt without
+    #: storage (0: off). Each rank holds two of its own and two of its buddy's.
     snapshot_interval_steps: int = 1
-    # The fraction of step time snapshots may cost: when one costs more than this times the
-    # interval, they are taken less often (measured as the run goes, at most every 100 steps;
-    # 0: no limit, exactly every snapshot_interval_steps). The cost is what the loop waits for
-    # a snapshot: its copy overlaps the next step, so only a state too large to copy within
-    # a step's forward and backward costs anything.
+    #: The fraction of step time snapshots may cost: when one costs more than this times the
+    #: interval, they are taken less often (measured as the run goes, at most every 100 steps;
+    #: 0: no limit, exactly every snapshot_interval_steps). The cost is what the loop waits for
+    #: a snapshot: its copy overlaps the next step, so only a state too large to copy within
+    #: a step's forward and backward costs anything.
     snapshot_overhead_limit: float = 0.02
-    # The host memory the snapshots may take per rank; a job needing more is refused at start
-    # (None: no limit; the memory they take is reported either way).
+    #: The host memory the snapshots may take per rank; a job needing more is refused at start
+    #: (None: no limit; the memory they take is reported either way).
     snapshot_memory_limit_mb: int | None = None
-    # Failure budget: more than max_failures incidents within failure_window_s ends the run (a
-    # loss before any step completed since the previous one is the same incident), and so do
-    # more than max_failures recovery attempts of one incident.
+    #: Failure budget: more than max_failures incidents within failure_window_s ends the run (a
+    #: loss before any step completed since the previous one is the same incident), and so do
+    #: more than max_failures recovery attempts of one incident.
     max_failures: int = 5
+    #: The window of the failure budget (elastic.max_failures).
     failure_window_s: float = 3600.0
-    # A cloud's spot / maintenance notice endpoint, polled by every rank from its own node
-    # (e.g. http://169.254.169.254/latest/meta-data/spot/instance-action on AWS); 200 = notice.
+    #: A cloud's spot / maintenance notice endpoint, polled by every rank from its own node
+    #: (e.g. http://169.254.169.254/latest/meta-data/spot/instance-action on AWS); 200 = notice.
     instance_action_url: str | None = None
+    #: Seconds between polls of instance_action_url.
     instance_action_poll_s: float = 2.0
+    #: A rank whose compute is persistently slower than its peers'.
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass
 class MetricsConfig:
+    #: Serve Prometheus metrics on /metrics from the driver.
     enabled: bool = True
+    #: Address the metrics server binds; 0.0.0.0 only when asked (e.g. in a pod).
     host: str = "127.0.0.1"
-    # 0 picks a free port and prints it.
+    #: 0 picks a free port and prints it.
     port: int = 0
-    # Device peak FLOP/s for the MFU estimate; None = a default for the device kind.
+    #: Device peak FLOP/s for the MFU estimate; None = a default for the device kind.
     device_peak_tflops: float | None = None
-    # A directory Prometheus watches (file_sd_configs): the driver writes its scrape target
-    # there, so a port picked at random is still found. None = write nothing.
+    #: A directory Prometheus watches (file_sd_configs): the driver writes its scrape target
+    #: there, so a port picked at random is still found. None = write nothing.
     targets_dir: str | None = None
-    # A directory the driver writes TensorBoard scalars to (loss, lr, tokens/s, grad norm, eval
-    # loss per step). None = write none.
+    #: A directory the driver writes TensorBoard scalars to (loss, lr, tokens/s, grad norm, eval
+    #: loss per step). None = write none.
     tensorboard_dir: str | None = None
 
 
 @dataclass
 class RuntimeConfig:
-    # None: an embedded local Ray cluster (or RAY_ADDRESS when set).
+    #: None: an embedded local Ray cluster (or RAY_ADDRESS when set).
     address: str | None = None
+    #: auto: nccl with GPUs, gloo without.
     backend: str = field(default="auto", metadata=_choices(*BACKENDS))
+    #: Ray CPUs each rank actor asks for.
     cpus_per_rank: float = 0.5
+    #: Ray GPUs each rank actor asks for (1: NCCL and bfloat16 are chosen automatically).
     gpus_per_rank: float = 0.0
-    # Custom Ray resources each rank needs, e.g. {spot: 1}: places ranks only on nodes that
-    # advertise them (node pools, failure domains).
+    #: Custom Ray resources each rank needs, e.g. {spot: 1}: places ranks only on nodes that
+    #: advertise them (node pools, failure domains).
     resources_per_rank: dict[str, float] = field(default_factory=dict)
-    # Logical CPUs of the embedded cluster; None = enough for every rank.
+    #: Logical CPUs of the embedded cluster; None = enough for every rank.
     num_cpus: int | None = None
-    # Seconds to wait for every rank actor to be placed and started.
+    #: Seconds to wait for every rank actor to be placed and started.
     start_timeout_s: float = 180.0
-    # Where the run's record goes (config.yaml, events.jsonl, logs/): a directory, or
-    # s3://bucket/prefix, mirrored from a local runs/<name>-<timestamp> while the run goes
-    # (with checkpoint.endpoint_url and region). None: runs/<name>-<timestamp>; in a Ray job with an
-    # s3:// checkpoint.uri, mirrored to <checkpoint.uri>/runs/<name>-<timestamp>. --run-dir wins.
+    #: Where the run's record goes (config.yaml, events.jsonl, logs/): a directory, or
+    #: s3://bucket/prefix, mirrored from a local runs/<name>-<timestamp> while the run goes
+    #: (with checkpoint.endpoint_url and region). None: runs/<name>-<timestamp>; in a Ray job with an
+    #: s3:// checkpoint.uri, mirrored to <checkpoint.uri>/runs/<name>-<timestamp>. --run-dir wins.
     run_dir: str | None = None
-    # Seconds between uploads of new events to an s3:// run record (and once more at the end).
+    #: Seconds between uploads of new events to an s3:// run record (and once more at the end).
     run_dir_sync_s: float = 10.0
-    # training.compile: each node's directory of the job's compile caches ("{node_id}" is replaced
-    # by the rank's Ray node id). None: <tmp>/meshpilot-compile/<name>-<config hash>, so a resumed
-    # job finds its graphs compiled.
+    #: training.compile: each node's directory of the job's compile caches ("{node_id}" is replaced
+    #: by the rank's Ray node id). None: <tmp>/meshpilot-compile/<name>-<config hash>, so a resumed
+    #: job finds its graphs compiled.
     compile_cache_dir: str | None = None
-    # Rank actors and the rendezvous store outlive the driver (detached Ray actors named after the
-    # run), so a driver started again for the same run adopts them with no step lost
-    # (orchestrator/driver/adoption.py). Needs a cluster that outlives the driver (RAY_ADDRESS).
+    #: Rank actors and the rendezvous store outlive the driver (detached Ray actors named after the
+    #: run), so a driver started again for the same run adopts them with no step lost
+    #: (orchestrator/driver/adoption.py). Needs a cluster that outlives the driver (RAY_ADDRESS).
     survive_driver_loss: bool = False
-    # With survive_driver_loss: seconds a rank (and the store) waits without hearing from any
-    # driver before it exits, so that nothing outlives a driver that never comes back.
+    #: With survive_driver_loss: seconds a rank (and the store) waits without hearing from any
+    #: driver before it exits, so that nothing outlives a driver that never comes back.
     driver_lease_s: float = 120.0
 
 
 @dataclass
 class JobConfig:
+    #: The run name: the run directory is runs/<name>-<timestamp>, and it labels the metrics.
     name: str = "meshpilot"
+    #: The model: its family, its shape (a preset or a Hugging Face config.json, any field overridden),
+    #: the weights it starts from, LoRA.
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: The device mesh: world size = pp x dp_replicate x dp_shard x cp x tp.
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    #: The run's length and batch, the optimizer, precision and compilation.
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    #: What the job trains on: a text file, synthetic samples or a corpus from `meshpilot data prepare`.
     data: DataConfig = field(default_factory=DataConfig)
+    #: Evaluation while training on fixed samples, the same on any mesh.
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: Asynchronous sharded safetensors checkpoints to S3 or disk.
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: Failure detection, recovery, peer-memory snapshots, growing back and stragglers.
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    #: The Prometheus endpoint the driver serves, and TensorBoard scalars.
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: Where the job runs: the Ray cluster, what each rank gets, where its record goes.
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # Where the YAML came from; not a key.
     source_dir: str | None = field(default=None, metadata={"internal": True}, repr=False)

@@ -1,4 +1,4 @@
-"""The README's "Bring your own model" example, run as written: its two Python blocks become
+"""The docs' "Bring your own model" example (docs/guides/your-model.md), run as written: its two Python blocks become
 ``my_models.py`` and ``train.py`` in a fresh directory (with the config and text they name),
 and ``python train.py`` trains the user's family on pp=2 x dp_shard=2 on its own embedded Ray
 cluster (the ranks import ``my_models`` through ``PYTHONPATH``, as from an installed package)."""
@@ -14,8 +14,8 @@ from tests.jobs import REPO
 
 
 def readme_blocks() -> dict[str, str]:
-    """The README's python blocks that start with a ``# NAME.py`` comment, by that name."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    """The guide's python blocks that start with a ``# NAME.py`` comment, by that name."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "guides" / "your-model.md").read_text(), flags=re.S)
     named = {}
     for block in blocks:
         first = block.splitlines()[0]

@@ -22,7 +22,7 @@ FAMILY = "model.family=tests.families.gpt2:Gpt2Family"
 STEPS = 10
 
 
-@pytest.mark.slow  # 8 ranks, ~35 s on 2 cores; make test trains a user family through the README example
+@pytest.mark.slow  # 8 ranks, ~35 s on 2 cores; make test trains a user family through docs/guides/your-model.md
 def test_a_user_family_on_8_ranks_trains_like_one_process(ray_cluster, tmp_path):
     reference_result, reference_events = train(tmp_path / "one", f"training.steps={STEPS}", FAMILY, *single_rank())
     assert reference_result.exit_code == 0, reference_result.reason

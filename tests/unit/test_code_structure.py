@@ -28,6 +28,8 @@ STDLIB_PRIVATES = (
     "argparse._SubParsersAction",  # the type of add_subparsers()'s result; argparse names no public one
     "sys._current_frames",  # documented in the sys module: the stack dump of a stuck rank
     "os._exit",  # documented in the os module: a detached actor whose driver lease ran out ends at once
+    "parser._actions",  # a parser's arguments: argparse names no public accessor (the CLI reference reads them)
+    "subcommands._choices_actions",  # each sub-command's help line, the same (the CLI reference lists them)
 )
 
 

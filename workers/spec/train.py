@@ -131,8 +131,11 @@ class EvalSpec:
     evaluation samples. ``interval_steps=0`` turns evaluation off.
     """
 
+    #: Evaluate every this many applied steps and after the last (0: off).
     interval_steps: int = 0
+    #: batches x training.global_batch fixed evaluation samples, the same on any mesh.
     batches: int = 4
+    #: Also evaluate before step 1.
     at_start: bool = False
 
     def due(self, step: int, *, last_step: int) -> bool:
@@ -152,13 +155,19 @@ class OptimizerSpec:
     names) and so does ``TrainSpec`` (ranks read ``spec.lr``); the driver copies the fields by name.
     """
 
+    #: Peak learning rate: linear warmup, then cosine decay.
     lr: float = 3e-4
-    # Cosine decay ends at lr * min_lr_ratio on the last step.
+    #: Cosine decay ends at lr * min_lr_ratio on the last step.
     min_lr_ratio: float = 0.1
+    #: Steps of linear warmup.
     warmup_steps: int = 0
+    #: AdamW's weight decay.
     weight_decay: float = 0.1
+    #: AdamW's beta1.
     beta1: float = 0.9
+    #: AdamW's beta2.
     beta2: float = 0.95
+    #: Clip the global gradient norm (over every dimension, pipeline stages included) to this; 0: off.
     grad_clip: float = 1.0
 
 
