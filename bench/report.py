@@ -10,7 +10,7 @@ one row per goal: the newest run that measured the figure, the goal, met or miss
 the run's date, commit and machine, and a link to ``<page dir>/<page name>/<bench>.md``, which lists
 every recorded run of that benchmark with the same figures. Lines marked ``"source": "README"``
 were copied from the README's benchmark table when recording began, not re-run by the recorder.
-The page links ``<page dir>/<page name>/learned.md`` when it exists: the diagnoses behind the
+The page links ``<page dir>/learned.md`` when it exists: the diagnoses behind the
 figures, written by hand (this script never writes or removes it).
 The output depends on the recorded lines only (no render time in it), so re-running without new
 runs changes nothing.
@@ -150,7 +150,7 @@ def benches(runs: dict[str, list[Run]]) -> list[str]:
 
 
 def render_page(runs: dict[str, list[Run]], history_dir: str, *, learned: bool = False) -> str:
-    """The table; ``learned``: link the hand-written diagnoses page ``<history_dir>/learned.md``."""
+    """The table; ``learned``: link the hand-written diagnoses page ``learned.md`` beside it."""
     lines = [
         "# Benchmarks",
         "",
@@ -165,7 +165,7 @@ def render_page(runs: dict[str, list[Run]], history_dir: str, *, learned: bool =
         "",
     ]
     if learned:
-        lines += [f"Why figures are what they are: [what we learned]({history_dir}/{LEARNED}).", ""]
+        lines += [f"Why figures are what they are: [what we learned]({LEARNED}).", ""]
     lines += [
         "| benchmark | figure | latest | goal | met | command | measured | history |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -228,7 +228,7 @@ def write(results_dir: Path, page: Path) -> list[Path]:
     history_dir = page.parent / page.stem
     history_dir.mkdir(parents=True, exist_ok=True)
     written = [page]
-    learned = (history_dir / LEARNED).is_file()
+    learned = (page.parent / LEARNED).is_file()
     page.write_text(render_page(runs, page.stem, learned=learned), encoding="utf-8")
     for bench in benches(runs):
         path = history_dir / f"{bench}.md"

@@ -80,7 +80,7 @@ def test_the_page_shows_the_newest_figure_per_goal_met_or_missed_with_history_li
     (results / "adoption.jsonl").write_text(json.dumps({"command": "python bench/adoption.py", "result": {}}) + "\n")
     page = tmp_path / "docs" / "benchmarks.md"
     (page.parent / "benchmarks").mkdir(parents=True)
-    (page.parent / "benchmarks" / "learned.md").write_text("# What we learned\n")
+    (page.parent / "learned.md").write_text("# What we learned\n")
     assert report.main(["--results", str(results), "--out", str(page)]) == 0
 
     rows = page_rows(page.read_text())
@@ -91,7 +91,7 @@ def test_the_page_shows_the_newest_figure_per_goal_met_or_missed_with_history_li
     assert len(rows) == len(GOALS)
     links = re.findall(r"\]\(([^)]+)\)", page.read_text())
     assert "benchmarks/adoption.md" in links  # recorded without a goal: listed with its history
-    assert "benchmarks/learned.md" in links  # the hand-written diagnoses, kept and linked
+    assert "learned.md" in links  # the hand-written diagnoses, kept and linked
     for link in links:
         assert (page.parent / link).is_file(), link
     history = (page.parent / "benchmarks" / "recovery.md").read_text()
