@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,14 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 @dataclass
 class WandbRun:
-    """What one offline run holds: logged rows (``run.log``), the summary, config and saved files."""
+    """What one offline run holds: logged rows (``run.log``), the summary, config, saved files, artifacts."""
 
     history: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    # Logged artifacts: (type, name) -> the paths in it.
+    artifacts: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     exit_code: int | None = None
 
 
@@ -39,6 +42,20 @@ def offline_run_file(run_dir: Path) -> Path:
     found = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
     assert len(found) == 1, f"expected one offline W&B run under {run_dir}/wandb, found {found}"
     return found[0]
+
+
+def read_finished_wandb_run(run_dir: Path, timeout_s: float = 30.0) -> WandbRun:
+    """The offline run under ``RUN_DIR/wandb`` once its exit record is written.
+
+    ``run.finish()`` returns once W&B's core process has the run's end; the core writes the file's
+    last records a moment later.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = read_wandb_run(offline_run_file(run_dir))
+        if run.exit_code is not None or time.monotonic() > deadline:
+            return run
+        time.sleep(0.2)
 
 
 def read_wandb_run(path: Path) -> WandbRun:
@@ -57,6 +74,9 @@ def read_wandb_run(path: Path) -> WandbRun:
             run.config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
         elif kind == "files":
             run.files.extend(file.path for file in record.files.files)
+        elif kind == "artifact":
+            artifact = record.artifact
+            run.artifacts[(artifact.type, artifact.name)] = [entry.path for entry in artifact.manifest.contents]
         elif kind == "exit":
             run.exit_code = record.exit.exit_code
     return run

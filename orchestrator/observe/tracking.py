@@ -11,7 +11,8 @@ Runs on the driver only (the ranks know nothing of it), and only when ``tracking
 What each backend is given (the same keys in both):
 
 * at the start: the resolved config as parameters (flattened keys, ``training.lr``); the run is
-  named after the run directory, and tagged with the config hash and the starting mesh;
+  named after the run directory, and tagged with the config hash, the starting mesh and the run
+  directory;
 * per step, at that step: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``,
   ``world_size``, and ``mfu`` when the device's peak is known (``metrics.device_peak_tflops``);
   per evaluation ``eval_loss`` at its step;
@@ -21,7 +22,8 @@ What each backend is given (the same keys in both):
   checkpoint's step, where the run goes on from), plus a ``meshpilot.<kind>.<n>`` tag (W&B: a
   summary key) saying what happened;
 * at the end: the run record (config.yaml, events.jsonl, logs/, whatever else RUN_DIR holds but
-  W&B's own directory) as artifacts, and the status (MLflow FINISHED, FAILED or KILLED).
+  W&B's own directory) as artifacts (W&B: one artifact of type ``run-record``), and the status
+  (MLflow FINISHED, FAILED or KILLED; W&B the exit code).
 
 It never fails or slows the run. ``on_event`` runs on the controller's thread and only turns the
 event into records and appends them to each backend's bounded queue (when full the oldest record
@@ -59,6 +61,8 @@ log = logging.getLogger("meshpilot.tracking")
 INSTALL_HINT = "pip install 'meshpilot[tracking]'"
 # W&B keeps its run directory (offline-run-*, logs) under RUN_DIR/wandb: not part of the record it uploads.
 WANDB_DIR = "wandb"
+# The type of the W&B artifact that holds the run record (named run-record-<run id>).
+WANDB_RECORD_TYPE = "run-record"
 # Records a backend's queue holds before the oldest is dropped: ~10,000 steps of a run the
 # server missed, a few MB of driver memory.
 QUEUE_RECORDS = 10_000
@@ -72,6 +76,8 @@ CLOSING_RETRY_S = 0.5
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "terminated": "KILLED"}
 WANDB_INIT_TIMEOUT_S = 30
+# A marker's tag (a failure's message can carry a traceback's last line); MLflow takes up to 8,000.
+TAG_CHARS = 1000
 # A client's error (MLflow's names the URL, urllib3's pool and the socket error) cut to fit a log line.
 ERROR_CHARS = 240
 
@@ -141,6 +147,7 @@ class EventRecords:
                     "meshpilot.config_hash": str(event.get("config_hash")),
                     "meshpilot.mesh": json.dumps(event.get("mesh")),
                     "meshpilot.world_size": str(event.get("world_size")),
+                    "meshpilot.run_dir": str(event.get("run_dir")),
                 }
             )
         ]
@@ -202,7 +209,7 @@ class EventRecords:
         number = self._counts[kind] = self._counts.get(kind, 0) + 1
         return [
             self._at_step(event, {kind: value}),
-            RunTags({f"meshpilot.{kind}.{number}": redact_text(f"step {self.step}: {text}")}),
+            RunTags({f"meshpilot.{kind}.{number}": redact_text(f"step {self.step}: {text}")[:TAG_CHARS]}),
         ]
 
     def _at_step(self, event: dict[str, Any], values: dict[str, Any]) -> StepValues:
@@ -347,10 +354,19 @@ class WandbBackend:
             elif isinstance(record, RunTags):
                 self._run.summary.update(record.tags)
             else:
-                for path in record.files:
-                    self._run.save(str(path), base_path=str(record.run_dir), policy="now")
-                self._run.summary["meshpilot.status"] = record.status
-                self._run.finish(exit_code=0 if record.status == "finished" else 1)
+                self._finish(record)
+
+    def _finish(self, end: RunEnd) -> None:
+        """The record as one artifact (``run.save`` would note every file on the terminal), then the end."""
+        import wandb
+
+        if end.files:
+            artifact = wandb.Artifact(f"run-record-{self._run.id}", type=WANDB_RECORD_TYPE)
+            for path in end.files:
+                artifact.add_file(str(path), name=path.relative_to(end.run_dir).as_posix())
+            self._run.log_artifact(artifact)
+        self._run.summary["meshpilot.status"] = end.status
+        self._run.finish(exit_code=0 if end.status == "finished" else 1)
 
 
 # ---------------------------------------------------------------------------- the queue
