@@ -74,7 +74,10 @@ MAX_RETRY_S = 30.0
 CLOSING_RETRY_S = 0.5
 # MLflow's defaults retry a request 7 times with backoff for minutes; the queue's retries replace them.
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "terminated": "KILLED"}
+# The done event's status (orchestrator.driver.states.RunEnd) as MLflow's run status and W&B's exit code
+# (the CLI's); a run without a done event (a driver that crashed) is failed.
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "preempted": "KILLED"}
+WANDB_EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130, "preempted": 143}
 WANDB_INIT_TIMEOUT_S = 30
 # A marker's tag (a failure's message can carry a traceback's last line); MLflow takes up to 8,000.
 TAG_CHARS = 1000
@@ -100,7 +103,7 @@ class RunTags:
 
 
 @dataclass(frozen=True)
-class RunEnd:
+class EndOfRun:
     """The run is over: its status (the ``done`` event's, ``failed`` without one) and its record's files."""
 
     status: str
@@ -108,7 +111,7 @@ class RunEnd:
     files: tuple[Path, ...]
 
 
-Record = StepValues | RunTags | RunEnd
+Record = StepValues | RunTags | EndOfRun
 
 
 class EventRecords:
@@ -282,7 +285,7 @@ class MlflowBackend:
         if metrics or tags:
             self._client.log_batch(self._run_id, metrics=metrics, tags=tags, synchronous=True)
         for record in records:
-            if isinstance(record, RunEnd):
+            if isinstance(record, EndOfRun):
                 self._finish(record)
 
     def _open(self) -> None:
@@ -304,7 +307,7 @@ class MlflowBackend:
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in chunk], synchronous=True)
             del self._params_left[:100]
 
-    def _finish(self, end: RunEnd) -> None:
+    def _finish(self, end: EndOfRun) -> None:
         for path in end.files:
             parent = path.parent.relative_to(end.run_dir).as_posix()
             self._client.log_artifact(self._run_id, str(path), artifact_path=None if parent == "." else parent)
@@ -356,7 +359,7 @@ class WandbBackend:
             else:
                 self._finish(record)
 
-    def _finish(self, end: RunEnd) -> None:
+    def _finish(self, end: EndOfRun) -> None:
         """The record as one artifact (``run.save`` would note every file on the terminal), then the end."""
         import wandb
 
@@ -366,7 +369,7 @@ class WandbBackend:
                 artifact.add_file(str(path), name=path.relative_to(end.run_dir).as_posix())
             self._run.log_artifact(artifact)
         self._run.summary["meshpilot.status"] = end.status
-        self._run.finish(exit_code=0 if end.status == "finished" else 1)
+        self._run.finish(exit_code=WANDB_EXIT_CODES.get(end.status, 1))
 
 
 # ---------------------------------------------------------------------------- the queue
@@ -522,7 +525,7 @@ class Tracker:
         """
         if self._closed is not None:
             return self._closed
-        end = RunEnd(self._records.status or "failed", self.run_dir, record_files(self.run_dir))
+        end = EndOfRun(self._records.status or "failed", self.run_dir, record_files(self.run_dir))
         for queue in self._queues:
             queue.put(end)
         deadline = time.monotonic() + self.close_timeout_s

@@ -19,10 +19,10 @@ from orchestrator.cli import main
 from orchestrator.config import config_from_dict, load_config
 from orchestrator.observe.events import read_events
 from orchestrator.observe.tracking import (
+    EndOfRun,
     EventRecords,
     MlflowBackend,
     Record,
-    RunEnd,
     RunTags,
     StepValues,
     Tracker,
@@ -87,7 +87,7 @@ def test_recorded_killed_rank_run_gives_the_loss_curve_a_failure_and_its_recover
     assert tags["meshpilot.failure.1"].startswith("step 7: rank_died: ranks [3]")
     assert tags["meshpilot.status"] == "finished"
     end = backend.records[-1]
-    assert isinstance(end, RunEnd) and end.status == "finished"
+    assert isinstance(end, EndOfRun) and end.status == "finished"
     assert [path.name for path in end.files] == ["config.yaml", "events.jsonl"]
     assert (delivery.sent, delivery.dropped, delivery.unsent) == (len(backend.records), 0, 0)
 
@@ -138,10 +138,10 @@ def test_a_stalled_tracker_never_holds_up_the_events_and_a_full_queue_drops_the_
     delivery = tracker.close()["recording"]
     received = [step for step, _ in backend.metric("loss")]
     # Whatever the sender had taken before it hung, then the newest the queue of 10 kept: the last
-    # 9 steps, as the run's end (RunEnd) took the tenth place at close. Every other step is counted.
+    # 9 steps, as the run's end (EndOfRun) took the tenth place at close. Every other step is counted.
     assert received == sorted(received) and set(range(92, 101)) <= set(received)
     assert delivery.dropped == 100 - len(received) > 0 and delivery.unsent == 0
-    assert isinstance(backend.records[-1], RunEnd)
+    assert isinstance(backend.records[-1], EndOfRun)
 
 
 def test_a_failing_tracker_warns_once_retries_and_delivers_everything(tmp_path, caplog):
