@@ -245,9 +245,14 @@ def record_files(run_dir: Path) -> tuple[Path, ...]:
 
 
 # ---------------------------------------------------------------------------- backends
+class RecordsRefused(Exception):
+    """The tracker answered and refused these records (a bad value, say): retrying cannot help."""
+
+
 class TrackingBackend(Protocol):
-    """One tracker. ``send`` runs on the backend's own thread, raises on any failure, and is called
-    again with the same records after one: each call must be all-or-nothing, or repeatable."""
+    """One tracker. ``send`` runs on the backend's own thread and raises on any failure: it is called
+    again with the same records after one (each call must be all-or-nothing, or repeatable), except
+    after ``RecordsRefused``, when the records are dropped."""
 
     name: str
     where: str
@@ -272,6 +277,17 @@ class MlflowBackend:
         self._run_id: str | None = None
 
     def send(self, records: list[Record]) -> None:
+        from mlflow.exceptions import RestException  # the server answered with an error
+
+        try:
+            self._send(records)
+        except RestException as error:
+            status = error.get_http_status_code()
+            if 400 <= status < 500 and status not in (408, 429):  # not a timeout or a rate limit: refused
+                raise RecordsRefused(str(error)) from error
+            raise
+
+    def _send(self, records: list[Record]) -> None:
         self._open()
         from mlflow.entities import Metric, RunTag
 
@@ -412,6 +428,7 @@ class BackendQueue:
         self._closing = False
         self._abandoned = False
         self._warned = False
+        self._warned_refused = False
         self._thread = threading.Thread(target=self._run, name=f"meshpilot-tracking-{backend.name}", daemon=True)
         self._thread.start()
 
@@ -440,6 +457,9 @@ class BackendQueue:
         while self._next_batch():
             try:
                 self.backend.send(self._in_flight)
+            except RecordsRefused as error:
+                self._refused(error)
+                continue
             except Exception as error:  # noqa: BLE001 - a tracker's failure must never reach the run
                 self._failed(error)
                 self._back_off(retry_s)
@@ -466,9 +486,30 @@ class BackendQueue:
                 self._cond.wait()
             if self._abandoned:
                 return False
+            # The end of the run goes alone: its artifacts and status are retried apart from the metrics.
             while self._pending and len(self._in_flight) < BATCH_RECORDS:
+                if isinstance(self._pending[0], EndOfRun) and self._in_flight:
+                    break
                 self._in_flight.append(self._pending.popleft())
+                if isinstance(self._in_flight[-1], EndOfRun):
+                    break
             return bool(self._in_flight)
+
+    def _refused(self, error: RecordsRefused) -> None:
+        """Drop a batch the tracker refused (counted), so that it cannot hold up the ones behind it."""
+        message = redact_text(str(error).splitlines()[0] if str(error) else "")[:ERROR_CHARS]
+        with self._cond:
+            self.delivery.dropped += len(self._in_flight)
+            self.delivery.last_error = message
+            self._in_flight = []
+        if not self._warned_refused:
+            self._warned_refused = True
+            log.warning(
+                "tracking: %s at %s refused records (%s); they are dropped",
+                self.backend.name,
+                self.backend.where,
+                message,
+            )
 
     def _failed(self, error: Exception) -> None:
         message = redact_text(f"{type(error).__name__}: {error}".splitlines()[0])[:ERROR_CHARS]

@@ -23,6 +23,7 @@ from orchestrator.observe.tracking import (
     EventRecords,
     MlflowBackend,
     Record,
+    RecordsRefused,
     RunTags,
     StepValues,
     Tracker,
@@ -43,10 +44,12 @@ class RecordingBackend:
     name = "recording"
     where = "memory"
 
-    def __init__(self, *, gate: threading.Event | None = None, failures: int = 0) -> None:
+    def __init__(self, *, gate: threading.Event | None = None, failures: int = 0, refusals: int = 0) -> None:
         self.records: list[Record] = []
+        self.batches: list[list[Record]] = []
         self.gate = gate
         self.failures_left = failures
+        self.refusals_left = refusals
 
     def send(self, records: list[Record]) -> None:
         if self.gate is not None:
@@ -54,7 +57,11 @@ class RecordingBackend:
         if self.failures_left:
             self.failures_left -= 1
             raise ConnectionError("connection refused")
+        if self.refusals_left:
+            self.refusals_left -= 1
+            raise RecordsRefused("INVALID_PARAMETER_VALUE: metric value")
         self.records.extend(records)
+        self.batches.append(list(records))
 
     def metric(self, key: str) -> list[tuple[int, float]]:
         return [(r.step, r.values[key]) for r in self.records if isinstance(r, StepValues) and key in r.values]
@@ -154,6 +161,31 @@ def test_a_failing_tracker_warns_once_retries_and_delivers_everything(tmp_path, 
     assert len(warnings) == 1 and "cannot reach recording at memory (ConnectionError" in warnings[0].getMessage()
     assert delivery.failures == 3 and delivery.unsent == 0
     assert len(backend.metric("loss")) == 20
+
+
+def test_refused_records_are_dropped_and_counted_and_the_rest_goes_through(tmp_path, caplog):
+    backend = RecordingBackend(refusals=1)
+    tracker = Tracker([backend], tmp_path)
+    caplog.set_level(logging.INFO, logger="meshpilot")
+    events = read_events(KILL_RANK3)
+    tracker.on_event(events[0])  # the start: its tags are the batch refused
+    assert _wait_for(lambda: tracker._queues[0].delivery.dropped == 1)
+    replay(events[1:], tracker)
+    delivery = tracker.close()["recording"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "refused records (INVALID_PARAMETER_VALUE" in warnings[0]
+    assert delivery.dropped == 1 and delivery.unsent == 0 and len(backend.metric("loss")) == 20
+    # The end of the run is a batch of its own: a retry of its artifacts never sends metrics twice.
+    assert [type(r) for r in backend.batches[-1]] == [EndOfRun]
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_an_unreachable_mlflow_server_is_one_warning_and_the_end_waits_no_longer_than_allowed(tmp_path, caplog):
