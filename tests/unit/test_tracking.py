@@ -251,3 +251,12 @@ def test_no_tracking_section_sends_nothing_and_costs_nothing(tmp_path):
     tracker = build_tracker(config_from_dict({}, [SAMPLE]), Path(tmp_path))
     tracker.on_event({"event": "step", "time": 1.0, "step": 1, "loss": 1.0})
     assert tracker.close() == {} and tracker.describe() == ""
+
+
+def test_an_adopting_driver_may_track_elsewhere_than_the_run_it_adopts():
+    from orchestrator.driver.adoption import differing_keys
+
+    config = load_config(DEMO_CONFIG, [SAMPLE, "tracking.wandb.mode=offline"])
+    recorded = config.to_dict()
+    del recorded["tracking"]  # a run recorded before the tracking section existed
+    assert differing_keys(recorded, config) == []
