@@ -81,7 +81,7 @@ WANDB_EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130, "preempted":
 WANDB_INIT_TIMEOUT_S = 30
 # A marker's tag (a failure's message can carry a traceback's last line); MLflow takes up to 8,000.
 TAG_CHARS = 1000
-# A client's error (MLflow's names the URL, urllib3's pool and the socket error) cut to fit a log line.
+# An error's text cut to fit a log line.
 ERROR_CHARS = 240
 
 
@@ -497,7 +497,7 @@ class BackendQueue:
 
     def _refused(self, error: RecordsRefused) -> None:
         """Drop a batch the tracker refused (counted), so that it cannot hold up the ones behind it."""
-        message = redact_text(str(error).splitlines()[0] if str(error) else "")[:ERROR_CHARS]
+        message = redact_text((str(error).splitlines() or [""])[0])[:ERROR_CHARS]
         with self._cond:
             self.delivery.dropped += len(self._in_flight)
             self.delivery.last_error = message
@@ -512,7 +512,7 @@ class BackendQueue:
             )
 
     def _failed(self, error: Exception) -> None:
-        message = redact_text(f"{type(error).__name__}: {error}".splitlines()[0])[:ERROR_CHARS]
+        message = error_text(error)
         self.delivery.failures += 1
         self.delivery.last_error = message
         if not self._warned:
@@ -523,6 +523,17 @@ class BackendQueue:
                 self.backend.where,
                 message,
             )
+
+
+def error_text(error: BaseException) -> str:
+    """The root of an error's chain, on one short line: ``ConnectionRefusedError: [Errno 111] Connection
+    refused`` rather than MLflow's wrapper naming the URL, urllib3's pool and its retries."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = str(error).splitlines()
+    return redact_text(f"{type(error).__name__}: {lines[0] if lines else ''}")[:ERROR_CHARS]
 
 
 # ---------------------------------------------------------------------------- the subscriber
