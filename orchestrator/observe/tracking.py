@@ -354,6 +354,9 @@ class WandbBackend:
         if self._run is None:
             import wandb  # imported here: the first send, off the driver's thread
 
+            # silent in the process's W&B settings too (where its terminal setup reads it): without an API
+            # key, an online run would otherwise prompt for a login on the driver's terminal, from this thread.
+            wandb.setup(settings=wandb.Settings(silent=True))
             run = wandb.init(
                 project=self._project,
                 name=self._run_name,
@@ -528,12 +531,13 @@ class BackendQueue:
 def error_text(error: BaseException) -> str:
     """The root of an error's chain, on one short line: ``ConnectionRefusedError: [Errno 111] Connection
     refused`` rather than MLflow's wrapper naming the URL, urllib3's pool and its retries."""
-    seen = {id(error)}
-    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        error = inner
-    lines = str(error).splitlines()
-    return redact_text(f"{type(error).__name__}: {lines[0] if lines else ''}")[:ERROR_CHARS]
+    chain = [error]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
+        chain.append(inner)
+    # The deepest that says something (W&B's missing API key ends in a NotATerminalError without a word).
+    root = next((link for link in reversed(chain) if str(link).strip()), error)
+    lines = str(root).strip().splitlines()
+    return redact_text(f"{type(root).__name__}: {lines[0] if lines else ''}")[:ERROR_CHARS]
 
 
 # ---------------------------------------------------------------------------- the subscriber

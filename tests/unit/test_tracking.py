@@ -263,3 +263,17 @@ def test_an_adopting_driver_may_track_elsewhere_than_the_run_it_adopts():
     recorded = config.to_dict()
     del recorded["tracking"]  # a run recorded before the tracking section existed
     assert differing_keys(recorded, config) == []
+
+
+def test_the_warning_names_the_deepest_error_that_says_something():
+    from orchestrator.observe.tracking import error_text
+
+    def chained(*errors: BaseException) -> BaseException:
+        for outer, inner in zip(errors, errors[1:]):
+            outer.__cause__ = inner
+        return errors[0]
+
+    refused = chained(RuntimeError("API request to http://u:pw@h/x failed"), ConnectionRefusedError(111, "refused"))
+    assert error_text(refused) == "ConnectionRefusedError: [Errno 111] refused"
+    no_key = chained(ValueError("No API key configured. Use `wandb login` to log in."), OSError())
+    assert error_text(no_key) == "ValueError: No API key configured. Use `wandb login` to log in."
