@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.observe.tracking import tracking_problems
 from orchestrator.token_corpus import token_corpus_problems
 from workers.spec.pipeline import microbatches_problem, stages_per_rank_problem
 
@@ -85,6 +86,7 @@ def validate(config: JobConfig) -> list[str]:
     problems.extend(_gpus_per_rank_problems(config))
     problems.extend(_float8_problems(config))
     problems.extend(_compile_problems(config, model))
+    problems.extend(tracking_problems(config))
     if config.checkpoint.uri is not None:
         problems.extend(uri_problems(config.checkpoint.uri, "checkpoint.uri"))
     if config.runtime.run_dir is not None:

@@ -53,8 +53,8 @@ RENEW_INTERVAL_S = 0.5
 # Seconds a driver waits for every live rank to reach a step boundary before it gives up adopting.
 PAUSE_WAIT_S = 60.0
 # Keys that may differ between the adopted run's config and the adopting driver's: where the
-# driver connects, where its record and metrics go.
-_FREE_KEYS = ("runtime.address", "runtime.run_dir", "metrics.")
+# driver connects, where its record, metrics and tracking go.
+_FREE_KEYS = ("runtime.address", "runtime.run_dir", "metrics.", "tracking.")
 
 
 RUN_NAMESPACE_PREFIX = "meshpilot-"

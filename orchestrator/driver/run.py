@@ -26,6 +26,7 @@ from orchestrator.observe.logs import ConsoleEventPrinter, RankLogWriter, setup_
 from orchestrator.observe.metrics import build_metrics
 from orchestrator.observe.record_mirror import NoMirror, RecordMirror
 from orchestrator.observe.tensorboard import build_tensorboard
+from orchestrator.observe.tracking import build_tracker
 from workers.faults import FaultSpec, NetworkFault
 
 
@@ -74,18 +75,22 @@ def run_training(
     ``run_dir`` (else ``runtime.run_dir``) is a directory or an ``s3://`` URI the record is
     mirrored to from a local directory (``orchestrator/driver/run_record.py`` says where it
     goes). The event log feeds the metrics exporter, TensorBoard (when ``metrics.tensorboard_dir``
-    is set), the per-rank log files and the console, so all of them see the same run. With
-    ``handle_signals`` (the CLI; main thread only), SIGTERM saves a checkpoint at the next step
-    boundary and stops, instead of killing the driver mid-step, and Ctrl-C stops after the step
-    in flight (a second Ctrl-C at once).
+    is set), MLflow and W&B (``tracking``), the per-rank log files and the console, so all of them
+    see the same run. With ``handle_signals`` (the CLI; main thread only), SIGTERM saves a
+    checkpoint at the next step boundary and stops, instead of killing the driver mid-step, and
+    Ctrl-C stops after the step in flight (a second Ctrl-C at once).
     """
     run_dir, logger, mirror = _open_record(config, run_dir, console)
     metrics = build_metrics(config)
     tensorboard = build_tensorboard(config)
     rank_logs = RankLogWriter(run_dir)
+    tracker = build_tracker(config, run_dir)
     events = EventLog(
-        run_dir / "events.jsonl", [*(subscribers or []), metrics, tensorboard, rank_logs, ConsoleEventPrinter(logger)]
+        run_dir / "events.jsonl",
+        [*(subscribers or []), metrics, tensorboard, tracker, rank_logs, ConsoleEventPrinter(logger)],
     )
+    if tracker.describe():
+        logger.info("tracking: %s", tracker.describe())
     started_here = False
     previous_handlers: dict = {}
     try:
@@ -112,6 +117,7 @@ def run_training(
             signal.signal(signum, handler)
         events.close()
         rank_logs.close()
+        tracker.close()  # after the files it sends as artifacts are closed; waits tracking.close_timeout_s at most
         mirror.close()  # after the files it copies are closed
         metrics.close()
         tensorboard.close()
