@@ -152,15 +152,20 @@ def owned_chunks(
     return chunks
 
 
-# Weak keys: a cache must not keep a DeviceMesh (and so its process groups) alive after the
-# trainer drops it during recovery.
-_MESH_RANKS: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
+# Keyed by the mesh object's identity, never by DeviceMesh equality: a sub-mesh compares (and
+# hashes) equal to its sibling on another pipeline stage (same rank map, layout and names), so a
+# rank that held stage 1 in an earlier generation and stage 0 now would be handed stage 1's ranks
+# while the old mesh lives on, and would write none of its slices (every later save torn). An
+# entry leaves with its mesh: the cache keeps no DeviceMesh (nor its process groups) alive, and
+# an id is never reused while its entry is here.
+_MESH_RANKS: dict[int, frozenset[int]] = {}
 
 
 def _mesh_ranks(mesh) -> frozenset[int]:
-    ranks = _MESH_RANKS.get(mesh)
+    ranks = _MESH_RANKS.get(id(mesh))
     if ranks is None:
-        ranks = _MESH_RANKS[mesh] = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+        ranks = _MESH_RANKS[id(mesh)] = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+        weakref.finalize(mesh, _MESH_RANKS.pop, id(mesh), None)
     return ranks
 
 

@@ -28,15 +28,33 @@ def classify_failure(error: BaseException, *, aborted: bool) -> FailureKind:
     commit vote's timeout), else what torch's error says (``checkpointing/torch_compat.py``):
     a closed or reset connection to a peer is PEER_FAILURE, this rank's own wait running past
     its timeout is TIMEOUT; an out-of-memory error is OUT_OF_MEMORY; anything else is OWN_ERROR.
-    """
-    from checkpointing.torch_compat import collective_failure
 
+    An untyped error raised ``from`` another (``__cause__``) is classified as that cause:
+    torch's pipeline stage wraps a peer's closed gloo connection in a plain RuntimeError
+    ("[Stage 0] failed to run forward"), and that rank is an echo of the peer's death, not a
+    failure of its own (counted as lost, it would take its healthy peer-memory snapshot with it).
+    """
     if aborted:
         return FailureKind.PEER_FAILURE
+    cause: BaseException | None = error
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        kind = _kind_of(cause)
+        if kind != FailureKind.OWN_ERROR or getattr(cause, "failure_kind", None) is not None:
+            return kind
+        cause = cause.__cause__
+    return FailureKind.OWN_ERROR
+
+
+def _kind_of(error: BaseException) -> FailureKind:
+    """The kind ``error`` itself declares, else what torch says of it, else the kind its type maps
+    to (an out-of-memory error), else OWN_ERROR."""
+    from checkpointing.torch_compat import collective_failure
+
     if getattr(error, "failure_kind", None) is not None:
         return failure_kind_of(error)
     torch_says = collective_failure(error)
-    # Else the kind the error's type maps to (an out-of-memory error), or the rank's own error.
     return FailureKind(torch_says) if torch_says is not None else failure_kind_of(error)
 
 

@@ -7,6 +7,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from checkpointing.commit import CommitCoordinator
 from checkpointing.local import LocalStorage
@@ -121,6 +125,32 @@ def test_every_rank_reports_even_without_files(tmp_path):
     manifest = load_manifest(storage)
     assert manifest.step == 3 and manifest.extra == {"rank": 0}
     assert [f.rank for f in manifest.files] == [0]
+
+
+def test_a_process_moved_to_another_pipeline_stage_writes_its_own_slices(tmp_path):
+    """After an in-place restore a surviving process may take another rank: here rank 4 (stage 1)
+    of pp=2 x dp_shard=2 x tp=2 in one generation, rank 2 (stage 0) in the next, while the
+    earlier generation's mesh still lives. The two stages' (dp_shard, tp) sub-meshes compare
+    equal; rank 2 must still write its block, or every later checkpoint is torn."""
+    reports = []
+    earlier_meshes = []
+    for rank in (4, 2):  # fake process groups: this one process is that rank of 8
+        dist.init_process_group("fake", rank=rank, world_size=8, store=FakeStore())
+        try:
+            world = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+            stage = world["dp_shard", "tp"]
+            earlier_meshes.append(stage)
+            # An 8 x 8 weight sharded rows over dp_shard, columns over tp.
+            weight = DTensor.from_local(torch.full((4, 4), float(rank)), stage, [Shard(0), Shard(1)], run_check=False)
+            writer = CheckpointWriter(LocalStorage(tmp_path, fsync=False), rank=rank, report=reports.append, mesh=world)
+            writer.save(10 + rank, {"embed_tokens.weight": weight}, owns_plain_tensors=False)
+            writer.close()
+        finally:
+            dist.destroy_process_group()
+    assert [(r.rank, [(c.offsets, c.sizes) for c in r.chunks]) for r in reports] == [
+        (4, [((0, 0), (4, 4))]),  # stage 1's copy at dp_shard 0, tp 0
+        (2, [((4, 0), (4, 4))]),  # stage 0, dp_shard 1, tp 0: rows 4-7, columns 0-3
+    ]
 
 
 def test_non_tensor_state_is_refused_with_the_fix(tmp_path):

@@ -54,6 +54,29 @@ def test_declared_and_typed_errors_keep_their_kind(error, kind):
     assert classify_failure(error, aborted=False) == kind
 
 
+def _raised_from(cause: BaseException, wrapper: BaseException) -> BaseException:
+    try:
+        raise wrapper from cause
+    except BaseException as error:  # noqa: BLE001 - the test keeps it
+        return error
+
+
+def test_a_pipeline_stage_wrapping_a_peer_closed_connection_is_a_peer_failure():
+    """torch's pipeline stage re-raises the gloo error of a killed neighbour as a plain
+    RuntimeError; the healthy rank must not be counted as a failure of its own."""
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:50399"
+    )
+    stage = _raised_from(gloo, RuntimeError("\n[Stage 0] failed to run forward:\nargs: ()\nkwargs: {}"))
+    assert classify_failure(stage, aborted=False) == FailureKind.PEER_FAILURE
+    # A typed error keeps its own kind whatever caused it; a cause of its own stays the rank's.
+    storage = _raised_from(gloo, errors.StorageUnreachableError("s3://bucket: no answer"))
+    assert classify_failure(storage, aborted=False) == FailureKind.STORAGE
+    assert classify_failure(_raised_from(ValueError("a bug"), RuntimeError("wrapped")), aborted=False) == (
+        FailureKind.OWN_ERROR
+    )
+
+
 def test_every_declared_checkpoint_failure_kind_is_a_failure_kind():
     for _, error_type in inspect.getmembers(errors, inspect.isclass):
         declared = getattr(error_type, "failure_kind", None)
