@@ -370,9 +370,9 @@ class MetricsConfig:
 class MlflowTrackingConfig:
     """``tracking.mlflow``: the run as an MLflow run (``orchestrator/observe/tracking.py``)."""
 
-    # The tracking server, e.g. http://mlflow.example:5000. None: MLFLOW_TRACKING_URI, else MLflow's local default.
+    #: The tracking server, e.g. http://mlflow.example:5000. None: MLFLOW_TRACKING_URI, else MLflow's local default.
     tracking_uri: str | None = None
-    # The experiment the run is filed under (created when missing). None: the job's name.
+    #: The experiment the run is filed under (created when missing). None: the job's name.
     experiment: str | None = None
 
 
@@ -380,10 +380,10 @@ class MlflowTrackingConfig:
 class WandbTrackingConfig:
     """``tracking.wandb``: the run as a Weights & Biases run (``orchestrator/observe/tracking.py``)."""
 
-    # The W&B project. None: the job's name.
+    #: The W&B project. None: the job's name.
     project: str | None = None
-    # online: sent as the run goes (WANDB_API_KEY or `wandb login`); offline: written to RUN_DIR/wandb only,
-    # `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later.
+    #: online: sent as the run goes (WANDB_API_KEY or `wandb login`); offline: written to RUN_DIR/wandb only,
+    #: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later.
     mode: str = field(default="online", metadata=_choices(*WANDB_MODES))
 
 
@@ -391,12 +391,12 @@ class WandbTrackingConfig:
 class TrackingConfig:
     """``tracking:``: the experiment trackers the driver reports the run to (off unless a backend is set)."""
 
-    # MLflow: {tracking_uri, experiment}; null (the default): no MLflow run.
+    #: MLflow: {tracking_uri, experiment}; null (the default): no MLflow run.
     mlflow: MlflowTrackingConfig | None = None
-    # Weights & Biases: {project, mode}; null (the default): no W&B run.
+    #: Weights & Biases: {project, mode}; null (the default): no W&B run.
     wandb: WandbTrackingConfig | None = None
-    # Seconds the end of the run waits for the trackers to take what is still queued (the run record
-    # stays in RUN_DIR either way); an unreachable server never holds the run up for longer.
+    #: Seconds the end of the run waits for the trackers to take what is still queued (the run record
+    #: stays in RUN_DIR either way); an unreachable server never holds the run up for longer.
     close_timeout_s: float = 10.0
 
 
@@ -460,6 +460,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     #: Where the job runs: the Ray cluster, what each rank gets, where its record goes.
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    #: Experiment trackers (MLflow, Weights & Biases) the driver reports the run to.
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Where the YAML came from; not a key.
     source_dir: str | None = field(default=None, metadata={"internal": True}, repr=False)
