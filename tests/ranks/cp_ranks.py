@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from elastic.spec import MeshSpec
+from elastic.spec import CpMethod, MeshSpec
 from tests.ranks.spawned_ranks import join_gloo
 from workers.data import SyntheticSource
 from workers.evaluation import Evaluator
@@ -24,7 +24,7 @@ from workers.trainer import Trainer
 STEPS = 10
 
 
-def cp_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
+def cp_train_spec(*, activation_checkpointing: bool = False, cp_method: CpMethod = CpMethod.ALLGATHER) -> TrainSpec:
     """A global batch of 8 in 2 microbatches of sequences of 32 tokens: 4 chunks of 8 per cp=2."""
     return TrainSpec(
         model=PRESETS["debug"],
@@ -35,6 +35,7 @@ def cp_train_spec(*, activation_checkpointing: bool = False) -> TrainSpec:
         microbatches=2,
         lr=3e-3,
         activation_checkpointing=activation_checkpointing,
+        cp_method=cp_method,
     )
 
 
@@ -42,10 +43,18 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
 
 
-def run_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, activation_checkpointing: bool = False) -> None:
+def run_rank(
+    rank: int,
+    store_path: str,
+    results,
+    *,
+    mesh: MeshSpec,
+    activation_checkpointing: bool = False,
+    cp_method: CpMethod = CpMethod.ALLGATHER,
+) -> None:
     torch.set_num_threads(1)
     join_gloo(rank, store_path, mesh)
-    spec = cp_train_spec(activation_checkpointing=activation_checkpointing)
+    spec = cp_train_spec(activation_checkpointing=activation_checkpointing, cp_method=cp_method)
     source = SyntheticSource(vocab_size=spec.model.vocab_size, seq_len=spec.seq_len, seed=0)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     trainer.init_weights()
