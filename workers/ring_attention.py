@@ -1,14 +1,39 @@
 """Ring attention: keys and values pass around the cp ring while each rank attends to the block
 it holds (``parallelism.cp_method: ring``).
 
-Runs on every rank of a cp group, called by ``SequenceShard.attend``.
+Runs on every rank of a cp group, called by ``SequenceShard.attend`` (every cp rank calls it, in
+the same layer order). Rank ``i`` of ``cp`` holds chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``
+(``SequenceShard``); at ring step ``s`` it holds the key/value block of cp rank ``i - s`` (mod cp),
+and sends the block it holds to rank ``i + 1`` while it receives the next one from rank ``i - 1``,
+the exchange started before the current block's attention so that the transfer hides behind it.
+A rank never holds more than two blocks (the current one and the one arriving), 2 / cp of the
+sequence's keys and values against the whole sequence under ``allgather``.
+
+Forward: per block, scores in float32 under the mask of global positions (causal, and same
+document when packed), merged with the blocks before by the online softmax (running maximum, sum
+and weighted values; the flash-attention merge). Causality is decided per chunk pair: a query
+chunk sees every key of an earlier chunk, the lower triangle of its own and nothing of a later
+one, so the pairs a causal mask empties are never computed (with the load-balanced layout a rank
+computes two of the four chunk pairs of another rank's block, three of its own).
+
+Backward (the standard ring-attention backward): the blocks go around the ring again; per block
+the probabilities are recomputed from the queries and the saved log-sum-exp, dQ accumulates on
+the rank, and dK/dV of the block travel with it (from the rank that visited it to the next) until
+they arrive back at the block's owner after a full turn. The partial dK/dV of a step is added to
+what arrives only after the step's own compute, so the wait overlaps it too.
+
+Device-agnostic: gloo (CPU) and nccl (CUDA) through ``batch_isend_irecv`` with group peers.
+Float32 inside; the result and the gradients take the inputs' dtypes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
@@ -17,5 +42,215 @@ if TYPE_CHECKING:
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, documents: torch.Tensor | None
 ) -> torch.Tensor:
-    """See ``SequenceShard.attend`` for the arguments and the result."""
-    raise NotImplementedError("cp_method ring is not built yet")
+    """See ``SequenceShard.attend`` for the arguments and the result. Collective over the cp
+    group: every cp rank calls it with its own tokens."""
+    result: torch.Tensor = _RingAttention.apply(q, k, v, shard, documents)
+    return result
+
+
+@dataclass(frozen=True)
+class _ChunkPair:
+    """One query chunk (0 or 1 of this rank's two) against one key chunk (0 or 1 of the block's
+    two) that the causal mask does not empty; ``diagonal`` when they are the same chunk."""
+
+    query: int
+    key: int
+    diagonal: bool
+
+
+def _chunk_ids(cp: int, cp_rank: int) -> tuple[int, int]:
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def _visible_pairs(cp: int, query_rank: int, key_rank: int) -> list[_ChunkPair]:
+    """The chunk pairs of ``query_rank``'s queries and ``key_rank``'s keys with a visible part."""
+    return [
+        _ChunkPair(query=query_index, key=key_index, diagonal=query_chunk == key_chunk)
+        for query_index, query_chunk in enumerate(_chunk_ids(cp, query_rank))
+        for key_index, key_chunk in enumerate(_chunk_ids(cp, key_rank))
+        if query_chunk >= key_chunk
+    ]
+
+
+class _Ring:
+    """This rank's neighbours on the cp ring and the one exchange it makes each step: send a
+    tensor to the next rank, receive one of the same shape from the previous."""
+
+    def __init__(self, shard: SequenceShard) -> None:
+        self.group = shard.group
+        self.next_rank = (shard.cp_rank + 1) % shard.cp
+        self.previous_rank = (shard.cp_rank - 1) % shard.cp
+
+    def start_exchange(self, outgoing: torch.Tensor) -> _Exchange:
+        """Start sending ``outgoing`` on and receiving its successor; ``wait`` returns the latter."""
+        outgoing = outgoing.contiguous()
+        incoming = torch.empty_like(outgoing)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, outgoing, group=self.group, group_peer=self.next_rank),
+                dist.P2POp(dist.irecv, incoming, group=self.group, group_peer=self.previous_rank),
+            ]
+        )
+        return _Exchange(outgoing, incoming, works)
+
+
+class _Exchange:
+    """A send and a receive in flight; holds the sent tensor until both are done."""
+
+    def __init__(self, outgoing: torch.Tensor, incoming: torch.Tensor, works: list[Any]) -> None:
+        self._outgoing: torch.Tensor | None = outgoing
+        self._incoming = incoming
+        self._works = works
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._outgoing = None
+        return self._incoming
+
+
+def _pair_mask(
+    pair: _ChunkPair,
+    query_positions: list[torch.Tensor],
+    key_positions: list[torch.Tensor],
+    documents: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """[batch or 1, 1, 1, chunk, chunk] booleans (True: the query sees the key) for one chunk
+    pair, or None when it sees every key (an earlier chunk, no documents)."""
+    queries, keys = query_positions[pair.query], key_positions[pair.key]
+    mask = None
+    if pair.diagonal:
+        mask = (queries[:, None] >= keys[None, :])[None]
+    if documents is not None:
+        same_document = documents[:, queries, None] == documents[:, None, keys]
+        mask = same_document if mask is None else mask & same_document
+    return None if mask is None else mask[:, None, None]
+
+
+def _scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """[batch, kv heads, group, chunk, chunk] float32 scores, -inf where ``mask`` hides the key."""
+    scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+class _OnlineSoftmax:
+    """The running softmax of one query chunk over the key blocks seen so far: the maximum
+    score, the sum of exponentials under it and the values weighted by them (float32)."""
+
+    def __init__(self, query: torch.Tensor) -> None:
+        self.maximum = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+        self.total = torch.zeros_like(self.maximum)
+        self.weighted = torch.zeros_like(query, dtype=torch.float32)
+
+    def add(self, scores: torch.Tensor, value: torch.Tensor) -> None:
+        maximum = torch.maximum(self.maximum, scores.amax(dim=-1))
+        # A row that has seen no key yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN.
+        shift = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)
+        decay = torch.exp(self.maximum - shift)
+        weights = torch.exp(scores - shift[..., None])
+        self.weighted = self.weighted * decay[..., None] + torch.matmul(weights, value.unsqueeze(2))
+        self.total = self.total * decay + weights.sum(dim=-1)
+        self.maximum = maximum
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output and the log-sum-exp (-inf, and output 0, for a row with no key)."""
+        seen = self.total > 0
+        total = torch.where(seen, self.total, torch.ones_like(self.total))
+        output = torch.where(seen[..., None], self.weighted / total[..., None], torch.zeros_like(self.weighted))
+        log_sum_exp = torch.where(seen, self.maximum + torch.log(total), torch.full_like(total, float("-inf")))
+        return output, log_sum_exp
+
+
+def _grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[batch, heads, seq, dim] as float32 [batch, kv heads, heads per kv head, seq, dim]."""
+    batch, heads, seq, dim = tensor.shape
+    return tensor.float().reshape(batch, kv_heads, heads // kv_heads, seq, dim)
+
+
+def _positions(shard: SequenceShard, cp_rank: int, chunk: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in _chunk_ids(shard.cp, cp_rank)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its ring backward; ``q`` [batch, heads, local seq, dim], ``k``, ``v``
+    [batch, kv heads, local seq, dim], this rank's tokens in ``SequenceShard.take`` order."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        shard: SequenceShard,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        kv_heads, chunk = k.shape[1], q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        ring = _Ring(shard)
+        queries = _grouped(q, kv_heads).chunk(2, dim=3)
+        query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
+        softmaxes = [_OnlineSoftmax(query) for query in queries]
+        block = torch.stack([k, v])  # one message per step: keys and values travel together
+        for step in range(shard.cp):
+            exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
+            source = (shard.cp_rank - step) % shard.cp
+            keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
+            key_positions = _positions(shard, source, chunk, q.device)
+            for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
+                mask = _pair_mask(pair, query_positions, key_positions, documents)
+                scores = _scores(queries[pair.query], keys[pair.key], mask, scale)
+                softmaxes[pair.query].add(scores, values[pair.key])
+            if exchange is not None:
+                block = exchange.wait()
+        outputs, log_sum_exps = zip(*(softmax.result() for softmax in softmaxes), strict=True)
+        output = torch.cat(outputs, dim=3).reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, output, torch.cat(log_sum_exps, dim=3))
+        ctx.shard, ctx.documents, ctx.scale = shard, documents, scale
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, output, log_sum_exp = ctx.saved_tensors
+        shard: SequenceShard = ctx.shard
+        kv_heads, chunk = k.shape[1], q.shape[2] // 2
+        ring = _Ring(shard)
+        queries = _grouped(q, kv_heads).chunk(2, dim=3)
+        grad_outputs = _grouped(grads[0], kv_heads).chunk(2, dim=3)
+        # Per query row: sum of dO * O, the softmax backward's correction term.
+        corrections = (_grouped(grads[0], kv_heads) * _grouped(output, kv_heads)).sum(dim=-1).chunk(2, dim=3)
+        # A row that saw no key has lse -inf and all scores -inf: shift by 0 so its weights are 0.
+        safe_lse = torch.where(torch.isinf(log_sum_exp), torch.zeros_like(log_sum_exp), log_sum_exp).chunk(2, dim=3)
+        query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
+        grad_queries = [torch.zeros_like(query) for query in queries]
+        block = torch.stack([k, v])
+        block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
+        for step in range(shard.cp):
+            exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
+            source = (shard.cp_rank - step) % shard.cp
+            keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
+            key_positions = _positions(shard, source, chunk, q.device)
+            grad_keys = [torch.zeros_like(key) for key in keys]
+            grad_values = [torch.zeros_like(value) for value in values]
+            for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
+                mask = _pair_mask(pair, query_positions, key_positions, ctx.documents)
+                scores = _scores(queries[pair.query], keys[pair.key], mask, ctx.scale)
+                weights = torch.exp(scores - safe_lse[pair.query][..., None])
+                grad_output = grad_outputs[pair.query]
+                grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
+                grad_weights = torch.matmul(grad_output, values[pair.key].unsqueeze(2).transpose(-1, -2))
+                grad_scores = weights * (grad_weights - corrections[pair.query][..., None]) * ctx.scale
+                grad_queries[pair.query] += torch.matmul(grad_scores, keys[pair.key].unsqueeze(2))
+                grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), queries[pair.query]).sum(dim=2)
+            local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
+            if block_grads is not None:
+                local_grads += block_grads.wait()
+            # On to the next rank, which visits this block next step (its owner after the last).
+            block_grads = ring.start_exchange(local_grads)
+            if exchange is not None:
+                block = exchange.wait()
+        assert block_grads is not None
+        own_grads = block_grads.wait()
+        grad_q = torch.cat(grad_queries, dim=3).reshape(q.shape).to(q.dtype)
+        return grad_q, own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None
