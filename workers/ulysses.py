@@ -16,7 +16,8 @@ Grouped key/value heads: ``g`` divisible by ``cp`` splits like the queries. Fewe
 than cp ranks, with ``g`` dividing ``cp``, are repeated ``cp / g`` times before the exchange, so
 cp rank ``j`` receives the one key/value head its queries use (``j * g / cp``); the backward sums
 the copies' gradients. Any other ``g`` is refused by the config check
-(``orchestrator.config_checks``) and, should one reach here, by ``ulysses_heads_error``.
+(``orchestrator.config_checks``, the rule ``elastic.spec.ulysses_heads_problem``) and, should one
+reach here, by ``ulysses_attention`` itself.
 
 gloo and NCCL both implement ``all_to_all_single`` (gloo since torch 1.8), so one path serves
 CPU and GPU; its backward is the same all-to-all of the gradients (``_AllToAll``).
@@ -29,18 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from elastic.spec import ulysses_heads_problem
+
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
-
-
-def ulysses_heads_error(q_heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why ``q_heads`` query and ``kv_heads`` key/value heads on a rank (after tp) cannot be split
-    over ``cp`` ranks by heads, or None when they can. Pure; the config check words its own line."""
-    if q_heads % cp:
-        return f"{q_heads} query heads per tp rank do not split over cp={cp}"
-    if kv_heads % cp and cp % kv_heads:
-        return f"{kv_heads} key/value heads per tp rank neither split over cp={cp} nor divide it"
-    return None
 
 
 def ulysses_attention(
@@ -51,7 +44,7 @@ def ulysses_attention(
     from workers.context_parallel import WHOLE_SEQUENCE, document_mask, local_attention
 
     cp = shard.cp
-    problem = ulysses_heads_error(q.shape[1], k.shape[1], cp)
+    problem = ulysses_heads_problem(n_heads=q.shape[1], n_kv_heads=k.shape[1], tp=1, cp=cp)
     if problem is not None:
         raise ValueError(f"cp_method ulysses: {problem}; choose another cp or cp_method ring/allgather")
     if k.shape[1] < cp:  # each rank's queries need one of these key/value heads: repeat it per rank
