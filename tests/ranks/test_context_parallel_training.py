@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 from elastic.spec import CpMethod, MeshSpec
 from tests.marks import slow_when_named
 from tests.ranks import cp_ranks
-from tests.ranks.spawned_ranks import spawn_ranks
+from tests.ranks.spawned_ranks import commit_step, spawn_ranks
+from workers.spec import PRESETS
 
 LAYOUTS = {
     "cp2": (MeshSpec(dp_shard=1, cp=2), False, CpMethod.ALLGATHER),
@@ -30,6 +32,9 @@ LAYOUTS = {
     "ulysses-cp2": (MeshSpec(dp_shard=1, cp=2), False, CpMethod.ULYSSES),
     "ulysses-cp4": (MeshSpec(dp_shard=1, cp=4), False, CpMethod.ULYSSES),
     "ulysses-cp2-tp2": (MeshSpec(dp_shard=1, cp=2, tp=2), False, CpMethod.ULYSSES),
+    "ring-cp2": (MeshSpec(dp_shard=1, cp=2), False, CpMethod.RING),
+    "ring-cp4": (MeshSpec(dp_shard=1, cp=4), False, CpMethod.RING),
+    "ring-cp2-tp2": (MeshSpec(dp_shard=1, cp=2, tp=2), False, CpMethod.RING),
 }
 
 
@@ -43,7 +48,7 @@ def single_rank_run(tmp_path_factory):
 # cp2-tp2 (about 20 s on 2 cores, the others 6-9 s) combines two axes the others cover, and cp4
 # (four ranks) repeats cp2 with more of them: CI runs them (make test-all), make test not; make
 # test keeps one cp2 case per method.
-SLOW = {"cp2-tp2", "cp4", "ulysses-cp4", "ulysses-cp2-tp2"}
+SLOW = {"cp2-tp2", "cp4", "ulysses-cp4", "ulysses-cp2-tp2", "ring-cp4", "ring-cp2-tp2"}
 
 
 @pytest.mark.parametrize("layout", slow_when_named(LAYOUTS, SLOW))
@@ -68,3 +73,29 @@ def test_training_with_cp_matches_one_rank(layout, single_rank_run, tmp_path):
             torch.from_numpy(ranks[rank][1]), torch.from_numpy(expected_logits), rtol=0, atol=1e-5
         )
     assert {round(evaluation, 5) for _, _, evaluation in ranks.values()} == {round(expected_eval, 5)}
+
+
+@pytest.mark.slow  # six ranks in two runs, about 10 s on 2 cores
+def test_a_checkpoint_written_at_cp4_ring_restores_into_cp2_ulysses_and_trains_on_alike(tmp_path):
+    """The state does not depend on the cp method: saved with ring attention over cp=4, restored
+    bitwise over cp=2 with Ulysses, the steps after it train as the saving run's did."""
+    ckpt, saved_mesh, mesh = tmp_path / "ckpt", MeshSpec(dp_shard=1, cp=4), MeshSpec(dp_shard=1, cp=2)
+    saved = spawn_ranks(
+        functools.partial(cp_ranks.save_rank, mesh=saved_mesh, cp_method=CpMethod.RING, ckpt_dir=str(ckpt)),
+        world_size=saved_mesh.world_size,
+        store_path=str(tmp_path / "saving"),
+    )
+    reports = [report for report, _, _ in saved.values()]
+    commit_step(str(ckpt), reports, step=cp_ranks.SAVED_AT, mesh=saved_mesh, model=PRESETS["debug"].to_dict())
+    restored = spawn_ranks(
+        functools.partial(cp_ranks.restore_rank, mesh=mesh, cp_method=CpMethod.ULYSSES, ckpt_dir=str(ckpt)),
+        world_size=mesh.world_size,
+        store_path=str(tmp_path / "restoring"),
+    )
+    _, saved_state, _ = saved[0]
+    saved_losses = next(losses for _, _, losses in saved.values() if losses[0] is not None)
+    for state, losses in restored.values():
+        assert sorted(state) == sorted(saved_state) and any(name.startswith("optim.") for name in state)
+        assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
+        if losses[0] is not None:
+            assert losses == pytest.approx(saved_losses, rel=1e-3)

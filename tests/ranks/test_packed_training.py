@@ -37,9 +37,10 @@ LAYOUTS = {
     "windows-pp2": (MeshSpec(dp_shard=1, pp=2), Packing.WINDOWS),
     "windows-pp2-tp2": (MeshSpec(dp_shard=1, pp=2, tp=2), Packing.WINDOWS),
     "documents-ulysses-cp2": (MeshSpec(dp_shard=1, cp=2), Packing.DOCUMENTS),
+    "documents-ring-cp2": (MeshSpec(dp_shard=1, cp=2), Packing.DOCUMENTS),
 }
 # Layouts whose context parallelism is not the default all-gather (``parallelism.cp_method``).
-CP_METHODS = {"documents-ulysses-cp2": CpMethod.ULYSSES}
+CP_METHODS = {"documents-ulysses-cp2": CpMethod.ULYSSES, "documents-ring-cp2": CpMethod.RING}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,10 @@ def test_one_rank_loss_is_the_mean_over_the_global_batchs_trained_labels(single_
 # windows-pp2-tp2 (4-10 s on 2 cores) combines two layouts shown apart: CI runs it (make test-all), make test not.
 @pytest.mark.parametrize(
     "layout",
-    slow_when_named(LAYOUTS, {"windows-pp2-tp2", "documents-dp_replicate2", "documents-cp2", "documents-ulysses-cp2"}),
+    slow_when_named(
+        LAYOUTS,
+        {"windows-pp2-tp2", "documents-dp_replicate2", "documents-cp2", "documents-ulysses-cp2", "documents-ring-cp2"},
+    ),
 )
 def test_masked_training_matches_one_rank(layout, single_rank_runs, corpus_uri, tmp_path):
     mesh, packing = LAYOUTS[layout]
