@@ -99,7 +99,8 @@ def context_parallel(
 def cp_attention_bytes(workload: Workload, layout: Layout, tokens: int) -> tuple[float, float]:
     """Context parallel's key/value bytes on a rank beyond its own tokens' activations, per layer:
     (kept for the backward, held only while the layer runs). ``allgather`` keeps the gathered
-    sequence's keys and values (attention saves its inputs) unless recomputed; ``ring`` keeps its
+    sequence's keys and values (attention saves its inputs) and its [seq / cp, seq] causal mask
+    unless recomputed; ``ring`` keeps its
     own block and holds one more in flight (two at most); ``ulysses`` keeps its heads / cp heads
     of the whole sequence, the bytes of its own tokens' heads, but a key/value head repeated for
     cp ranks counts once per rank; the exchange's buffers are held while it runs."""
@@ -113,7 +114,11 @@ def cp_attention_bytes(workload: Workload, layout: Layout, tokens: int) -> tuple
         repeated = ulysses_kv_sent_bytes(workload, mesh, tokens) - kv_bytes
         buffers = 2 * _q_bytes(workload, mesh, tokens) + ulysses_kv_sent_bytes(workload, mesh, tokens)
         return (0.0 if layout.activation_checkpointing else repeated), buffers
-    gathered = (cp - 1) * kv_bytes
+    # Its causal mask (this rank's queries against every position) is built per layer and kept
+    # by attention for the backward, in the activations' dtype: one per microbatch, shared by its
+    # sequences (measured: bench/long_context.py).
+    mask = ACTIVATION_BYTES * workload.seq_len / cp * workload.seq_len
+    gathered = (cp - 1) * kv_bytes + mask
     return (0.0 if layout.activation_checkpointing else gathered), gathered
 
 

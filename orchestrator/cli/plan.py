@@ -554,7 +554,8 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
 
 def cp_comparison(result: PlanResult, shown: list[Plan]) -> list[Estimate]:
     """The best shown layout with cp > 1 priced under each context-parallel method its heads
-    allow (all three unless --cp-method names one); empty when no shown layout splits sequences."""
+    allow (all of them, whatever --cp-method restricted the search to: this is the comparison);
+    empty when no shown layout splits sequences."""
     split = [plan for plan in shown if plan.mesh.cp > 1]
     if not split:
         return []

@@ -35,9 +35,12 @@ def test_ring_keeps_no_other_ranks_keys_and_hides_its_transfers():
     allgather, ring = priced(CpMethod.ALLGATHER), priced(CpMethod.RING)
     # Each layer keeps the gathered 7/8 of the sequence's keys and values for the backward (the
     # running layer holds them once more): 7 x 4096 bytes (2 x 8 heads x 128 x 2 bytes) for each of
-    # the rank's 8192 tokens (8 sequences / 8 cp ranks); ring holds one block in flight instead.
-    kv_block = 4096 * 8192
-    assert allgather.memory.activations - ring.memory.activations == pytest.approx((32 + 1) * 7 * kv_block - kv_block)
+    # the rank's 8192 tokens (8 sequences / 8 cp ranks), and its causal mask of 1024 x 8192
+    # positions; ring holds one block in flight instead.
+    kv_block, mask = 4096 * 8192, 2 * 1024 * 8192
+    assert allgather.memory.activations - ring.memory.activations == pytest.approx(
+        (32 + 1) * (7 * kv_block + mask) - kv_block
+    )
     assert allgather.comm["cp"].exposed_s == allgather.comm["cp"].busy_s > 0
     assert ring.comm["cp"].busy_s > allgather.comm["cp"].busy_s  # dK/dV travel too...
     assert ring.comm["cp"].exposed_s == 0.0  # ...behind the attention of the block held
