@@ -38,6 +38,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
 
+# The float32 scores one tile of query rows holds against a key chunk (and each of the few
+# temporaries of its size): 64 MiB, large enough for full-speed matmuls, small beside a GPU.
+TILE_SCORE_BYTES = 64 * 2**20
+
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, documents: torch.Tensor | None
@@ -110,21 +114,28 @@ class _Exchange:
 
 
 def _pair_mask(
-    pair: _ChunkPair,
-    query_positions: list[torch.Tensor],
-    key_positions: list[torch.Tensor],
-    documents: torch.Tensor | None,
+    diagonal: bool, queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """[batch or 1, 1, 1, chunk, chunk] booleans (True: the query sees the key) for one chunk
-    pair, or None when it sees every key (an earlier chunk, no documents)."""
-    queries, keys = query_positions[pair.query], key_positions[pair.key]
+    """[batch or 1, 1, 1, queries, keys] booleans (True: the query sees the key) for queries and
+    keys at global positions ``queries``, ``keys`` of one chunk pair, or None when every query
+    sees every key (an earlier chunk, no documents)."""
     mask = None
-    if pair.diagonal:
+    if diagonal:
         mask = (queries[:, None] >= keys[None, :])[None]
     if documents is not None:
         same_document = documents[:, queries, None] == documents[:, None, keys]
         mask = same_document if mask is None else mask & same_document
     return None if mask is None else mask[:, None, None]
+
+
+def _row_tiles(query: torch.Tensor, key_len: int) -> list[slice]:
+    """Query rows in tiles whose float32 scores against ``key_len`` keys stay near
+    ``TILE_SCORE_BYTES``: a chunk pair's whole [chunk, chunk] scores would grow with the square of
+    the sequence, while a tile's stay bounded (rows are independent under the online softmax)."""
+    rows = query.shape[-2]
+    per_row = query[..., 0, 0].numel() * key_len * 4  # float32 scores of one row, every head
+    size = max(1, min(rows, TILE_SCORE_BYTES // per_row))
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -144,15 +155,18 @@ class _OnlineSoftmax:
         self.total = torch.zeros_like(self.maximum)
         self.weighted = torch.zeros_like(query, dtype=torch.float32)
 
-    def add(self, scores: torch.Tensor, value: torch.Tensor) -> None:
-        maximum = torch.maximum(self.maximum, scores.amax(dim=-1))
+    def add(self, rows: slice, scores: torch.Tensor, value: torch.Tensor) -> None:
+        """Merge ``scores`` [..., rows, keys] of the query ``rows`` against the keys of ``value``."""
+        previous = self.maximum[..., rows]
+        maximum = torch.maximum(previous, scores.amax(dim=-1))
         # A row that has seen no key yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN.
         shift = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)
-        decay = torch.exp(self.maximum - shift)
+        decay = torch.exp(previous - shift)
         weights = torch.exp(scores - shift[..., None])
-        self.weighted = self.weighted * decay[..., None] + torch.matmul(weights, value.unsqueeze(2))
-        self.total = self.total * decay + weights.sum(dim=-1)
-        self.maximum = maximum
+        weighted = self.weighted[..., rows, :] * decay[..., None] + torch.matmul(weights, value.unsqueeze(2))
+        self.weighted[..., rows, :] = weighted
+        self.total[..., rows] = self.total[..., rows] * decay + weights.sum(dim=-1)
+        self.maximum[..., rows] = maximum
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output and the log-sum-exp (-inf, and output 0, for a row with no key)."""
@@ -199,9 +213,11 @@ class _RingAttention(torch.autograd.Function):
             keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
             key_positions = _positions(shard, source, chunk, q.device)
             for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
-                mask = _pair_mask(pair, query_positions, key_positions, documents)
-                scores = _scores(queries[pair.query], keys[pair.key], mask, scale)
-                softmaxes[pair.query].add(scores, values[pair.key])
+                for rows in _row_tiles(queries[pair.query], chunk):
+                    positions = query_positions[pair.query][rows]
+                    mask = _pair_mask(pair.diagonal, positions, key_positions[pair.key], documents)
+                    scores = _scores(queries[pair.query][..., rows, :], keys[pair.key], mask, scale)
+                    softmaxes[pair.query].add(rows, scores, values[pair.key])
             if exchange is not None:
                 block = exchange.wait()
         outputs, log_sum_exps = zip(*(softmax.result() for softmax in softmaxes), strict=True)
@@ -234,15 +250,20 @@ class _RingAttention(torch.autograd.Function):
             grad_keys = [torch.zeros_like(key) for key in keys]
             grad_values = [torch.zeros_like(value) for value in values]
             for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
-                mask = _pair_mask(pair, query_positions, key_positions, ctx.documents)
-                scores = _scores(queries[pair.query], keys[pair.key], mask, ctx.scale)
-                weights = torch.exp(scores - safe_lse[pair.query][..., None])
-                grad_output = grad_outputs[pair.query]
-                grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
-                grad_weights = torch.matmul(grad_output, values[pair.key].unsqueeze(2).transpose(-1, -2))
-                grad_scores = weights * (grad_weights - corrections[pair.query][..., None]) * ctx.scale
-                grad_queries[pair.query] += torch.matmul(grad_scores, keys[pair.key].unsqueeze(2))
-                grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), queries[pair.query]).sum(dim=2)
+                key, value = keys[pair.key], values[pair.key]
+                for rows in _row_tiles(queries[pair.query], chunk):
+                    query = queries[pair.query][..., rows, :]
+                    mask = _pair_mask(
+                        pair.diagonal, query_positions[pair.query][rows], key_positions[pair.key], ctx.documents
+                    )
+                    scores = _scores(query, key, mask, ctx.scale)
+                    weights = torch.exp(scores - safe_lse[pair.query][..., rows, None])
+                    grad_output = grad_outputs[pair.query][..., rows, :]
+                    grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
+                    grad_weights = torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2))
+                    grad_scores = weights * (grad_weights - corrections[pair.query][..., rows, None]) * ctx.scale
+                    grad_queries[pair.query][..., rows, :] += torch.matmul(grad_scores, key.unsqueeze(2))
+                    grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), query).sum(dim=2)
             local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
             if block_grads is not None:
                 local_grads += block_grads.wait()

@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic.spec import CpMethod
+from workers import ring_attention
 from workers.context_parallel import SequenceShard
 
 WORLD_SIZE = 4
 SEQ_LEN = 32  # 8 chunks of 4 at cp=4, 4 chunks of 8 at cp=2
+DEFAULT_TILE_SCORE_BYTES = ring_attention.TILE_SCORE_BYTES
 
 
 def packed_documents() -> torch.Tensor:
@@ -73,6 +75,9 @@ def run_rank(rank: int, store_path: str, results) -> None:
         for heads, kv_heads in ((4, 2), (2, 2)):
             for packed in (False, True):
                 documents = packed_documents() if packed else None
+                # Packed cases in tiles of 3 query rows (the last one shorter), the others whole chunks.
+                row_bytes = 2 * heads * SEQ_LEN // (2 * cp) * 4
+                ring_attention.TILE_SCORE_BYTES = 3 * row_bytes if packed else DEFAULT_TILE_SCORE_BYTES
                 case = f"cp={cp} heads={heads}/{kv_heads} documents={packed}"
                 report[case] = ring_errors(shard, heads=heads, kv_heads=kv_heads, documents=documents, seed=cp + heads)
     results.put((rank, report))
@@ -80,3 +85,65 @@ def run_rank(rank: int, store_path: str, results) -> None:
     results.join_thread()
     dist.barrier()
     os._exit(0)
+
+
+def attention_cost(shard: SequenceShard, *, seq_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int):
+    """In a cp rank, collective over ``shard``'s group: the median seconds of one forward and
+    backward of ``shard.attend`` on random float32 [1, heads, seq_len / cp, head_dim] queries
+    (and [1, kv_heads, ...] keys and values), and the rise of the process's peak resident memory
+    over the first of them (bytes)."""
+    import resource
+    import statistics
+    import time
+
+    local_len = seq_len // shard.cp
+    q = torch.randn(1, heads, local_len, head_dim, requires_grad=True)
+    k = torch.randn(1, kv_heads, local_len, head_dim, requires_grad=True)
+    v = torch.randn(1, kv_heads, local_len, head_dim, requires_grad=True)
+    grad_output = torch.randn_like(q)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seconds = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=shard.group)
+        start = time.perf_counter()
+        shard.attend(q, k, v).backward(grad_output)
+        seconds.append(time.perf_counter() - start)
+    peak_rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # ru_maxrss is KiB on Linux
+    return statistics.median(seconds[1:]), peak_rise
+
+
+def measure_rank(rank: int, store_path: str, results, *, cp: int, method: CpMethod, seq_len: int) -> None:
+    """A cp rank of the measurement below: the debug preset's heads (4 query, 2 key/value, 16 wide)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
+    shard = SequenceShard(cp=cp, cp_rank=rank, group=dist.group.WORLD, method=method)
+    seconds, peak_rise = attention_cost(shard, seq_len=seq_len, heads=4, kv_heads=2, head_dim=16, repeats=5)
+    results.put((rank, seconds, peak_rise))
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    # Ring against all-gather attention, forward and backward, one thread per rank:
+    #   PYTHONPATH=. python tests/ranks/ring_ranks.py 4096
+    import functools
+    import sys
+    import tempfile
+
+    from tests.ranks.spawned_ranks import spawn_ranks
+
+    seq_len = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    for cp in (2, 4):
+        for method in (CpMethod.ALLGATHER, CpMethod.RING):
+            with tempfile.TemporaryDirectory() as scratch:
+                ranks = spawn_ranks(
+                    functools.partial(measure_rank, cp=cp, method=method, seq_len=seq_len),
+                    world_size=cp,
+                    store_path=f"{scratch}/store",
+                )
+            slowest = max(seconds for seconds, _ in ranks.values())
+            peak = max(peak_rise for _, peak_rise in ranks.values())
+            rise = peak / 2**20
+            print(f"seq={seq_len} cp={cp} {method.value:9s} fwd+bwd {slowest * 1e3:8.1f} ms, peak rss +{rise:.1f} MiB")
