@@ -48,6 +48,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """See ``SequenceShard.attend`` for the arguments and the result. Collective over the cp
     group: every cp rank calls it with its own tokens."""
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention holds two equal chunks per rank; this rank holds {q.shape[2]} tokens")
     result: torch.Tensor = _RingAttention.apply(q, k, v, shard, documents)
     return result
 
@@ -138,11 +140,12 @@ def _row_tiles(query: torch.Tensor, key_len: int) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """[batch, kv heads, group, chunk, chunk] float32 scores, -inf where ``mask`` hides the key."""
-    scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+def _scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[batch, kv heads, group, rows, keys] float32 scores of the (scaled) ``query`` rows, -inf
+    where ``mask`` hides the key."""
+    scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores.masked_fill_(~mask, float("-inf"))
     return scores
 
 
@@ -156,13 +159,14 @@ class _OnlineSoftmax:
         self.weighted = torch.zeros_like(query, dtype=torch.float32)
 
     def add(self, rows: slice, scores: torch.Tensor, value: torch.Tensor) -> None:
-        """Merge ``scores`` [..., rows, keys] of the query ``rows`` against the keys of ``value``."""
+        """Merge ``scores`` [..., rows, keys] of the query ``rows`` against the keys of ``value``
+        (consumed: overwritten in place)."""
         previous = self.maximum[..., rows]
         maximum = torch.maximum(previous, scores.amax(dim=-1))
         # A row that has seen no key yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN.
         shift = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)
         decay = torch.exp(previous - shift)
-        weights = torch.exp(scores - shift[..., None])
+        weights = scores.sub_(shift[..., None]).exp_()  # in place: the tile's largest tensor, once
         weighted = self.weighted[..., rows, :] * decay[..., None] + torch.matmul(weights, value.unsqueeze(2))
         self.weighted[..., rows, :] = weighted
         self.total[..., rows] = self.total[..., rows] * decay + weights.sum(dim=-1)
@@ -203,7 +207,8 @@ class _RingAttention(torch.autograd.Function):
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
         ring = _Ring(shard)
-        queries = _grouped(q, kv_heads).chunk(2, dim=3)
+        # Scaled once: every block's scores are then a plain product.
+        queries = (_grouped(q, kv_heads) * scale).chunk(2, dim=3)
         query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
         softmaxes = [_OnlineSoftmax(query) for query in queries]
         block = torch.stack([k, v])  # one message per step: keys and values travel together
@@ -216,7 +221,7 @@ class _RingAttention(torch.autograd.Function):
                 for rows in _row_tiles(queries[pair.query], chunk):
                     positions = query_positions[pair.query][rows]
                     mask = _pair_mask(pair.diagonal, positions, key_positions[pair.key], documents)
-                    scores = _scores(queries[pair.query][..., rows, :], keys[pair.key], mask, scale)
+                    scores = _scores(queries[pair.query][..., rows, :], keys[pair.key], mask)
                     softmaxes[pair.query].add(rows, scores, values[pair.key])
             if exchange is not None:
                 block = exchange.wait()
@@ -232,7 +237,8 @@ class _RingAttention(torch.autograd.Function):
         shard: SequenceShard = ctx.shard
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
         ring = _Ring(shard)
-        queries = _grouped(q, kv_heads).chunk(2, dim=3)
+        # Scaled as in the forward; dQ takes the scale at the end, dK has it from the queries.
+        queries = (_grouped(q, kv_heads) * ctx.scale).chunk(2, dim=3)
         grad_outputs = _grouped(grads[0], kv_heads).chunk(2, dim=3)
         # Per query row: sum of dO * O, the softmax backward's correction term.
         corrections = (_grouped(grads[0], kv_heads) * _grouped(output, kv_heads)).sum(dim=-1).chunk(2, dim=3)
@@ -256,12 +262,11 @@ class _RingAttention(torch.autograd.Function):
                     mask = _pair_mask(
                         pair.diagonal, query_positions[pair.query][rows], key_positions[pair.key], ctx.documents
                     )
-                    scores = _scores(query, key, mask, ctx.scale)
-                    weights = torch.exp(scores - safe_lse[pair.query][..., rows, None])
+                    weights = _scores(query, key, mask).sub_(safe_lse[pair.query][..., rows, None]).exp_()
                     grad_output = grad_outputs[pair.query][..., rows, :]
                     grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
                     grad_weights = torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2))
-                    grad_scores = weights * (grad_weights - corrections[pair.query][..., rows, None]) * ctx.scale
+                    grad_scores = grad_weights.sub_(corrections[pair.query][..., rows, None]).mul_(weights)
                     grad_queries[pair.query][..., rows, :] += torch.matmul(grad_scores, key.unsqueeze(2))
                     grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), query).sum(dim=2)
             local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
@@ -273,5 +278,5 @@ class _RingAttention(torch.autograd.Function):
                 block = exchange.wait()
         assert block_grads is not None
         own_grads = block_grads.wait()
-        grad_q = torch.cat(grad_queries, dim=3).reshape(q.shape).to(q.dtype)
+        grad_q = (torch.cat(grad_queries, dim=3) * ctx.scale).reshape(q.shape).to(q.dtype)
         return grad_q, own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None
