@@ -35,12 +35,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from checkpointing.torch_compat import cpu_attention_backward, cpu_attention_with_lse
+
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
 
 # The float32 scores one tile of query rows holds against a key chunk (and each of the few
 # temporaries of its size): 64 MiB, large enough for full-speed matmuls, small beside a GPU.
 TILE_SCORE_BYTES = 64 * 2**20
+
+# On CPU, blocks run torch's fused flash kernel (blocked, no [rows, keys] scores held; about 3x
+# the math path's speed); elsewhere, and with this off, the math path below.
+FUSED_CPU_KERNEL = True
 
 
 def ring_attention(
@@ -172,6 +178,16 @@ class _OnlineSoftmax:
         self.total[..., rows] = self.total[..., rows] * decay + weights.sum(dim=-1)
         self.maximum[..., rows] = maximum
 
+    def add_block(self, output: torch.Tensor, log_sum_exp: torch.Tensor) -> None:
+        """Merge a block's own attention ``output`` and ``log_sum_exp`` over every row (a block
+        is the state of one key: maximum ``log_sum_exp``, total 1, weighted ``output``)."""
+        maximum = torch.maximum(self.maximum, log_sum_exp)
+        shift = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)
+        decay, weight = torch.exp(self.maximum - shift), torch.exp(log_sum_exp - shift)
+        self.weighted = self.weighted * decay[..., None] + output * weight[..., None]
+        self.total = self.total * decay + weight
+        self.maximum = maximum
+
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output and the log-sum-exp (-inf, and output 0, for a row with no key)."""
         seen = self.total > 0
@@ -185,6 +201,108 @@ def _grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[batch, heads, seq, dim] as float32 [batch, kv heads, heads per kv head, seq, dim]."""
     batch, heads, seq, dim = tensor.shape
     return tensor.float().reshape(batch, kv_heads, heads // kv_heads, seq, dim)
+
+
+def _use_fused_kernel(q: torch.Tensor) -> bool:
+    """Whether blocks run the fused CPU kernel (``FUSED_CPU_KERNEL``) rather than the math path."""
+    return FUSED_CPU_KERNEL and q.device.type == "cpu"
+
+
+def _repeated(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, kv heads, seq, dim] with each kv head repeated for its query heads (the fused
+    kernel takes equal heads)."""
+    return tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
+
+
+def _fused_mask(diagonal: bool, mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
+    """The fused kernel's causal flag and additive [batch, 1, queries, keys] mask for a pair."""
+    if mask is None:
+        return diagonal, None
+    hidden = ~mask.squeeze(2)
+    return False, torch.zeros(hidden.shape, dtype=dtype, device=mask.device).masked_fill_(hidden, float("-inf"))
+
+
+class _MathBackward:
+    """A rank's part of the backward on the math path, in tiles of query rows: dQ accumulates
+    here, ``visit`` returns a block's dK, dV (float32, per key chunk)."""
+
+    def __init__(
+        self, ctx: Any, q: torch.Tensor, kv_heads: int, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor
+    ) -> None:
+        self.scale, self.kv_heads = ctx.scale, kv_heads
+        # Scaled as in the forward; dQ takes the scale at the end, dK has it from the queries.
+        self.queries = (_grouped(q, kv_heads) * ctx.scale).chunk(2, dim=3)
+        self.grad_outputs = _grouped(grad, kv_heads).chunk(2, dim=3)
+        # Per query row: sum of dO * O, the softmax backward's correction term.
+        self.corrections = (_grouped(grad, kv_heads) * _grouped(output, kv_heads)).sum(dim=-1).chunk(2, dim=3)
+        # A row that saw no key has lse -inf and all scores -inf: shift by 0 so its weights are 0.
+        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        self.safe_lse = _grouped(safe_lse.unsqueeze(-1), kv_heads).squeeze(-1).chunk(2, dim=3)
+        self.grad_queries = [torch.zeros_like(query) for query in self.queries]
+
+    def visit(
+        self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
+        grad_keys = [torch.zeros_like(key) for key in keys]
+        grad_values = [torch.zeros_like(value) for value in values]
+        for pair, pair_mask in pairs:
+            key, value = keys[pair.key], values[pair.key]
+            for rows in _row_tiles(self.queries[pair.query], key.shape[2]):
+                query = self.queries[pair.query][..., rows, :]
+                mask = None if pair_mask is None else pair_mask[..., rows, :]
+                weights = _scores(query, key, mask).sub_(self.safe_lse[pair.query][..., rows, None]).exp_()
+                grad_output = self.grad_outputs[pair.query][..., rows, :]
+                grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
+                grad_weights = torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2))
+                grad_scores = grad_weights.sub_(self.corrections[pair.query][..., rows, None]).mul_(weights)
+                self.grad_queries[pair.query][..., rows, :] += torch.matmul(grad_scores, key.unsqueeze(2))
+                grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), query).sum(dim=2)
+        return grad_keys, grad_values
+
+    def grad_q(self) -> torch.Tensor:
+        grad = torch.cat(self.grad_queries, dim=3) * self.scale
+        return grad.reshape(grad.shape[0], -1, *grad.shape[3:])
+
+
+class _FusedBackward:
+    """A rank's part of the backward on the fused CPU kernel: per chunk pair the kernel's own
+    backward, given the rows' output and log-sum-exp over the whole sequence."""
+
+    def __init__(self, ctx: Any, q: torch.Tensor, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor) -> None:
+        self.scale, self.heads = ctx.scale, q.shape[1]
+        self.queries, self.outputs = q.chunk(2, dim=2), output.chunk(2, dim=2)
+        self.grad_outputs, self.lse = grad.contiguous().chunk(2, dim=2), lse.chunk(2, dim=2)
+        self.grad_queries = [torch.zeros_like(query, dtype=torch.float32) for query in self.queries]
+
+    def visit(
+        self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        kv_shape = block[0].chunk(2, dim=2)[0].shape
+        keys, values = _repeated(block[0], self.heads).chunk(2, dim=2), _repeated(block[1], self.heads).chunk(2, dim=2)
+        grad_keys = [torch.zeros(kv_shape, dtype=torch.float32, device=block.device) for _ in range(2)]
+        grad_values = [torch.zeros_like(grad_key) for grad_key in grad_keys]
+        for pair, mask in pairs:
+            is_causal, additive = _fused_mask(pair.diagonal, mask, block.dtype)
+            grad_q, grad_k, grad_v = cpu_attention_backward(
+                self.grad_outputs[pair.query],
+                self.queries[pair.query],
+                keys[pair.key],
+                values[pair.key],
+                self.outputs[pair.query],
+                self.lse[pair.query],
+                is_causal=is_causal,
+                mask=additive,
+                scale=self.scale,
+            )
+            self.grad_queries[pair.query] += grad_q.float()
+            # The repeated heads' gradients sum into their kv head.
+            grad_keys[pair.key] += grad_k.float().unflatten(1, (kv_shape[1], -1)).sum(dim=2)
+            grad_values[pair.key] += grad_v.float().unflatten(1, (kv_shape[1], -1)).sum(dim=2)
+        return grad_keys, grad_values
+
+    def grad_q(self) -> torch.Tensor:
+        return torch.cat(self.grad_queries, dim=2)
 
 
 def _positions(shard: SequenceShard, cp_rank: int, chunk: int, device: torch.device) -> list[torch.Tensor]:
@@ -206,18 +324,44 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
+        fused = _use_fused_kernel(q)
         ring = _Ring(shard)
-        # Scaled once: every block's scores are then a plain product.
-        queries = (_grouped(q, kv_heads) * scale).chunk(2, dim=3)
+        # Scaled once for the math path: every block's scores are then a plain product.
+        queries = (_grouped(q, kv_heads) * (1.0 if fused else scale)).chunk(2, dim=3)
+        query_chunks = q.chunk(2, dim=2)
         query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
         softmaxes = [_OnlineSoftmax(query) for query in queries]
         block = torch.stack([k, v])  # one message per step: keys and values travel together
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
             source = (shard.cp_rank - step) % shard.cp
-            keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
             key_positions = _positions(shard, source, chunk, q.device)
+            if fused:
+                keys, values = (
+                    _repeated(block[0], q.shape[1]).chunk(2, dim=2),
+                    _repeated(block[1], q.shape[1]).chunk(2, dim=2),
+                )
+            else:
+                keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
             for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
+                if fused:
+                    mask = _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], documents)
+                    is_causal, additive = _fused_mask(pair.diagonal, mask, q.dtype)
+                    output, log_sum_exp = cpu_attention_with_lse(
+                        query_chunks[pair.query],
+                        keys[pair.key],
+                        values[pair.key],
+                        is_causal=is_causal,
+                        mask=additive,
+                        scale=scale,
+                    )
+                    if mask is not None:  # rows that see no key of this pair: lse -inf, not the kernel's 0
+                        hidden = ~mask.any(dim=-1).squeeze(2)
+                        log_sum_exp = log_sum_exp.masked_fill(hidden, float("-inf"))
+                    softmaxes[pair.query].add_block(
+                        _grouped(output, kv_heads), _grouped(log_sum_exp.unsqueeze(-1), kv_heads).squeeze(-1)
+                    )
+                    continue
                 for rows in _row_tiles(queries[pair.query], chunk):
                     positions = query_positions[pair.query][rows]
                     mask = _pair_mask(pair.diagonal, positions, key_positions[pair.key], documents)
@@ -227,8 +371,8 @@ class _RingAttention(torch.autograd.Function):
                 block = exchange.wait()
         outputs, log_sum_exps = zip(*(softmax.result() for softmax in softmaxes), strict=True)
         output = torch.cat(outputs, dim=3).reshape(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, output, torch.cat(log_sum_exps, dim=3))
-        ctx.shard, ctx.documents, ctx.scale = shard, documents, scale
+        ctx.save_for_backward(q, k, v, output, torch.cat(log_sum_exps, dim=3).reshape(q.shape[:-1]))
+        ctx.shard, ctx.documents, ctx.scale, ctx.fused = shard, documents, scale, fused
         return output
 
     @staticmethod
@@ -237,38 +381,28 @@ class _RingAttention(torch.autograd.Function):
         shard: SequenceShard = ctx.shard
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
         ring = _Ring(shard)
-        # Scaled as in the forward; dQ takes the scale at the end, dK has it from the queries.
-        queries = (_grouped(q, kv_heads) * ctx.scale).chunk(2, dim=3)
-        grad_outputs = _grouped(grads[0], kv_heads).chunk(2, dim=3)
-        # Per query row: sum of dO * O, the softmax backward's correction term.
-        corrections = (_grouped(grads[0], kv_heads) * _grouped(output, kv_heads)).sum(dim=-1).chunk(2, dim=3)
-        # A row that saw no key has lse -inf and all scores -inf: shift by 0 so its weights are 0.
-        safe_lse = torch.where(torch.isinf(log_sum_exp), torch.zeros_like(log_sum_exp), log_sum_exp).chunk(2, dim=3)
         query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
-        grad_queries = [torch.zeros_like(query) for query in queries]
+        kernel = (
+            _FusedBackward(ctx, q, output, grads[0], log_sum_exp)
+            if ctx.fused
+            else _MathBackward(ctx, q, kv_heads, output, grads[0], log_sum_exp)
+        )
         block = torch.stack([k, v])
         block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
             source = (shard.cp_rank - step) % shard.cp
-            keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
             key_positions = _positions(shard, source, chunk, q.device)
-            grad_keys = [torch.zeros_like(key) for key in keys]
-            grad_values = [torch.zeros_like(value) for value in values]
-            for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
-                key, value = keys[pair.key], values[pair.key]
-                for rows in _row_tiles(queries[pair.query], chunk):
-                    query = queries[pair.query][..., rows, :]
-                    mask = _pair_mask(
-                        pair.diagonal, query_positions[pair.query][rows], key_positions[pair.key], ctx.documents
+            grad_keys, grad_values = kernel.visit(
+                block,
+                [
+                    (
+                        pair,
+                        _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], ctx.documents),
                     )
-                    weights = _scores(query, key, mask).sub_(safe_lse[pair.query][..., rows, None]).exp_()
-                    grad_output = grad_outputs[pair.query][..., rows, :]
-                    grad_values[pair.key] += torch.matmul(weights.transpose(-1, -2), grad_output).sum(dim=2)
-                    grad_weights = torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2))
-                    grad_scores = grad_weights.sub_(corrections[pair.query][..., rows, None]).mul_(weights)
-                    grad_queries[pair.query][..., rows, :] += torch.matmul(grad_scores, key.unsqueeze(2))
-                    grad_keys[pair.key] += torch.matmul(grad_scores.transpose(-1, -2), query).sum(dim=2)
+                    for pair in _visible_pairs(shard.cp, shard.cp_rank, source)
+                ],
+            )
             local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
             if block_grads is not None:
                 local_grads += block_grads.wait()
@@ -278,5 +412,4 @@ class _RingAttention(torch.autograd.Function):
                 block = exchange.wait()
         assert block_grads is not None
         own_grads = block_grads.wait()
-        grad_q = (torch.cat(grad_queries, dim=3) * ctx.scale).reshape(q.shape).to(q.dtype)
-        return grad_q, own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None
+        return kernel.grad_q().to(q.dtype), own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None

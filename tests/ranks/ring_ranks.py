@@ -71,15 +71,19 @@ def run_rank(rank: int, store_path: str, results) -> None:
         2: SequenceShard(cp=2, cp_rank=rank % 2, group=pairs[rank // 2], method=CpMethod.RING),
     }
     report = {}
-    for cp, shard in rings.items():
-        for heads, kv_heads in ((4, 2), (2, 2)):
-            for packed in (False, True):
-                documents = packed_documents() if packed else None
-                # Packed cases in tiles of 3 query rows (the last one shorter), the others whole chunks.
-                row_bytes = 2 * heads * SEQ_LEN // (2 * cp) * 4
-                ring_attention.TILE_SCORE_BYTES = 3 * row_bytes if packed else DEFAULT_TILE_SCORE_BYTES
-                case = f"cp={cp} heads={heads}/{kv_heads} documents={packed}"
-                report[case] = ring_errors(shard, heads=heads, kv_heads=kv_heads, documents=documents, seed=cp + heads)
+    for fused in (True, False):  # torch's fused CPU kernel per block, and the math path (CUDA's)
+        ring_attention.FUSED_CPU_KERNEL = fused
+        for cp, shard in rings.items():
+            for heads, kv_heads in ((4, 2), (2, 2)):
+                for packed in (False, True):
+                    documents = packed_documents() if packed else None
+                    # Packed cases in tiles of 3 query rows (the last one shorter), the others whole chunks.
+                    row_bytes = 2 * heads * SEQ_LEN // (2 * cp) * 4
+                    ring_attention.TILE_SCORE_BYTES = 3 * row_bytes if packed else DEFAULT_TILE_SCORE_BYTES
+                    case = f"fused={fused} cp={cp} heads={heads}/{kv_heads} documents={packed}"
+                    report[case] = ring_errors(
+                        shard, heads=heads, kv_heads=kv_heads, documents=documents, seed=cp + heads
+                    )
     results.put((rank, report))
     results.close()
     results.join_thread()
