@@ -222,6 +222,22 @@ def _fused_mask(diagonal: bool, mask: torch.Tensor | None, dtype: torch.dtype) -
     return False, torch.zeros(hidden.shape, dtype=dtype, device=mask.device).masked_fill_(hidden, float("-inf"))
 
 
+def _fused_block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, diagonal: bool, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk pair on the fused CPU kernel: the float32 output [batch, kv heads, group, rows,
+    dim] and log-sum-exp [batch, kv heads, group, rows] of ``query`` over ``key``, ``value``
+    (their kv heads repeated here, one key chunk at a time, not the whole block)."""
+    kv_heads, heads = key.shape[1], query.shape[1]
+    is_causal, additive = _fused_mask(diagonal, mask, query.dtype)
+    output, log_sum_exp = cpu_attention_with_lse(
+        query, _repeated(key, heads), _repeated(value, heads), is_causal=is_causal, mask=additive, scale=scale
+    )
+    if mask is not None:  # rows that see no key of this pair: lse -inf, not the kernel's 0
+        log_sum_exp = log_sum_exp.masked_fill(~mask.any(dim=-1).squeeze(2), float("-inf"))
+    return _grouped(output, kv_heads), _grouped(log_sum_exp.unsqueeze(-1), kv_heads).squeeze(-1)
+
+
 class _MathBackward:
     """A rank's part of the backward on the math path, in tiles of query rows: dQ accumulates
     here, ``visit`` returns a block's dK, dV (float32, per key chunk)."""
@@ -279,7 +295,7 @@ class _FusedBackward:
         self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         kv_shape = block[0].chunk(2, dim=2)[0].shape
-        keys, values = _repeated(block[0], self.heads).chunk(2, dim=2), _repeated(block[1], self.heads).chunk(2, dim=2)
+        keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
         grad_keys = [torch.zeros(kv_shape, dtype=torch.float32, device=block.device) for _ in range(2)]
         grad_values = [torch.zeros_like(grad_key) for grad_key in grad_keys]
         for pair, mask in pairs:
@@ -287,8 +303,8 @@ class _FusedBackward:
             grad_q, grad_k, grad_v = cpu_attention_backward(
                 self.grad_outputs[pair.query],
                 self.queries[pair.query],
-                keys[pair.key],
-                values[pair.key],
+                _repeated(keys[pair.key], self.heads),  # one key chunk at a time, not the whole block
+                _repeated(values[pair.key], self.heads),
                 self.outputs[pair.query],
                 self.lse[pair.query],
                 is_causal=is_causal,
@@ -337,30 +353,16 @@ class _RingAttention(torch.autograd.Function):
             source = (shard.cp_rank - step) % shard.cp
             key_positions = _positions(shard, source, chunk, q.device)
             if fused:
-                keys, values = (
-                    _repeated(block[0], q.shape[1]).chunk(2, dim=2),
-                    _repeated(block[1], q.shape[1]).chunk(2, dim=2),
-                )
+                keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
             else:
                 keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
             for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
                 if fused:
                     mask = _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], documents)
-                    is_causal, additive = _fused_mask(pair.diagonal, mask, q.dtype)
-                    output, log_sum_exp = cpu_attention_with_lse(
-                        query_chunks[pair.query],
-                        keys[pair.key],
-                        values[pair.key],
-                        is_causal=is_causal,
-                        mask=additive,
-                        scale=scale,
+                    output, log_sum_exp = _fused_block(
+                        query_chunks[pair.query], keys[pair.key], values[pair.key], pair.diagonal, mask, scale
                     )
-                    if mask is not None:  # rows that see no key of this pair: lse -inf, not the kernel's 0
-                        hidden = ~mask.any(dim=-1).squeeze(2)
-                        log_sum_exp = log_sum_exp.masked_fill(hidden, float("-inf"))
-                    softmaxes[pair.query].add_block(
-                        _grouped(output, kv_heads), _grouped(log_sum_exp.unsqueeze(-1), kv_heads).squeeze(-1)
-                    )
+                    softmaxes[pair.query].add_block(output, log_sum_exp)
                     continue
                 for rows in _row_tiles(queries[pair.query], chunk):
                     positions = query_positions[pair.query][rows]

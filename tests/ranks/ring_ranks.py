@@ -116,9 +116,12 @@ def attention_cost(shard: SequenceShard, *, seq_len: int, heads: int, kv_heads: 
     return statistics.median(seconds[1:]), peak_rise
 
 
-def measure_rank(rank: int, store_path: str, results, *, cp: int, method: CpMethod, seq_len: int) -> None:
+def measure_rank(
+    rank: int, store_path: str, results, *, cp: int, method: CpMethod, seq_len: int, fused: bool = True
+) -> None:
     """A cp rank of the measurement below: the debug preset's heads (4 query, 2 key/value, 16 wide)."""
     torch.set_num_threads(1)
+    ring_attention.FUSED_CPU_KERNEL = fused
     dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
     shard = SequenceShard(cp=cp, cp_rank=rank, group=dist.group.WORLD, method=method)
     seconds, peak_rise = attention_cost(shard, seq_len=seq_len, heads=4, kv_heads=2, head_dim=16, repeats=5)
@@ -140,14 +143,15 @@ if __name__ == "__main__":
 
     seq_len = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     for cp in (2, 4):
-        for method in (CpMethod.ALLGATHER, CpMethod.RING):
+        for method, fused in ((CpMethod.ALLGATHER, True), (CpMethod.RING, True), (CpMethod.RING, False)):
             with tempfile.TemporaryDirectory() as scratch:
                 ranks = spawn_ranks(
-                    functools.partial(measure_rank, cp=cp, method=method, seq_len=seq_len),
+                    functools.partial(measure_rank, cp=cp, method=method, seq_len=seq_len, fused=fused),
                     world_size=cp,
                     store_path=f"{scratch}/store",
                 )
             slowest = max(seconds for seconds, _ in ranks.values())
             peak = max(peak_rise for _, peak_rise in ranks.values())
             rise = peak / 2**20
-            print(f"seq={seq_len} cp={cp} {method.value:9s} fwd+bwd {slowest * 1e3:8.1f} ms, peak rss +{rise:.1f} MiB")
+            name = method.value if method is CpMethod.ALLGATHER else f"ring ({'fused' if fused else 'math'})"
+            print(f"seq={seq_len} cp={cp} {name:12s} fwd+bwd {slowest * 1e3:8.1f} ms, peak rss +{rise:.1f} MiB")
