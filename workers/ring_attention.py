@@ -159,10 +159,11 @@ class _OnlineSoftmax:
     """The running softmax of one query chunk over the key blocks seen so far: the maximum
     score, the sum of exponentials under it and the values weighted by them (float32)."""
 
-    def __init__(self, query: torch.Tensor) -> None:
-        self.maximum = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+    def __init__(self, shape: torch.Size, device: torch.device) -> None:
+        """``shape``: the chunk's queries' [batch, kv heads, group, rows, dim]."""
+        self.maximum = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
         self.total = torch.zeros_like(self.maximum)
-        self.weighted = torch.zeros_like(query, dtype=torch.float32)
+        self.weighted = torch.zeros(shape, dtype=torch.float32, device=device)
 
     def add(self, rows: slice, scores: torch.Tensor, value: torch.Tensor) -> None:
         """Merge ``scores`` [..., rows, keys] of the query ``rows`` against the keys of ``value``
@@ -325,6 +326,54 @@ def _positions(shard: SequenceShard, cp_rank: int, chunk: int, device: torch.dev
     return [torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in _chunk_ids(shard.cp, cp_rank)]
 
 
+class _MathForward:
+    """A rank's part of the forward on the math path, in tiles of query rows: scores in float32,
+    merged into each query chunk's online softmax."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int, scale: float) -> None:
+        # Scaled once: every block's scores are then a plain product.
+        self.queries = (_grouped(q, kv_heads) * scale).chunk(2, dim=3)
+        self.softmaxes = [_OnlineSoftmax(query.shape, q.device) for query in self.queries]
+
+    def visit(self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
+        keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
+        for pair, pair_mask in pairs:
+            for rows in _row_tiles(self.queries[pair.query], keys[pair.key].shape[2]):
+                mask = None if pair_mask is None else pair_mask[..., rows, :]
+                scores = _scores(self.queries[pair.query][..., rows, :], keys[pair.key], mask)
+                self.softmaxes[pair.query].add(rows, scores, values[pair.key])
+
+
+class _FusedForward:
+    """A rank's part of the forward on the fused CPU kernel: each chunk pair's output and
+    log-sum-exp merged into each query chunk's online softmax."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int, scale: float) -> None:
+        self.queries, self.scale = q.chunk(2, dim=2), scale
+        batch, heads, chunk, dim = self.queries[0].shape
+        shape = torch.Size((batch, kv_heads, heads // kv_heads, chunk, dim))
+        self.softmaxes = [_OnlineSoftmax(shape, q.device) for _ in range(2)]
+
+    def visit(self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
+        keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
+        for pair, mask in pairs:
+            query, key, value = self.queries[pair.query], keys[pair.key], values[pair.key]
+            self.softmaxes[pair.query].add_block(*_fused_block(query, key, value, pair.diagonal, mask, self.scale))
+
+
+def _pairs_with_masks(
+    shard: SequenceShard, source: int, chunk: int, documents: torch.Tensor | None, device: torch.device
+) -> list[tuple[_ChunkPair, torch.Tensor | None]]:
+    """The chunk pairs of this rank's queries and cp rank ``source``'s keys to compute, each
+    with its mask (``_pair_mask``)."""
+    query_positions = _positions(shard, shard.cp_rank, chunk, device)
+    key_positions = _positions(shard, source, chunk, device)
+    return [
+        (pair, _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], documents))
+        for pair in _visible_pairs(shard.cp, shard.cp_rank, source)
+    ]
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention with its ring backward; ``q`` [batch, heads, local seq, dim], ``k``, ``v``
     [batch, kv heads, local seq, dim], this rank's tokens in ``SequenceShard.take`` order."""
@@ -341,37 +390,16 @@ class _RingAttention(torch.autograd.Function):
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
         fused = _use_fused_kernel(q)
+        kernel = _FusedForward(q, kv_heads, scale) if fused else _MathForward(q, kv_heads, scale)
         ring = _Ring(shard)
-        # Scaled once for the math path: every block's scores are then a plain product.
-        queries = (_grouped(q, kv_heads) * (1.0 if fused else scale)).chunk(2, dim=3)
-        query_chunks = q.chunk(2, dim=2)
-        query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
-        softmaxes = [_OnlineSoftmax(query) for query in queries]
         block = torch.stack([k, v])  # one message per step: keys and values travel together
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
             source = (shard.cp_rank - step) % shard.cp
-            key_positions = _positions(shard, source, chunk, q.device)
-            if fused:
-                keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
-            else:
-                keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
-            for pair in _visible_pairs(shard.cp, shard.cp_rank, source):
-                if fused:
-                    mask = _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], documents)
-                    output, log_sum_exp = _fused_block(
-                        query_chunks[pair.query], keys[pair.key], values[pair.key], pair.diagonal, mask, scale
-                    )
-                    softmaxes[pair.query].add_block(output, log_sum_exp)
-                    continue
-                for rows in _row_tiles(queries[pair.query], chunk):
-                    positions = query_positions[pair.query][rows]
-                    mask = _pair_mask(pair.diagonal, positions, key_positions[pair.key], documents)
-                    scores = _scores(queries[pair.query][..., rows, :], keys[pair.key], mask)
-                    softmaxes[pair.query].add(rows, scores, values[pair.key])
+            kernel.visit(block, _pairs_with_masks(shard, source, chunk, documents, q.device))
             if exchange is not None:
                 block = exchange.wait()
-        outputs, log_sum_exps = zip(*(softmax.result() for softmax in softmaxes), strict=True)
+        outputs, log_sum_exps = zip(*(softmax.result() for softmax in kernel.softmaxes), strict=True)
         output = torch.cat(outputs, dim=3).reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, output, torch.cat(log_sum_exps, dim=3).reshape(q.shape[:-1]))
         ctx.shard, ctx.documents, ctx.scale, ctx.fused = shard, documents, scale, fused
@@ -382,28 +410,19 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, output, log_sum_exp = ctx.saved_tensors
         shard: SequenceShard = ctx.shard
         kv_heads, chunk = k.shape[1], q.shape[2] // 2
-        ring = _Ring(shard)
-        query_positions = _positions(shard, shard.cp_rank, chunk, q.device)
         kernel = (
             _FusedBackward(ctx, q, output, grads[0], log_sum_exp)
             if ctx.fused
             else _MathBackward(ctx, q, kv_heads, output, grads[0], log_sum_exp)
         )
+        ring = _Ring(shard)
         block = torch.stack([k, v])
         block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
             source = (shard.cp_rank - step) % shard.cp
-            key_positions = _positions(shard, source, chunk, q.device)
             grad_keys, grad_values = kernel.visit(
-                block,
-                [
-                    (
-                        pair,
-                        _pair_mask(pair.diagonal, query_positions[pair.query], key_positions[pair.key], ctx.documents),
-                    )
-                    for pair in _visible_pairs(shard.cp, shard.cp_rank, source)
-                ],
+                block, _pairs_with_masks(shard, source, chunk, ctx.documents, q.device)
             )
             local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
             if block_grads is not None:
