@@ -41,9 +41,17 @@ def whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents
 
 
 def ring_errors(
-    shard: SequenceShard, *, heads: int, kv_heads: int, documents: torch.Tensor | None, seed: int
+    shard: SequenceShard,
+    *,
+    heads: int,
+    kv_heads: int,
+    documents: torch.Tensor | None,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
-    """Largest absolute difference of ring attention's output and gradients from the reference."""
+    """Largest absolute difference of ring attention's output and gradients (of inputs in
+    ``dtype``) from the float32 reference, relative to the reference's largest value when
+    ``dtype`` is not float32."""
     generator = torch.Generator().manual_seed(seed)
     batch, head_dim = 2, 8
     q = torch.randn(batch, heads, SEQ_LEN, head_dim, generator=generator, requires_grad=True)
@@ -52,13 +60,18 @@ def ring_errors(
     grad_output = torch.randn(batch, heads, SEQ_LEN, head_dim, generator=generator)
     expected = whole_attention(q, k, v, documents)
     expected.backward(grad_output)
-    parts = [shard.take(tensor.detach(), dim=2).requires_grad_() for tensor in (q, k, v)]
+    parts = [shard.take(tensor.detach(), dim=2).to(dtype).requires_grad_() for tensor in (q, k, v)]
     output = shard.attend(parts[0], parts[1], parts[2], documents)
-    output.backward(shard.take(grad_output, dim=2))
-    errors = {"output": (output - shard.take(expected.detach(), dim=2)).abs().max().item()}
-    for name, part, whole in zip(("dq", "dk", "dv"), parts, (q, k, v), strict=True):
+    output.backward(shard.take(grad_output, dim=2).to(dtype))
+    results = [(output.detach(), expected.detach())]
+    for part, whole in zip(parts, (q, k, v), strict=True):
         assert part.grad is not None and whole.grad is not None
-        errors[name] = (part.grad - shard.take(whole.grad, dim=2)).abs().max().item()
+        results.append((part.grad, whole.grad))
+    errors = {}
+    for name, (result, reference) in zip(("output", "dq", "dk", "dv"), results, strict=True):
+        # A result in another dtype than its input's counts as wrong whatever its values.
+        error = (result.float() - shard.take(reference, dim=2)).abs().max() if result.dtype == dtype else torch.inf
+        errors[name] = float(error if dtype == torch.float32 else error / reference.abs().max())
     return errors
 
 
@@ -84,6 +97,10 @@ def run_rank(rank: int, store_path: str, results) -> None:
                     report[case] = ring_errors(
                         shard, heads=heads, kv_heads=kv_heads, documents=documents, seed=cp + heads
                     )
+        for cp, shard in rings.items():  # bfloat16 in, bfloat16 out, float32 inside
+            report[f"fused={fused} cp={cp} bfloat16"] = ring_errors(
+                shard, heads=4, kv_heads=2, documents=packed_documents(), seed=cp, dtype=torch.bfloat16
+            )
     results.put((rank, report))
     results.close()
     results.join_thread()

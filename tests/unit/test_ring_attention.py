@@ -1,7 +1,7 @@
 """Ring attention (``parallelism.cp_method: ring``) equals attention over the whole sequence: its
 output and the gradients of queries, keys and values, on cp=2 and cp=4 rings, with grouped heads
 and with packed documents (a boundary inside a chunk, a document across ranks), on torch's fused
-CPU kernel and on the math path (what CUDA runs).
+CPU kernel and on the math path (what CUDA runs); bfloat16 inputs give bfloat16 results near them.
 
 Spawned gloo ranks (``tests/ranks/ring_ranks.py``), one spawn for every case: starting ranks
 costs more than the cases.
@@ -17,6 +17,7 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path):
     reports = spawn_ranks(ring_ranks.run_rank, world_size=ring_ranks.WORLD_SIZE, store_path=str(tmp_path / "store"))
     assert sorted(reports) == list(range(ring_ranks.WORLD_SIZE))
     for rank, (report,) in reports.items():
-        assert len(report) == 16
+        assert len(report) == 20
         for case, errors in report.items():
-            assert max(errors.values()) < 1e-5, (rank, case, errors)
+            # bfloat16: its own output and gradients, within 2% of the largest float32 value.
+            assert max(errors.values()) < (2e-2 if "bfloat16" in case else 1e-5), (rank, case, errors)
