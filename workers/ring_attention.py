@@ -6,8 +6,10 @@ the same layer order). Rank ``i`` of ``cp`` holds chunks ``i`` and ``2 * cp - 1 
 (``SequenceShard``); at ring step ``s`` it holds the key/value block of cp rank ``i - s`` (mod cp),
 and sends the block it holds to rank ``i + 1`` while it receives the next one from rank ``i - 1``,
 the exchange started before the current block's attention so that the transfer hides behind it.
-A rank never holds more than two blocks (the current one and the one arriving), 2 / cp of the
-sequence's keys and values against the whole sequence under ``allgather``.
+A rank holds at most two blocks of keys and values (the current one and the one arriving), 2 / cp
+of the sequence's against the whole sequence under ``allgather``, and keeps only its own for the
+backward (``allgather`` keeps the whole sequence's, per layer). The backward adds three float32
+blocks of gradients at most (this step's, the ones arriving, the ones leaving).
 
 Forward: per block, scores in float32 under the mask of global positions (causal, and same
 document when packed), merged with the blocks before by the online softmax (running maximum, sum
@@ -39,6 +41,9 @@ from checkpointing.torch_compat import cpu_attention_backward, cpu_attention_wit
 
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
+
+# Keys and values of one cp rank's tokens ([batch, kv heads, local seq, dim] each), or their gradients.
+_Block = tuple[torch.Tensor, torch.Tensor]
 
 # The float32 scores one tile of query rows holds against a key chunk (and each of the few
 # temporaries of its size): 64 MiB, large enough for full-speed matmuls, small beside a GPU.
@@ -86,35 +91,35 @@ def _visible_pairs(cp: int, query_rank: int, key_rank: int) -> list[_ChunkPair]:
 
 class _Ring:
     """This rank's neighbours on the cp ring and the one exchange it makes each step: send a
-    tensor to the next rank, receive one of the same shape from the previous."""
+    pair of tensors (keys and values, or their gradients) to the next rank, receive a pair of the
+    same shapes from the previous."""
 
     def __init__(self, shard: SequenceShard) -> None:
         self.group = shard.group
         self.next_rank = (shard.cp_rank + 1) % shard.cp
         self.previous_rank = (shard.cp_rank - 1) % shard.cp
 
-    def start_exchange(self, outgoing: torch.Tensor) -> _Exchange:
-        """Start sending ``outgoing`` on and receiving its successor; ``wait`` returns the latter."""
-        outgoing = outgoing.contiguous()
-        incoming = torch.empty_like(outgoing)
+    def start_exchange(self, outgoing: _Block) -> _Exchange:
+        """Start sending ``outgoing`` on and receiving its successor; ``wait`` returns the latter.
+        Two tensors in one batch rather than one stacked: no copy of the block to send."""
+        outgoing = (outgoing[0].contiguous(), outgoing[1].contiguous())
+        incoming = (torch.empty_like(outgoing[0]), torch.empty_like(outgoing[1]))
         works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, outgoing, group=self.group, group_peer=self.next_rank),
-                dist.P2POp(dist.irecv, incoming, group=self.group, group_peer=self.previous_rank),
-            ]
+            [dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next_rank) for tensor in outgoing]
+            + [dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=self.previous_rank) for tensor in incoming]
         )
         return _Exchange(outgoing, incoming, works)
 
 
 class _Exchange:
-    """A send and a receive in flight; holds the sent tensor until both are done."""
+    """Sends and receives in flight; holds the sent tensors until all are done."""
 
-    def __init__(self, outgoing: torch.Tensor, incoming: torch.Tensor, works: list[Any]) -> None:
-        self._outgoing: torch.Tensor | None = outgoing
+    def __init__(self, outgoing: _Block, incoming: _Block, works: list[Any]) -> None:
+        self._outgoing: _Block | None = outgoing
         self._incoming = incoming
         self._works = works
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> _Block:
         for work in self._works:
             work.wait()
         self._outgoing = None
@@ -258,7 +263,7 @@ class _MathBackward:
         self.grad_queries = [torch.zeros_like(query) for query in self.queries]
 
     def visit(
-        self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
+        self, block: _Block, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
         grad_keys = [torch.zeros_like(key) for key in keys]
@@ -293,14 +298,14 @@ class _FusedBackward:
         self.grad_queries = [torch.zeros_like(query, dtype=torch.float32) for query in self.queries]
 
     def visit(
-        self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
+        self, block: _Block, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         kv_shape = block[0].chunk(2, dim=2)[0].shape
         keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
-        grad_keys = [torch.zeros(kv_shape, dtype=torch.float32, device=block.device) for _ in range(2)]
+        grad_keys = [torch.zeros(kv_shape, dtype=torch.float32, device=block[0].device) for _ in range(2)]
         grad_values = [torch.zeros_like(grad_key) for grad_key in grad_keys]
         for pair, mask in pairs:
-            is_causal, additive = _fused_mask(pair.diagonal, mask, block.dtype)
+            is_causal, additive = _fused_mask(pair.diagonal, mask, block[0].dtype)
             grad_q, grad_k, grad_v = cpu_attention_backward(
                 self.grad_outputs[pair.query],
                 self.queries[pair.query],
@@ -335,7 +340,7 @@ class _MathForward:
         self.queries = (_grouped(q, kv_heads) * scale).chunk(2, dim=3)
         self.softmaxes = [_OnlineSoftmax(query.shape, q.device) for query in self.queries]
 
-    def visit(self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
+    def visit(self, block: _Block, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
         keys, values = block[0].float().chunk(2, dim=2), block[1].float().chunk(2, dim=2)
         for pair, pair_mask in pairs:
             for rows in _row_tiles(self.queries[pair.query], keys[pair.key].shape[2]):
@@ -354,7 +359,7 @@ class _FusedForward:
         shape = torch.Size((batch, kv_heads, heads // kv_heads, chunk, dim))
         self.softmaxes = [_OnlineSoftmax(shape, q.device) for _ in range(2)]
 
-    def visit(self, block: torch.Tensor, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
+    def visit(self, block: _Block, pairs: list[tuple[_ChunkPair, torch.Tensor | None]]) -> None:
         keys, values = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
         for pair, mask in pairs:
             query, key, value = self.queries[pair.query], keys[pair.key], values[pair.key]
@@ -392,7 +397,7 @@ class _RingAttention(torch.autograd.Function):
         fused = _use_fused_kernel(q)
         kernel = _FusedForward(q, kv_heads, scale) if fused else _MathForward(q, kv_heads, scale)
         ring = _Ring(shard)
-        block = torch.stack([k, v])  # one message per step: keys and values travel together
+        block: _Block = (k, v)
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
             source = (shard.cp_rank - step) % shard.cp
@@ -416,7 +421,7 @@ class _RingAttention(torch.autograd.Function):
             else _MathBackward(ctx, q, kv_heads, output, grads[0], log_sum_exp)
         )
         ring = _Ring(shard)
-        block = torch.stack([k, v])
+        block: _Block = (k, v)
         block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
         for step in range(shard.cp):
             exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
@@ -424,9 +429,11 @@ class _RingAttention(torch.autograd.Function):
             grad_keys, grad_values = kernel.visit(
                 block, _pairs_with_masks(shard, source, chunk, ctx.documents, q.device)
             )
-            local_grads = torch.stack([torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)])
+            local_grads = (torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2))
             if block_grads is not None:
-                local_grads += block_grads.wait()
+                arrived = block_grads.wait()
+                local_grads[0].add_(arrived[0])
+                local_grads[1].add_(arrived[1])
             # On to the next rank, which visits this block next step (its owner after the last).
             block_grads = ring.start_exchange(local_grads)
             if exchange is not None:
