@@ -109,8 +109,8 @@ def run_rank(rank: int, store_path: str, results) -> None:
 
 
 def attention_cost(shard: SequenceShard, *, seq_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int):
-    """In a cp rank, collective over ``shard``'s group: the median seconds of one forward and
-    backward of ``shard.attend`` on random float32 [1, heads, seq_len / cp, head_dim] queries
+    """In a cp rank, collective over ``shard``'s group: the median and the least seconds of one
+    forward and backward of ``shard.attend`` on random float32 [1, heads, seq_len / cp, head_dim] queries
     (and [1, kv_heads, ...] keys and values), and the rise of the process's peak resident memory
     over the first of them (bytes)."""
     import resource
@@ -130,7 +130,7 @@ def attention_cost(shard: SequenceShard, *, seq_len: int, heads: int, kv_heads: 
         shard.attend(q, k, v).backward(grad_output)
         seconds.append(time.perf_counter() - start)
     peak_rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # ru_maxrss is KiB on Linux
-    return statistics.median(seconds[1:]), peak_rise
+    return statistics.median(seconds[1:]), min(seconds[1:]), peak_rise
 
 
 def measure_rank(
@@ -141,8 +141,8 @@ def measure_rank(
     ring_attention.FUSED_CPU_KERNEL = fused
     dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
     shard = SequenceShard(cp=cp, cp_rank=rank, group=dist.group.WORLD, method=method)
-    seconds, peak_rise = attention_cost(shard, seq_len=seq_len, heads=4, kv_heads=2, head_dim=16, repeats=5)
-    results.put((rank, seconds, peak_rise))
+    median, least, peak_rise = attention_cost(shard, seq_len=seq_len, heads=4, kv_heads=2, head_dim=16, repeats=5)
+    results.put((rank, median, least, peak_rise))
     results.close()
     results.join_thread()
     dist.barrier()
@@ -167,8 +167,9 @@ if __name__ == "__main__":
                     world_size=cp,
                     store_path=f"{scratch}/store",
                 )
-            slowest = max(seconds for seconds, _ in ranks.values())
-            peak = max(peak_rise for _, peak_rise in ranks.values())
-            rise = peak / 2**20
+            median = max(median for median, _, _ in ranks.values()) * 1e3  # the slowest rank's
+            least = max(least for _, least, _ in ranks.values()) * 1e3
+            rise = max(peak_rise for _, _, peak_rise in ranks.values()) / 2**20
             name = method.value if method is CpMethod.ALLGATHER else f"ring ({'fused' if fused else 'math'})"
-            print(f"seq={seq_len} cp={cp} {name:12s} fwd+bwd {slowest * 1e3:8.1f} ms, peak rss +{rise:.1f} MiB")
+            times = f"median {median:7.1f} ms, best {least:7.1f} ms"
+            print(f"seq={seq_len} cp={cp} {name:12s} fwd+bwd {times}, peak rss +{rise:.1f} MiB")
