@@ -95,6 +95,9 @@ class _Ring:
     same shapes from the previous."""
 
     def __init__(self, shard: SequenceShard) -> None:
+        # Chunks are the shard's cp rank's and neighbours are group ranks: they must be the same.
+        if dist.get_rank(shard.group) != shard.cp_rank:
+            raise ValueError(f"cp rank {shard.cp_rank} is rank {dist.get_rank(shard.group)} of its cp group")
         self.group = shard.group
         self.next_rank = (shard.cp_rank + 1) % shard.cp
         self.previous_rank = (shard.cp_rank - 1) % shard.cp
