@@ -45,6 +45,7 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor:DTensor._local_tensor",
     "torch._dynamo.utils:counters",
     "torch.distributed._functional_collectives:AsyncCollectiveTensor",
+    "torch.distributed.distributed_c10d:_resolve_process_group",
     "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu",
     "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
 )
@@ -126,6 +127,12 @@ def set_group_name_base(base: int) -> None:
     Every rank of a generation calls it with the same base before ``init_process_group``.
     """
     dist.distributed_c10d._world.group_count = base
+
+
+def process_group_named(name: str) -> Any:
+    """The process group of ``name`` (``ProcessGroup.group_name``): how a custom operator, which
+    takes no group object, finds its group (as torch's functional collectives do)."""
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str
 
 
 def abort_process_groups() -> None:

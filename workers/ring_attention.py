@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from checkpointing.torch_compat import cpu_attention_backward, cpu_attention_with_lse
+from checkpointing.torch_compat import cpu_attention_backward, cpu_attention_with_lse, process_group_named
+from elastic.spec import CpMethod
 
 if TYPE_CHECKING:
     from workers.context_parallel import SequenceShard
@@ -61,8 +62,10 @@ def ring_attention(
     group: every cp rank calls it with its own tokens."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention holds two equal chunks per rank; this rank holds {q.shape[2]} tokens")
-    result: torch.Tensor = _RingAttention.apply(q, k, v, shard, documents)
-    return result
+    output, _ = _ring_attention_op(
+        q, k, v, documents, shard.group.group_name, shard.cp, shard.cp_rank, _use_fused_kernel(q)
+    )
+    return output
 
 
 @dataclass(frozen=True)
@@ -252,11 +255,11 @@ class _MathBackward:
     here, ``visit`` returns a block's dK, dV (float32, per key chunk)."""
 
     def __init__(
-        self, ctx: Any, q: torch.Tensor, kv_heads: int, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor
+        self, scale: float, q: torch.Tensor, kv_heads: int, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor
     ) -> None:
-        self.scale, self.kv_heads = ctx.scale, kv_heads
+        self.scale, self.kv_heads = scale, kv_heads
         # Scaled as in the forward; dQ takes the scale at the end, dK has it from the queries.
-        self.queries = (_grouped(q, kv_heads) * ctx.scale).chunk(2, dim=3)
+        self.queries = (_grouped(q, kv_heads) * scale).chunk(2, dim=3)
         self.grad_outputs = _grouped(grad, kv_heads).chunk(2, dim=3)
         # Per query row: sum of dO * O, the softmax backward's correction term.
         self.corrections = (_grouped(grad, kv_heads) * _grouped(output, kv_heads)).sum(dim=-1).chunk(2, dim=3)
@@ -294,8 +297,10 @@ class _FusedBackward:
     """A rank's part of the backward on the fused CPU kernel: per chunk pair the kernel's own
     backward, given the rows' output and log-sum-exp over the whole sequence."""
 
-    def __init__(self, ctx: Any, q: torch.Tensor, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor) -> None:
-        self.scale, self.heads = ctx.scale, q.shape[1]
+    def __init__(
+        self, scale: float, q: torch.Tensor, output: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor
+    ) -> None:
+        self.scale, self.heads = scale, q.shape[1]
         self.queries, self.outputs = q.chunk(2, dim=2), output.chunk(2, dim=2)
         self.grad_outputs, self.lse = grad.contiguous().chunk(2, dim=2), lse.chunk(2, dim=2)
         self.grad_queries = [torch.zeros_like(query, dtype=torch.float32) for query in self.queries]
@@ -382,65 +387,145 @@ def _pairs_with_masks(
     ]
 
 
-class _RingAttention(torch.autograd.Function):
-    """Ring attention with its ring backward; ``q`` [batch, heads, local seq, dim], ``k``, ``v``
-    [batch, kv heads, local seq, dim], this rank's tokens in ``SequenceShard.take`` order."""
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, documents: torch.Tensor | None, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward around the ring: the output (``q``'s dtype) and its float32 log-sum-exp
+    [batch, heads, local seq]."""
+    kv_heads, chunk = k.shape[1], q.shape[2] // 2
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    kernel = _FusedForward(q, kv_heads, scale) if fused else _MathForward(q, kv_heads, scale)
+    ring = _Ring(shard)
+    block: _Block = (k, v)
+    for step in range(shard.cp):
+        exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
+        source = (shard.cp_rank - step) % shard.cp
+        kernel.visit(block, _pairs_with_masks(shard, source, chunk, documents, q.device))
+        if exchange is not None:
+            block = exchange.wait()
+    outputs, log_sum_exps = zip(*(softmax.result() for softmax in kernel.softmaxes), strict=True)
+    output = torch.cat(outputs, dim=3).reshape(q.shape).to(q.dtype)
+    return output, torch.cat(log_sum_exps, dim=3).reshape(q.shape[:-1])
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        shard: SequenceShard,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
-        kv_heads, chunk = k.shape[1], q.shape[2] // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        fused = _use_fused_kernel(q)
-        kernel = _FusedForward(q, kv_heads, scale) if fused else _MathForward(q, kv_heads, scale)
-        ring = _Ring(shard)
-        block: _Block = (k, v)
-        for step in range(shard.cp):
-            exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
-            source = (shard.cp_rank - step) % shard.cp
-            kernel.visit(block, _pairs_with_masks(shard, source, chunk, documents, q.device))
-            if exchange is not None:
-                block = exchange.wait()
-        outputs, log_sum_exps = zip(*(softmax.result() for softmax in kernel.softmaxes), strict=True)
-        output = torch.cat(outputs, dim=3).reshape(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, output, torch.cat(log_sum_exps, dim=3).reshape(q.shape[:-1]))
-        ctx.shard, ctx.documents, ctx.scale, ctx.fused = shard, documents, scale, fused
-        return output
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, output, log_sum_exp = ctx.saved_tensors
-        shard: SequenceShard = ctx.shard
-        kv_heads, chunk = k.shape[1], q.shape[2] // 2
-        kernel = (
-            _FusedBackward(ctx, q, output, grads[0], log_sum_exp)
-            if ctx.fused
-            else _MathBackward(ctx, q, kv_heads, output, grads[0], log_sum_exp)
-        )
-        ring = _Ring(shard)
-        block: _Block = (k, v)
-        block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
-        for step in range(shard.cp):
-            exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
-            source = (shard.cp_rank - step) % shard.cp
-            grad_keys, grad_values = kernel.visit(
-                block, _pairs_with_masks(shard, source, chunk, ctx.documents, q.device)
-            )
-            local_grads = (torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2))
-            if block_grads is not None:
-                arrived = block_grads.wait()
-                local_grads[0].add_(arrived[0])
-                local_grads[1].add_(arrived[1])
-            # On to the next rank, which visits this block next step (its owner after the last).
-            block_grads = ring.start_exchange(local_grads)
-            if exchange is not None:
-                block = exchange.wait()
-        assert block_grads is not None
-        own_grads = block_grads.wait()
-        return kernel.grad_q().to(q.dtype), own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None
+def _ring_backward(
+    grad_output: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    shard: SequenceShard,
+    documents: torch.Tensor | None,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward around the ring, from ``saved`` q, k, v, output and log-sum-exp: dQ, dK, dV."""
+    q, k, v, output, log_sum_exp = saved
+    kv_heads, chunk = k.shape[1], q.shape[2] // 2
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    kernel = (
+        _FusedBackward(scale, q, output, grad_output, log_sum_exp)
+        if fused
+        else _MathBackward(scale, q, kv_heads, output, grad_output, log_sum_exp)
+    )
+    ring = _Ring(shard)
+    block: _Block = (k, v)
+    block_grads: _Exchange | None = None  # dK/dV of the block this rank visits next, on their way
+    for step in range(shard.cp):
+        exchange = ring.start_exchange(block) if step < shard.cp - 1 else None
+        source = (shard.cp_rank - step) % shard.cp
+        grad_keys, grad_values = kernel.visit(block, _pairs_with_masks(shard, source, chunk, documents, q.device))
+        local_grads = (torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2))
+        if block_grads is not None:
+            arrived = block_grads.wait()
+            local_grads[0].add_(arrived[0])
+            local_grads[1].add_(arrived[1])
+        # On to the next rank, which visits this block next step (its owner after the last).
+        block_grads = ring.start_exchange(local_grads)
+        if exchange is not None:
+            block = exchange.wait()
+    assert block_grads is not None
+    own_grads = block_grads.wait()
+    return kernel.grad_q().to(q.dtype), own_grads[0].to(k.dtype), own_grads[1].to(v.dtype)
+
+
+# Custom operators rather than an autograd.Function: opaque to torch.compile (a compiled block,
+# ``training.compile``, traces its whole forward, and dynamo cannot trace point-to-point sends),
+# so they take the cp group by name and its ranks as numbers.
+def _ring_shard(group_name: str, cp: int, cp_rank: int) -> SequenceShard:
+    from workers.context_parallel import SequenceShard
+
+    return SequenceShard(cp=cp, cp_rank=cp_rank, group=process_group_named(group_name), method=CpMethod.RING)
+
+
+@torch.library.custom_op("meshpilot::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None,
+    group_name: str,
+    cp: int,
+    cp_rank: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, _ring_shard(group_name, cp, cp_rank), documents, fused)
+
+
+@_ring_attention_op.register_fake
+def _ring_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None,
+    group_name: str,
+    cp: int,
+    cp_rank: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("meshpilot::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    grad_output: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    documents: torch.Tensor | None,
+    group_name: str,
+    cp: int,
+    cp_rank: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    saved = (q, k, v, output, log_sum_exp)
+    return _ring_backward(grad_output, saved, _ring_shard(group_name, cp, cp_rank), documents, fused)
+
+
+@_ring_attention_backward_op.register_fake
+def _ring_attention_backward_fake(
+    grad_output: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    documents: torch.Tensor | None,
+    group_name: str,
+    cp: int,
+    cp_rank: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, documents, *ring = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.documents, ctx.ring = documents, ring
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor, _grad_log_sum_exp: torch.Tensor | None) -> tuple[Any, ...]:
+    grads = _ring_attention_backward_op(grad_output.contiguous(), *ctx.saved_tensors, ctx.documents, *ctx.ring)
+    return (*grads, None, None, None, None, None)
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_save_for_backward)
