@@ -10,6 +10,7 @@ difference of the output and of dQ, dK, dV from the whole-sequence reference cut
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -173,3 +174,30 @@ if __name__ == "__main__":
             name = method.value if method is CpMethod.ALLGATHER else f"ring ({'fused' if fused else 'math'})"
             times = f"median {median:7.1f} ms, best {least:7.1f} ms"
             print(f"seq={seq_len} cp={cp} {name:12s} fwd+bwd {times}, peak rss +{rise:.1f} MiB")
+
+
+def run_compiled_rank(rank: int, store_path: str, results) -> None:
+    """A cp=2 rank: ring attention inside ``torch.compile(fullgraph=True)`` (as a compiled block
+    holds it) against eager, packed; reports the largest difference of output and gradients."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    shard = SequenceShard(cp=2, cp_rank=rank, group=dist.group.WORLD, method=CpMethod.RING)
+    documents = packed_documents()
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(2, heads, SEQ_LEN // 2, 8, generator=generator) for heads in (4, 2, 2)]
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return shard.attend(q, k, v, documents).sin()
+
+    runs = []
+    for function in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        parts = [tensor.clone().requires_grad_() for tensor in inputs]
+        output = function(*parts)
+        output.sum().backward()
+        runs.append([output.detach(), *(cast(torch.Tensor, part.grad) for part in parts)])
+    difference = max(float((eager - compiled).abs().max()) for eager, compiled in zip(*runs, strict=True))
+    results.put((rank, difference))
+    results.close()
+    results.join_thread()
+    dist.barrier()
+    os._exit(0)
