@@ -5,8 +5,9 @@ split over context-parallel ranks, for tests/ranks/test_context_parallel_trainin
 logits of fixed tokens (gathered over cp and tp on the last stage), then trains on synthetic
 tokens and reports its per-step losses (None where the rank does not report the loss) and
 the evaluation loss after training. ``save_rank`` trains ``SAVED_AT`` steps under one mesh and
-cp method, writes its shard of the step and trains on; ``restore_rank`` restores that step under
-another mesh and method and trains the same steps after it.
+cp method, writes its shard of the step and trains on to ``STEPS`` (reporting every step's
+loss); ``restore_rank`` restores that step under another mesh and method and trains the same
+steps after it.
 """
 
 from __future__ import annotations
@@ -87,14 +88,13 @@ def _trainer(rank: int, store_path: str, mesh: MeshSpec, cp_method: CpMethod) ->
 def save_rank(rank: int, store_path: str, results, *, mesh: MeshSpec, cp_method: CpMethod, ckpt_dir: str) -> None:
     trainer = _trainer(rank, store_path, mesh, cp_method)
     trainer.init_weights()
-    for step in range(1, SAVED_AT + 1):
-        trainer.train_step(step)
+    losses = [trainer.train_step(step).loss for step in range(1, SAVED_AT + 1)]
     reports: list = []
     writer = CheckpointWriter(open_storage(ckpt_dir), rank=rank, report=reports.append, mesh=trainer.world_mesh)
     writer.save_sync(SAVED_AT, trainer.checkpoint_state(), owns_plain_tensors=owns_plain_tensors(trainer))
     writer.close(wait=True)
     state = whole_state(trainer)
-    losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
+    losses += [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
     send_and_exit(results, rank, reports[0], state, losses)
 
 
