@@ -32,7 +32,8 @@ The model, and where each piece comes from:
   activations, compute and TP/PP traffic are those of that many tokens (each still attends to
   the whole sequence: load-balanced causal chunks); every layer all-gathers the other ranks'
   keys and values forward (again when recomputing) and reduce-scatters their gradients
-  backward, on the critical path; FSDP shards over ``dp_shard x cp``. ``Layout.cp_method``
+  backward, on the critical path, and attention keeps them and its causal mask of the rank's
+  queries against the whole sequence; FSDP shards over ``dp_shard x cp``. ``Layout.cp_method``
   prices the other two ways (``layer_traffic.context_parallel``, ``cp_attention_bytes``): ring
   attention moves the blocks around the ring behind each block's attention and keeps no other
   rank's keys; Ulysses trades the sequence split for a head split with all-to-alls (exposed).
