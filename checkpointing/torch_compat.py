@@ -45,6 +45,9 @@ PRIVATE_SYMBOLS: tuple[str, ...] = (
     "torch.distributed.tensor:DTensor._local_tensor",
     "torch._dynamo.utils:counters",
     "torch.distributed._functional_collectives:AsyncCollectiveTensor",
+    "torch.distributed.distributed_c10d:_resolve_process_group",
+    "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu",
+    "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
 )
 
 
@@ -85,6 +88,38 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_r
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 
+# --------------------------------------------------------------------- attention kernels
+def cpu_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention on CPU (the flash kernel ``scaled_dot_product_attention`` runs) returning
+    the output and the float32 log-sum-exp per query row that the public function keeps to
+    itself; ``q``, ``k``, ``v`` with equal heads, ``mask`` additive in ``q``'s dtype. A row that
+    ``mask`` hides entirely comes back with output 0 and log-sum-exp 0 (not -inf)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    output, log_sum_exp = op(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return output, log_sum_exp
+
+
+def cpu_attention_backward(
+    grad_output: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    *,
+    is_causal: bool,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused CPU kernel's backward: dQ, dK, dV given the output and log-sum-exp of the rows
+    (which may be those of attention over more keys than ``k``: ring attention's blocks)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    grad_q, grad_k, grad_v = op(grad_output, q, k, v, output, log_sum_exp, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return grad_q, grad_k, grad_v
+
+
 # --------------------------------------------------------------------- process groups
 def set_group_name_base(base: int) -> None:
     """Number the next process groups from ``base`` (torch names groups by a global counter).
@@ -92,6 +127,12 @@ def set_group_name_base(base: int) -> None:
     Every rank of a generation calls it with the same base before ``init_process_group``.
     """
     dist.distributed_c10d._world.group_count = base
+
+
+def process_group_named(name: str) -> Any:
+    """The process group of ``name`` (``ProcessGroup.group_name``): how a custom operator, which
+    takes no group object, finds its group (as torch's functional collectives do)."""
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str
 
 
 def abort_process_groups() -> None:

@@ -32,7 +32,11 @@ The model, and where each piece comes from:
   activations, compute and TP/PP traffic are those of that many tokens (each still attends to
   the whole sequence: load-balanced causal chunks); every layer all-gathers the other ranks'
   keys and values forward (again when recomputing) and reduce-scatters their gradients
-  backward, on the critical path; FSDP shards over ``dp_shard x cp``.
+  backward, on the critical path, and attention keeps them and its causal mask of the rank's
+  queries against the whole sequence; FSDP shards over ``dp_shard x cp``. ``Layout.cp_method``
+  prices the other two ways (``layer_traffic.context_parallel``, ``cp_attention_bytes``): ring
+  attention moves the blocks around the ring behind each block's attention and keeps no other
+  rank's keys; Ulysses trades the sequence split for a head split with all-to-alls (exposed).
 * LoRA (``Workload.lora``): the base is frozen, so it keeps only its fp32 shard (4 bytes a
   parameter, no gradient, no moments) while the adapters carry the full 16; its backward computes
   the activations' gradients but no weight gradients (4N instead of 6N FLOPs a token, Hu et al.
@@ -54,7 +58,7 @@ import math
 from dataclasses import dataclass, field
 
 from elastic.hardware import GpuSpec
-from elastic.layer_traffic import CommCost, context_parallel, expert_parallel, link, tp_per_layer
+from elastic.layer_traffic import CommCost, context_parallel, cp_attention_bytes, expert_parallel, link, tp_per_layer
 from elastic.memory_model import (
     ACTIVATION_BYTES,
     ADAM_BYTES,
@@ -67,7 +71,7 @@ from elastic.memory_model import (
     fsdp_buffer_bytes,
 )
 from elastic.pipeline_cost import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, in_flight_chunk_microbatches, pipeline_bubble
-from elastic.spec import BatchPlan, MeshSpec
+from elastic.spec import BatchPlan, CpMethod, MeshSpec
 from workers.spec import ModelSpec
 from workers.spec.lora import LoraSpec
 
@@ -169,6 +173,8 @@ class Layout:
     # FSDP2's reshard_after_forward ("auto": keep gathered with pp > 1) and host offload of the state.
     reshard_after_forward: str = "auto"
     cpu_offload: bool = False
+    # How attention spans the sequence split over cp > 1 ranks (``parallelism.cp_method``).
+    cp_method: CpMethod = CpMethod.ALLGATHER
 
     @property
     def keeps_gathered(self) -> bool:
@@ -183,6 +189,7 @@ class Layout:
         zero = "" if self.reshard_after_forward == "auto" else f", reshard_after_forward {self.reshard_after_forward}"
         offload = ", CPU offload" if self.cpu_offload else ""
         experts = f" x ep={self.ep}" if self.ep > 1 else ""
+        experts += f" ({self.cp_method} cp)" if self.mesh.cp > 1 else ""
         return f"{self.mesh.describe()}{experts}, {schedule}, {self.microbatches} microbatches, {ac}{zero}{offload}"
 
 
@@ -401,6 +408,7 @@ def _memory(
     stages = [(0, embedding + (output if pp == 1 or v_shaped else 0))]
     if pp > 1 and not v_shaped:
         stages.append((pp - 1, output))
+    cp_kept, cp_working = cp_attention_bytes(workload, layout, tokens)
     worst: MemoryEstimate | None = None
     worst_params = 0.0
     for stage, extra in stages:
@@ -409,8 +417,9 @@ def _memory(
             layout, layers_on_rank * gathered_layer + extra / tp, gathered_layer, reduced_share=workload.trained_share
         )
         held = in_flight_chunk_microbatches(layout, stage) * layers_per_chunk
-        # Kept activations of every layer-microbatch in flight, plus one layer's full working set.
-        activations = tokens * (held * kept_per_token_layer + per_token_layer)
+        # Kept activations of every layer-microbatch in flight, plus one layer's full working set;
+        # context parallel adds the keys and values its method keeps and holds (``cp_attention_bytes``).
+        activations = tokens * (held * kept_per_token_layer + per_token_layer) + held * cp_kept + cp_working
         logits = 0.0
         if stage == pp - 1 or v_shaped:
             logit_microbatches = layout.microbatches if layout.schedule == "gpipe" else 1

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from elastic.memory_model import ACTIVATION_BYTES
 from elastic.pipeline_cost import V_SCHEDULES
-from elastic.spec import MeshSpec
+from elastic.spec import CpMethod, MeshSpec
 
 if TYPE_CHECKING:  # cost_model imports this module; only its types are needed here
     from elastic.cost_model import Assumptions, Cluster, Layout, Workload
@@ -59,22 +59,95 @@ def tp_per_layer(
 def context_parallel(
     workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int, layers_on_rank: int
 ) -> tuple[float, CommCost | None]:
-    """Context-parallel time of one layer and microbatch, and the step's cp traffic (None with cp = 1).
+    """Context-parallel time one layer and microbatch waits for, and the step's cp traffic (None
+    with cp = 1), by ``layout.cp_method``; ``tokens`` is this rank's share of the sequence.
 
-    Each cp rank receives the other ranks' keys and values (an all-gather forward, again when
-    recomputing) and sends their gradients back (a reduce-scatter backward); ``tokens`` is this
-    rank's share of the sequence. Counted on the critical path, like tensor parallel's.
+    ``allgather``: each cp rank receives the other ranks' keys and values (an all-gather forward,
+    again when recomputing) and sends their gradients back (a reduce-scatter backward), all on the
+    critical path. ``ring``: the same blocks forward, and backward the blocks again plus their
+    dK/dV, which travel a full turn back to their owner; each transfer overlaps the attention of
+    the block held (``cp - 1`` of ``cp`` blocks' compute to hide behind), so only what exceeds it
+    waits. ``ulysses``: an all-to-all of the queries, keys and values before attention and of the
+    output after (``(cp - 1) / cp`` of each leaves the rank), the same backward, on the critical path.
     """
-    mesh, model = layout.mesh, workload.model
+    mesh = layout.mesh
     if mesh.cp == 1:
         return 0.0, None
     cp_link, cp_bw = link(mesh, "cp", cluster, assumptions)
-    collectives = 2 + (1 if layout.activation_checkpointing else 0)
-    kv_bytes = 2 * ACTIVATION_BYTES * tokens * model.n_kv_heads * model.head_dim / mesh.tp  # K and V
-    layer_bytes = collectives * (mesh.cp - 1) * kv_bytes
+    cp, recompute = mesh.cp, 1 if layout.activation_checkpointing else 0
+    kv_bytes = _kv_bytes(workload, mesh, tokens)
+    if layout.cp_method is CpMethod.RING:
+        forward_bytes, backward_bytes = (cp - 1) * kv_bytes, (2 * cp - 1) * kv_bytes
+        layer_bytes = (1 + recompute) * forward_bytes + backward_bytes
+        attention_s = _attention_seconds(workload, cluster, layout, assumptions, tokens) * (cp - 1) / cp
+        forward_wait = max(0.0, forward_bytes / cp_bw - attention_s / 3)  # the forward: 1/3 of the FLOPs
+        backward_wait = max(0.0, backward_bytes / cp_bw - attention_s * 2 / 3)
+        layer_s = (1 + recompute) * forward_wait + backward_wait
+    elif layout.cp_method is CpMethod.ULYSSES:
+        exchanged = 2 * _q_bytes(workload, mesh, tokens) + ulysses_kv_sent_bytes(workload, mesh, tokens)
+        layer_bytes = (2 + recompute) * (cp - 1) / cp * exchanged
+        layer_s = layer_bytes / cp_bw
+    else:
+        layer_bytes = (2 + recompute) * (cp - 1) * kv_bytes
+        layer_s = layer_bytes / cp_bw
     step_layers = layers_on_rank * layout.microbatches
-    step_s = layer_bytes / cp_bw * step_layers
-    return layer_bytes / cp_bw, CommCost(layer_bytes * step_layers, cp_link, step_s, step_s)
+    return layer_s, CommCost(
+        layer_bytes * step_layers, cp_link, layer_bytes / cp_bw * step_layers, layer_s * step_layers
+    )
+
+
+def cp_attention_bytes(workload: Workload, layout: Layout, tokens: int) -> tuple[float, float]:
+    """Context parallel's key/value bytes on a rank beyond its own tokens' activations, per layer:
+    (kept for the backward, held only while the layer runs). ``allgather`` keeps the gathered
+    sequence's keys and values (attention saves its inputs) and its [seq / cp, seq] causal mask
+    unless recomputed; ``ring`` keeps its
+    own block and holds one more in flight (two at most); ``ulysses`` keeps its heads / cp heads
+    of the whole sequence, the bytes of its own tokens' heads, but a key/value head repeated for
+    cp ranks counts once per rank; the exchange's buffers are held while it runs."""
+    mesh = layout.mesh
+    if mesh.cp == 1:
+        return 0.0, 0.0
+    cp, kv_bytes = mesh.cp, _kv_bytes(workload, mesh, tokens)
+    if layout.cp_method is CpMethod.RING:
+        return 0.0, kv_bytes
+    if layout.cp_method is CpMethod.ULYSSES:
+        repeated = ulysses_kv_sent_bytes(workload, mesh, tokens) - kv_bytes
+        buffers = 2 * _q_bytes(workload, mesh, tokens) + ulysses_kv_sent_bytes(workload, mesh, tokens)
+        return (0.0 if layout.activation_checkpointing else repeated), buffers
+    # Its causal mask (this rank's queries against every position) is built per layer and kept
+    # by attention for the backward, in the activations' dtype: one per microbatch, shared by its
+    # sequences (measured: bench/long_context.py).
+    mask = ACTIVATION_BYTES * workload.seq_len / cp * workload.seq_len
+    gathered = (cp - 1) * kv_bytes + mask
+    return (0.0 if layout.activation_checkpointing else gathered), gathered
+
+
+def ulysses_kv_sent_bytes(workload: Workload, mesh: MeshSpec, tokens: int) -> float:
+    """Keys and values a rank hands to Ulysses' all-to-all: its own, or with fewer key/value heads
+    per tp rank than cp, each repeated for the cp ranks whose queries use it."""
+    kv_heads = workload.model.n_kv_heads // mesh.tp
+    return _kv_bytes(workload, mesh, tokens) * max(kv_heads, mesh.cp) / kv_heads
+
+
+def _kv_bytes(workload: Workload, mesh: MeshSpec, tokens: int) -> float:
+    """Keys and values of ``tokens`` tokens on one tp rank."""
+    model = workload.model
+    return 2 * ACTIVATION_BYTES * tokens * model.n_kv_heads * model.head_dim / mesh.tp
+
+
+def _q_bytes(workload: Workload, mesh: MeshSpec, tokens: int) -> float:
+    """Queries (or attention outputs) of ``tokens`` tokens on one tp rank."""
+    model = workload.model
+    return ACTIVATION_BYTES * tokens * model.n_heads * model.head_dim / mesh.tp
+
+
+def _attention_seconds(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions, tokens: int
+) -> float:
+    """Forward + backward attention compute (scores and weighted sum) of one layer and microbatch."""
+    model = workload.model
+    flops = 12.0 * model.n_heads * model.head_dim * workload.seq_len * tokens / layout.mesh.tp
+    return flops / (cluster.gpu.peak_flops * assumptions.compute_efficiency)
 
 
 def expert_parallel(

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
 from elastic.hardware import GpuSpec
 from elastic.plan_explain import Rejection, explain_choice, memory_rejection, merge_families, merge_tp
-from elastic.spec import DIM_ORDER, MeshSpec, samples_per_rank
+from elastic.spec import DIM_ORDER, CpMethod, MeshSpec, samples_per_rank, ulysses_heads_problem
 from workers.spec import ModelSpec
 from workers.spec.pipeline import RULES, PipelineSchedule, microbatches_problem
 
@@ -68,6 +68,8 @@ class Constraints:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     # A fixed expert-parallel degree (a mixture of experts only); None: every one that divides.
     ep: int | None = None
+    # The context-parallel methods priced for a mesh with cp > 1 (``meshpilot plan --cp-method``).
+    cp_methods: tuple[CpMethod, ...] = tuple(CpMethod)
 
 
 @dataclass(frozen=True)
@@ -179,9 +181,9 @@ def _price_mesh(
     best: dict[int, Estimate] = {}
     smallest: Estimate | None = None
     priced = 0
-    settled: set[tuple[bool, int]] = set()  # without a pipeline: (checkpointing, ep) that already fit
+    settled: set[tuple[bool, int, CpMethod]] = set()  # without a pipeline: (checkpointing, ep, cp method) that fit
     for layout in _variants(workload, constraints, mesh):
-        if (layout.activation_checkpointing, layout.ep) in settled:
+        if (layout.activation_checkpointing, layout.ep, layout.cp_method) in settled:
             continue
         result = estimate(workload, cluster, layout, assumptions)
         priced += 1
@@ -191,17 +193,44 @@ def _price_mesh(
                 best[layout.ep] = result
             if mesh.pp == 1:
                 # Gradient-accumulation steps are tried fewest first; more would only add gathers.
-                settled.add((layout.activation_checkpointing, layout.ep))
+                settled.add((layout.activation_checkpointing, layout.ep, layout.cp_method))
         elif smallest is None or result.memory.total < smallest.memory.total:
             smallest = result
     return list(best.values()), smallest, priced
 
 
 def _variants(workload: Workload, constraints: Constraints, mesh: MeshSpec) -> Iterator[Layout]:
-    """Schedules x virtual stages x activation checkpointing x microbatches x ep worth pricing."""
+    """Schedules x virtual stages x activation checkpointing x microbatches x ep x cp method worth pricing."""
+    methods = cp_methods(workload.model, mesh, constraints.cp_methods)
     for layout in _schedule_variants(workload, constraints, mesh):
         for ep in expert_degrees(workload.model, mesh, constraints.ep):
-            yield dataclasses.replace(layout, ep=ep) if ep > 1 else layout
+            for method in methods:
+                yield dataclasses.replace(layout, ep=ep, cp_method=method)
+
+
+def cp_methods(model: ModelSpec, mesh: MeshSpec, allowed: Sequence[CpMethod] = tuple(CpMethod)) -> list[CpMethod]:
+    """The ``allowed`` context-parallel methods ``mesh`` can run ``model`` with: all but Ulysses
+    when its heads do not split over cp (``ulysses_heads_problem``); only ``allgather`` (what a
+    run without cp is priced as) when cp = 1."""
+    if mesh.cp == 1:
+        return [CpMethod.ALLGATHER]
+    heads_split = ulysses_heads_problem(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=mesh.tp, cp=mesh.cp)
+    return [method for method in allowed if method is not CpMethod.ULYSSES or heads_split is None]
+
+
+def pick_cp_method(
+    workload: Workload, cluster: Cluster, layout: Layout, assumptions: Assumptions = Assumptions()
+) -> CpMethod:
+    """The planner's context-parallel method for ``layout`` (``parallelism.cp_method: auto``): of
+    the methods the model's heads allow, the fastest step among those that fit in memory (all of
+    them when none fits), ties to the one holding less; ``allgather`` when cp = 1."""
+    priced = [
+        estimate(workload, cluster, dataclasses.replace(layout, cp_method=method), assumptions)
+        for method in cp_methods(workload.model, layout.mesh)
+    ]
+    candidates = [result for result in priced if result.fits] or priced
+    best = min(candidates, key=lambda result: (round(result.step_s, 9), result.memory.total))
+    return best.layout.cp_method
 
 
 def expert_degrees(model: ModelSpec, mesh: MeshSpec, fixed: int | None = None) -> list[int]:

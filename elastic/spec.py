@@ -42,6 +42,33 @@ class CpMethod(StrEnum):
     ULYSSES = "ulysses"
 
 
+def ulysses_heads_problem(*, n_heads: int, n_kv_heads: int, tp: int, cp: int) -> str | None:
+    """Why Ulysses cannot split a model's heads over ``cp`` ranks after ``tp`` took its share, or
+    None when it can: the query heads per tp rank must divide by cp; the key/value heads per tp
+    rank must too, or divide cp (then each is repeated for the cp ranks whose queries use it)."""
+    q_heads, kv_heads = n_heads // tp, n_kv_heads // tp
+    if q_heads % cp:
+        return f"model.n_heads={n_heads} / tp={tp} = {q_heads} query heads do not split over cp={cp}"
+    if kv_heads % cp and cp % kv_heads:
+        return (
+            f"model.n_kv_heads={n_kv_heads} / tp={tp} = {kv_heads} key/value heads neither split over "
+            f"cp={cp} nor divide it"
+        )
+    return None
+
+
+def cp_method_on_mesh(method: CpMethod, *, n_heads: int, n_kv_heads: int, tp: int, cp: int) -> CpMethod:
+    """The method a mesh runs: ``method``, or ``allgather`` where Ulysses cannot split the heads
+    over this mesh's cp. The config check refuses such a cp up front; this covers a mesh the
+    driver chose later (a restore onto fewer ranks than a tp x pp x cp group may change cp; an
+    in-place shrink never does). Every method gives the same numbers, so the run goes on."""
+    if cp == 1 or method is not CpMethod.ULYSSES:
+        return method
+    if ulysses_heads_problem(n_heads=n_heads, n_kv_heads=n_kv_heads, tp=tp, cp=cp) is None:
+        return method
+    return CpMethod.ALLGATHER
+
+
 class MeshError(ValueError):
     """An impossible mesh; the message names every degree and what it must divide."""
 

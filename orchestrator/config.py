@@ -174,8 +174,9 @@ class ParallelismConfig:
     cpu_offload: bool = False
     #: Context parallel: ranks that split every sequence (same samples).
     cp: int = 1
-    #: How their attention spans the whole sequence: allgather (K/V), ring, ulysses (elastic.spec.CpMethod).
-    cp_method: str = field(default="allgather", metadata=_choices(*CP_METHODS))
+    #: How their attention spans the whole sequence: allgather (K/V), ring, ulysses (elastic.spec.CpMethod);
+    #: auto: the planner's pick for this layout on GPUs, allgather on CPU (orchestrator.driver.train_spec).
+    cp_method: str = field(default="auto", metadata=_choices("auto", *CP_METHODS))
 
     def mesh(self) -> MeshSpec:
         return MeshSpec(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elastic.spec import CpMethod, ulysses_heads_problem
 from orchestrator.observe.tracking import tracking_problems
 from orchestrator.token_corpus import token_corpus_problems
 from workers.spec.pipeline import microbatches_problem, stages_per_rank_problem
@@ -287,6 +288,7 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
     else:
         problems.extend(_schedule_problems(config))
     problems.extend(_expert_parallel_problems(config, model))
+    problems.extend(_cp_method_problems(config, model))
     if check_mesh and not problems:
         shape_from = config.model.hf_config or config.model.init_from
         prefix = f"parallelism (model shape from {shape_from}): " if shape_from else "parallelism: "
@@ -304,6 +306,22 @@ def _parallelism_problems(config: JobConfig, model: ModelSpec, *, check_mesh: bo
             )
         )
     return problems
+
+
+def _cp_method_problems(config: JobConfig, model: ModelSpec) -> list[str]:
+    """``parallelism.cp_method: ulysses`` splits heads over cp: the model's heads per tp rank must
+    allow it (``elastic.spec.ulysses_heads_problem``). The other methods take any heads; every
+    method's sequence rule (2 x cp chunks) is the mesh's own check."""
+    par = config.parallelism
+    if par.cp == 1 or par.cp_method != CpMethod.ULYSSES or model.n_heads % par.tp or model.n_kv_heads % par.tp:
+        return []  # a tp that does not divide the heads is the mesh check's line
+    problem = ulysses_heads_problem(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, tp=par.tp, cp=par.cp)
+    if problem is None:
+        return []
+    return [
+        f"parallelism.cp_method=ulysses splits attention heads over cp: {problem}; "
+        "choose another parallelism.cp, or parallelism.cp_method ring or allgather"
+    ]
 
 
 def _schedule_problems(config: JobConfig) -> list[str]:

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elastic.spec import MeshSpec
+from elastic.spec import MeshSpec, cp_method_on_mesh
 from workers import parallelize as par
 from workers.compile import CompileWatch, compile_blocks
 from workers.data import IGNORE_INDEX, Batch, SampleSource, local_batch, local_samples
@@ -141,7 +141,14 @@ class Trainer(TrainerState):
         self.family = resolve_family(spec.model.family)
         self.world_mesh = par.build_world_mesh(mesh, self.device.type)
         # With cp > 1 this rank holds two of 2 x cp chunks of every sequence (see context_parallel).
-        self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp, spec.cp_method)
+        cp_method = cp_method_on_mesh(
+            spec.cp_method, n_heads=spec.model.n_heads, n_kv_heads=spec.model.n_kv_heads, tp=mesh.tp, cp=mesh.cp
+        )
+        if cp_method is not spec.cp_method and rank == 0:
+            log.warning(
+                "cp_method %s cannot split the heads over cp=%d: this mesh runs %s", spec.cp_method, mesh.cp, cp_method
+            )
+        self.sequence_shard = par.sequence_shard(self.world_mesh, mesh, self.coords.cp, cp_method)
         self.ep, self.expert_meshes = self._expert_parallel()
         self.whole_weight_mesh = self._whole_weight_mesh()
         self.plans = par.stage_plans(

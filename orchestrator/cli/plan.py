@@ -16,11 +16,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload
+from elastic.cost_model import Assumptions, Cluster, Estimate, Layout, Workload, estimate
 from elastic.hardware import GPU_KINDS, GpuSpec, gpu_spec
 from elastic.plan_check import check_layout
 from elastic.plan_explain import format_gb
-from elastic.planner import PIPELINE_SCHEDULES, SEARCHED_SCHEDULES, Constraints, Plan, PlanResult, plan_layouts
+from elastic.planner import (
+    PIPELINE_SCHEDULES,
+    SEARCHED_SCHEDULES,
+    Constraints,
+    Plan,
+    PlanResult,
+    cp_methods,
+    plan_layouts,
+)
+from elastic.spec import CpMethod
 from orchestrator.errors import UserError
 from workers.spec import PRESETS, ModelSpec
 from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
@@ -28,6 +37,7 @@ from workers.spec.lora import DEFAULT_TARGETS, LoraSpec
 DEFAULT_SEQ_LEN = 8192
 # Llama 3 405B's batch: 2,048 sequences of 8,192 tokens = 16M tokens per step.
 DEFAULT_GLOBAL_BATCH = 2048
+CP_METHOD_NAMES = tuple(method.value for method in CpMethod)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +85,13 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{dim.replace('_', '-')}", type=int, default=None, dest=dim, help=f"fix {dim} to this degree"
         )
+    parser.add_argument(
+        "--cp-method",
+        choices=(*CP_METHOD_NAMES, "all"),
+        default="all",
+        help="how attention spans a sequence split over cp > 1 ranks: price only this method, or all "
+        "(default: the fastest per layout, and a comparison of the three for the best layout with cp > 1)",
+    )
     parser.add_argument(
         "--ep",
         type=int,
@@ -220,6 +237,7 @@ def load_model(reference: str) -> ModelSource:
             reshard_after_forward=par.reshard_after_forward,
             cpu_offload=par.cpu_offload,
             ep=par.ep,
+            cp_method=CpMethod.ALLGATHER if par.cp_method == "auto" else CpMethod(par.cp_method),
         )
         return ModelSource(
             f"{config.name} ({path})",
@@ -245,6 +263,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         document = plan_json(source.name, result, shown)
         document["config_layout"] = configured
+        document["cp_methods"] = [_comparison_dict(row) for row in cp_comparison(result, shown)]
         document["lora"] = _lora_summary(workload)
         print(json.dumps(document, indent=2))
     else:
@@ -256,6 +275,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 "model); the base is frozen (no gradients, no optimizer state)"
             )
         print(format_plan(source.name, result, shown))
+        comparison = cp_comparison(result, shown)
+        if comparison:
+            print(format_cp_comparison(comparison))
         if configured is not None:
             print(f"the config's layout ({configured['layout']}): {configured['verdict']}")
     if not result.plans:
@@ -374,6 +396,7 @@ def _inputs(
         schedules=tuple(args.schedule) if args.schedule else SEARCHED_SCHEDULES,
         activation_checkpointing=checkpointing,
         ep=args.ep,
+        cp_methods=tuple(CpMethod) if args.cp_method == "all" else (CpMethod(args.cp_method),),
     )
     _check_expert_flags(args, model)
     assumptions = _assumptions(args)
@@ -437,6 +460,8 @@ def config_snippet(plan: Plan) -> dict[str, object]:
         section["pp_schedule"] = layout.schedule
         if layout.virtual_stages > 1:
             section["stages_per_rank"] = layout.virtual_stages
+    if layout.mesh.cp > 1:
+        section["cp_method"] = str(layout.cp_method)
     if layout.ep > 1:
         section["ep"] = layout.ep
     section["microbatches"] = layout.microbatches
@@ -527,6 +552,49 @@ def format_plan(name: str, result: PlanResult, shown: list[Plan]) -> str:
     return "\n".join(lines)
 
 
+def cp_comparison(result: PlanResult, shown: list[Plan]) -> list[Estimate]:
+    """The best shown layout with cp > 1 priced under each context-parallel method its heads
+    allow (all of them, whatever --cp-method restricted the search to: this is the comparison);
+    empty when no shown layout splits sequences."""
+    split = [plan for plan in shown if plan.mesh.cp > 1]
+    if not split:
+        return []
+    layout = split[0].layout
+    return [
+        estimate(result.workload, result.cluster, dataclasses.replace(layout, cp_method=method), result.assumptions)
+        for method in cp_methods(result.workload.model, layout.mesh)
+    ]
+
+
+def format_cp_comparison(rows: list[Estimate]) -> str:
+    """One line per method: step time, memory per GPU, and what cp moves and how much of it waits."""
+    lines = [
+        f"context parallel methods for layout 1 with cp > 1 ({rows[0].layout.mesh.describe()}), per GPU and step:",
+        f"  {'method':<10} {'step s':>7} {'GB/GPU':>7} {'activ GB':>8} {'cp GB':>7} {'cp busy s':>9} {'exposed s':>9}",
+    ]
+    for row in rows:
+        cp = row.comm["cp"]
+        lines.append(
+            f"  {row.layout.cp_method:<10} {_seconds(row.step_s):>7} {format_gb(row.memory.total):>7} "
+            f"{format_gb(row.memory.activations):>8} {cp.bytes_per_step / 1e9:>7.2f} {cp.busy_s:>9.3g} "
+            f"{cp.exposed_s:>9.3g}"
+        )
+    lines.append(
+        "  allgather and ulysses wait for their collectives; ring hides its transfers behind each block's attention"
+    )
+    return "\n".join(lines)
+
+
+def _comparison_dict(row: Estimate) -> dict[str, object]:
+    return {
+        "cp_method": str(row.layout.cp_method),
+        "step_s": round(row.step_s, 6),
+        "memory_gb": round(row.memory.total / 1e9, 3),
+        "activations_gb": round(row.memory.activations / 1e9, 3),
+        "cp": row.comm["cp"].as_dict(),
+    }
+
+
 def _count(value: float) -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if value >= scale:
@@ -544,7 +612,7 @@ def _plan_lines(rank: int, plan: Plan) -> list[str]:
     if layout.virtual_stages > 1:
         schedule += f" v={layout.virtual_stages}"
     if mesh.cp > 1:
-        schedule += f" cp={mesh.cp}"
+        schedule += f" cp={mesh.cp} {layout.cp_method}"
     if layout.ep > 1:
         schedule += f" ep={layout.ep}"
     lines = [

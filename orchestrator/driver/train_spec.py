@@ -13,6 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from elastic.cost_model import Cluster, Layout, Workload
+from elastic.hardware import gpu_spec
+from elastic.planner import pick_cp_method
 from elastic.spec import CpMethod
 from orchestrator.config import JobConfig
 from orchestrator.config_checks import resolve_data_path
@@ -41,6 +44,31 @@ def resolve_dtype(config: JobConfig, backend: str) -> str:
     return "bfloat16" if backend == "nccl" else "float32"
 
 
+def resolve_cp_method(config: JobConfig, backend: str) -> CpMethod:
+    """``parallelism.cp_method``, with ``auto`` resolved: the planner's pick for the configured
+    layout (``elastic.planner.pick_cp_method``) on GPUs (nccl), priced as H100s with 8 to a node,
+    the planner's default hardware; ``allgather`` on CPU ranks (gloo), which the planner does not
+    price, and with cp = 1, where no method runs."""
+    par = config.parallelism
+    if par.cp_method != "auto":
+        return CpMethod(par.cp_method)
+    if par.cp == 1 or backend != "nccl":
+        return CpMethod.ALLGATHER
+    mesh = config.mesh
+    layout = Layout(
+        mesh,
+        par.pp_schedule if par.pp > 1 else "none",
+        par.virtual_stages,
+        par.microbatches,
+        par.activation_checkpointing,
+        ep=par.ep,
+        reshard_after_forward=par.reshard_after_forward,
+    )
+    workload = Workload(config.model_spec, config.training.seq_len, config.training.global_batch)
+    cluster = Cluster(mesh.world_size, min(8, mesh.world_size), gpu_spec())
+    return pick_cp_method(workload, cluster, layout)
+
+
 def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
     """The rank-side view of the job; the microbatch size is fixed by the configured mesh."""
     backend = backend or resolve_backend(config)
@@ -59,7 +87,7 @@ def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
         reshard_after_forward=ReshardAfterForward(par.reshard_after_forward),
         cpu_offload=par.cpu_offload,
         activation_checkpointing=par.activation_checkpointing,
-        cp_method=CpMethod(par.cp_method),
+        cp_method=resolve_cp_method(config, backend),
         compile=train.compile,
         compile_cache_dir=compile_cache_dir(config) if train.compile else "",
         float8=train.float8,

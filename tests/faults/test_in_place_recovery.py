@@ -116,3 +116,22 @@ def test_a_killed_rank_of_a_moe_replica_group_recovers_in_place(layout, tmp_path
     [recovered] = of_kind(events, "recovered")
     assert recovered["lost_steps"] == 0
     assert (recovered["new_mesh"]["dp_replicate"], recovered["new_mesh"][kept_dim]) == (1, 2)
+
+
+# Sequences split over cp=2 with ring attention in each of two replica groups; rank 3 is replica
+# group 1's second cp rank.
+CP_RING_LAYOUT = (*ELASTIC_LAYOUT, "parallelism.dp_shard=1", "parallelism.cp=2", "parallelism.cp_method=ring")
+
+
+@pytest.mark.slow  # one 4-rank job; the in-place shrink itself is the sigkill case above
+def test_a_killed_rank_of_a_cp2_ring_run_recovers_in_place_with_nothing_lost(reference, tmp_path):
+    """A cp group is part of a replica group: losing one of its ranks drops that replica group and
+    the other goes on in place, its ring intact, with the uninterrupted run's losses."""
+    result, events = run_job(tmp_path, *CP_RING_LAYOUT, f"training.steps={STEPS}", faults=("kill@4:3",))
+    assert result.exit_code == 0, result.reason
+    assert_completed_like(events, reference, STEPS, rel=1e-3)
+    [failure] = of_kind(events, "failure")
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [3]
+    [recovered] = of_kind(events, "recovered")
+    assert recovered["lost_steps"] == 0
+    assert recovered["new_mesh"] == {"dp_replicate": 1, "pp": 1, "dp_shard": 1, "cp": 2, "tp": 1}

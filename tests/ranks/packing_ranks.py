@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic.spec import MeshSpec
+from elastic.spec import CpMethod, MeshSpec
 from tests.ranks.spawned_ranks import join_gloo, send_and_exit
 from workers.evaluation import Evaluator
 from workers.spec import PRESETS, TrainSpec
@@ -23,7 +23,9 @@ from workers.trainer import Trainer
 STEPS = 4
 
 
-def packing_train_spec(corpus_uri: str, packing: Packing = Packing.DOCUMENTS) -> TrainSpec:
+def packing_train_spec(
+    corpus_uri: str, packing: Packing = Packing.DOCUMENTS, cp_method: CpMethod = CpMethod.ALLGATHER
+) -> TrainSpec:
     """A global batch of 8 in microbatches of 2, 2 per round: one rank accumulates 2 rounds."""
     return TrainSpec(
         model=PRESETS["debug"],
@@ -35,15 +37,23 @@ def packing_train_spec(corpus_uri: str, packing: Packing = Packing.DOCUMENTS) ->
         lr=3e-3,
         data_source="tokens",
         tokens=TokenCorpusSource(corpus_uri, packing=packing),
+        cp_method=cp_method,
     )
 
 
 def run_rank(
-    rank: int, store_path: str, results, *, mesh: MeshSpec, corpus_uri: str, packing: Packing = Packing.DOCUMENTS
+    rank: int,
+    store_path: str,
+    results,
+    *,
+    mesh: MeshSpec,
+    corpus_uri: str,
+    packing: Packing = Packing.DOCUMENTS,
+    cp_method: CpMethod = CpMethod.ALLGATHER,
 ) -> None:
     torch.set_num_threads(1)
     join_gloo(rank, store_path, mesh)
-    spec = packing_train_spec(corpus_uri, packing)
+    spec = packing_train_spec(corpus_uri, packing, cp_method)
     assert spec.tokens is not None
     source = TokenSource(spec.tokens, seq_len=spec.seq_len, seed=spec.seed)
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing.storage import open_storage
-from elastic.spec import MeshSpec
+from elastic.spec import CpMethod, MeshSpec
 from tests.marks import slow_when_named
 from tests.ranks import packing_ranks
 from tests.ranks.spawned_ranks import spawn_ranks
@@ -36,7 +36,11 @@ LAYOUTS = {
     "documents-cp2": (MeshSpec(dp_shard=1, cp=2), Packing.DOCUMENTS),
     "windows-pp2": (MeshSpec(dp_shard=1, pp=2), Packing.WINDOWS),
     "windows-pp2-tp2": (MeshSpec(dp_shard=1, pp=2, tp=2), Packing.WINDOWS),
+    "documents-ulysses-cp2": (MeshSpec(dp_shard=1, cp=2), Packing.DOCUMENTS),
+    "documents-ring-cp2": (MeshSpec(dp_shard=1, cp=2), Packing.DOCUMENTS),
 }
+# Layouts whose context parallelism is not the default all-gather (``parallelism.cp_method``).
+CP_METHODS = {"documents-ulysses-cp2": CpMethod.ULYSSES, "documents-ring-cp2": CpMethod.RING}
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +90,18 @@ def test_one_rank_loss_is_the_mean_over_the_global_batchs_trained_labels(single_
 
 # windows-pp2-tp2 (4-10 s on 2 cores) combines two layouts shown apart: CI runs it (make test-all), make test not.
 @pytest.mark.parametrize(
-    "layout", slow_when_named(LAYOUTS, {"windows-pp2-tp2", "documents-dp_replicate2", "documents-cp2"})
+    "layout",
+    slow_when_named(
+        LAYOUTS,
+        {"windows-pp2-tp2", "documents-dp_replicate2", "documents-cp2", "documents-ulysses-cp2", "documents-ring-cp2"},
+    ),
 )
 def test_masked_training_matches_one_rank(layout, single_rank_runs, corpus_uri, tmp_path):
     mesh, packing = LAYOUTS[layout]
-    run = functools.partial(packing_ranks.run_rank, mesh=mesh, corpus_uri=corpus_uri, packing=packing)
+    cp_method = CP_METHODS.get(layout, CpMethod.ALLGATHER)
+    run = functools.partial(
+        packing_ranks.run_rank, mesh=mesh, corpus_uri=corpus_uri, packing=packing, cp_method=cp_method
+    )
     ranks = spawn_ranks(run, world_size=mesh.world_size, store_path=str(tmp_path / "s"))
     expected_losses, expected_norms, expected_tokens, expected_eval, expected_eval_tokens = single_rank_runs[packing]
     reported = [values[0] for values in ranks.values() if values[0][0] is not None]

@@ -151,6 +151,22 @@ CASES = [
         "parallelism: tp=4 must divide training.seq_len=12 / cp=2 = 6 (sequence parallel)",
     ),
     (
+        ["--set", "parallelism.cp=4", "--set", "parallelism.cp_method=ulysses"],
+        "parallelism.cp_method=ulysses splits attention heads over cp: model.n_heads=4 / tp=2 = 2 query heads "
+        "do not split over cp=4; choose another parallelism.cp, or parallelism.cp_method ring or allgather",
+    ),
+    (
+        ["--set", "parallelism.cp=6", "--set", "parallelism.cp_method=ulysses", "--set", "parallelism.tp=1"]
+        + ["--set", "model.dim=96", "--set", "model.n_heads=12", "--set", "model.n_kv_heads=4"]
+        + ["--set", "training.seq_len=120"],
+        "parallelism.cp_method=ulysses splits attention heads over cp: model.n_kv_heads=4 / tp=1 = 4 key/value "
+        "heads neither split over cp=6 nor divide it",
+    ),
+    (
+        ["--set", "parallelism.cp=4", "--set", "parallelism.cp_method=ring", "--set", "training.seq_len=20"],
+        "parallelism: 2 x cp=4 = 8 must divide training.seq_len=20",
+    ),
+    (
         ["--set", "parallelism.ep=2"],
         "parallelism.ep=2 needs a mixture-of-experts model (model.n_experts is not set): set parallelism.ep=1, "
         "or train a moe model (model.preset=debug-moe)",
