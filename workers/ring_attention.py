@@ -11,12 +11,15 @@ of the sequence's against the whole sequence under ``allgather``, and keeps only
 backward (``allgather`` keeps the whole sequence's, per layer). The backward adds three float32
 blocks of gradients at most (this step's, the ones arriving, the ones leaving).
 
-Forward: per block, scores in float32 under the mask of global positions (causal, and same
-document when packed), merged with the blocks before by the online softmax (running maximum, sum
-and weighted values; the flash-attention merge). Causality is decided per chunk pair: a query
-chunk sees every key of an earlier chunk, the lower triangle of its own and nothing of a later
-one, so the pairs a causal mask empties are never computed (with the load-balanced layout a rank
-computes two of the four chunk pairs of another rank's block, three of its own).
+Forward: per block, attention under the mask of global positions (causal, and same document
+when packed), merged with the blocks before by the online softmax (running maximum, sum and
+weighted values; the flash-attention merge of each block's output and log-sum-exp). Causality is
+decided per chunk pair: a query chunk sees every key of an earlier chunk, the lower triangle of
+its own and nothing of a later one, so the pairs a causal mask empties are never computed (with
+the load-balanced layout a rank computes two of the four chunk pairs of another rank's block,
+three of its own). A pair runs torch's fused flash kernel on CPU (``FUSED_CPU_KERNEL``, fenced in
+``checkpointing.torch_compat``); elsewhere the math path: float32 scores in tiles of query rows
+(``TILE_SCORE_BYTES``).
 
 Backward (the standard ring-attention backward): the blocks go around the ring again; per block
 the probabilities are recomputed from the queries and the saved log-sum-exp, dQ accumulates on
@@ -24,8 +27,9 @@ the rank, and dK/dV of the block travel with it (from the rank that visited it t
 they arrive back at the block's owner after a full turn. The partial dK/dV of a step is added to
 what arrives only after the step's own compute, so the wait overlaps it too.
 
-Device-agnostic: gloo (CPU) and nccl (CUDA) through ``batch_isend_irecv`` with group peers.
-Float32 inside; the result and the gradients take the inputs' dtypes.
+Device-agnostic: gloo (CPU) and nccl (CUDA) through ``batch_isend_irecv`` with group peers
+(the CUDA path is written, not yet run). Float32 accumulation; the result and the gradients take
+the inputs' dtypes. Forward and backward are custom operators, opaque to ``torch.compile``.
 """
 
 from __future__ import annotations
