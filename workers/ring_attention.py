@@ -469,7 +469,8 @@ def _ring_attention_op(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    output, log_sum_exp = _ring_forward(q, k, v, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    return output.contiguous(), log_sum_exp.contiguous()
 
 
 @_ring_attention_op.register_fake
@@ -483,7 +484,8 @@ def _ring_attention_fake(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # Contiguous like the real results, whatever the strides of the inputs (q is often a transpose).
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("meshpilot::ring_attention_backward", mutates_args=())
@@ -501,7 +503,8 @@ def _ring_attention_backward_op(
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     saved = (q, k, v, output, log_sum_exp)
-    return _ring_backward(grad_output, saved, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    grads = _ring_backward(grad_output, saved, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous()
 
 
 @_ring_attention_backward_op.register_fake
@@ -518,7 +521,7 @@ def _ring_attention_backward_fake(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
