@@ -11,12 +11,15 @@ of the sequence's against the whole sequence under ``allgather``, and keeps only
 backward (``allgather`` keeps the whole sequence's, per layer). The backward adds three float32
 blocks of gradients at most (this step's, the ones arriving, the ones leaving).
 
-Forward: per block, scores in float32 under the mask of global positions (causal, and same
-document when packed), merged with the blocks before by the online softmax (running maximum, sum
-and weighted values; the flash-attention merge). Causality is decided per chunk pair: a query
-chunk sees every key of an earlier chunk, the lower triangle of its own and nothing of a later
-one, so the pairs a causal mask empties are never computed (with the load-balanced layout a rank
-computes two of the four chunk pairs of another rank's block, three of its own).
+Forward: per block, attention under the mask of global positions (causal, and same document
+when packed), merged with the blocks before by the online softmax (running maximum, sum and
+weighted values; the flash-attention merge of each block's output and log-sum-exp). Causality is
+decided per chunk pair: a query chunk sees every key of an earlier chunk, the lower triangle of
+its own and nothing of a later one, so the pairs a causal mask empties are never computed (with
+the load-balanced layout a rank computes two of the four chunk pairs of another rank's block,
+three of its own). A pair runs torch's fused flash kernel on CPU (``FUSED_CPU_KERNEL``, fenced in
+``checkpointing.torch_compat``); elsewhere the math path: float32 scores in tiles of query rows
+(``TILE_SCORE_BYTES``).
 
 Backward (the standard ring-attention backward): the blocks go around the ring again; per block
 the probabilities are recomputed from the queries and the saved log-sum-exp, dQ accumulates on
@@ -24,8 +27,9 @@ the rank, and dK/dV of the block travel with it (from the rank that visited it t
 they arrive back at the block's owner after a full turn. The partial dK/dV of a step is added to
 what arrives only after the step's own compute, so the wait overlaps it too.
 
-Device-agnostic: gloo (CPU) and nccl (CUDA) through ``batch_isend_irecv`` with group peers.
-Float32 inside; the result and the gradients take the inputs' dtypes.
+Device-agnostic: gloo (CPU) and nccl (CUDA) through ``batch_isend_irecv`` with group peers
+(the CUDA path is written, not yet run). Float32 accumulation; the result and the gradients take
+the inputs' dtypes. Forward and backward are custom operators, opaque to ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -465,7 +469,8 @@ def _ring_attention_op(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    output, log_sum_exp = _ring_forward(q, k, v, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    return output.contiguous(), log_sum_exp.contiguous()
 
 
 @_ring_attention_op.register_fake
@@ -479,7 +484,8 @@ def _ring_attention_fake(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # Contiguous like the real results, whatever the strides of the inputs (q is often a transpose).
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("meshpilot::ring_attention_backward", mutates_args=())
@@ -497,7 +503,8 @@ def _ring_attention_backward_op(
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     saved = (q, k, v, output, log_sum_exp)
-    return _ring_backward(grad_output, saved, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    grads = _ring_backward(grad_output, saved, _ring_shard(group_name, cp, cp_rank), documents, fused)
+    return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous()
 
 
 @_ring_attention_backward_op.register_fake
@@ -514,7 +521,7 @@ def _ring_attention_backward_fake(
     cp_rank: int,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:

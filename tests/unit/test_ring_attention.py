@@ -9,6 +9,8 @@ costs more than the cases.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.ranks import ring_ranks
@@ -25,8 +27,12 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path):
             assert max(errors.values()) < (2e-2 if "bfloat16" in case else 1e-5), (rank, case, errors)
 
 
-# About 10 s on 2 cores (dynamo and AOTAutograd tracing the block on each rank): make test-all.
+# Traced by dynamo and AOTAutograd (aot_eager): the inductor backend, which also checks the custom
+# operators' fake strides, takes some 45 s on 2 cores (run by hand: backend="inductor").
 @pytest.mark.slow
 def test_ring_attention_inside_a_compiled_block_equals_eager(tmp_path):
-    reports = spawn_ranks(ring_ranks.run_compiled_rank, world_size=2, store_path=str(tmp_path / "store"))
-    assert {rank: difference < 1e-6 for rank, (difference,) in reports.items()} == {0: True, 1: True}
+    run_rank = functools.partial(ring_ranks.run_compiled_rank, backend="aot_eager")
+    reports = spawn_ranks(run_rank, world_size=2, store_path=str(tmp_path / "store"))
+    for rank, (outcome,) in reports.items():
+        assert isinstance(outcome, float) and outcome < 1e-6, (rank, outcome)
+    assert sorted(reports) == [0, 1]
