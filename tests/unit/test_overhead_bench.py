@@ -17,7 +17,7 @@ from tests.jobs import REPO
         (
             ["--set", "nosuch.key=1"],
             "bench/overhead.py: invalid config: nosuch: unknown key; known keys: name, model, parallelism, "
-            "training, data, eval, checkpoint, elastic, metrics, runtime",
+            "training, data, eval, checkpoint, elastic, metrics, runtime, tracking",
         ),
         (
             ["--set", "novalue"],
