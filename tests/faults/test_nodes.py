@@ -23,10 +23,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 30
 FAST = ("training.seq_len=32",)
-# Each mesh of the run must train like one process, as in tests/faults/test_chaos.py, whose
-# uninterrupted single-process run (the same steps and sequences) these compare with, instead of
-# a 4-rank job of their own. The 4-rank layout is 4e-5 from it over 30 steps.
-LOSS_REL = 1e-3
+# Each mesh of the run must train like one process: these compare with tests/faults/test_chaos.py's
+# uninterrupted single-process run (the same steps and sequences) instead of a 4-rank job of their
+# own, within the 1e-4 they allowed against theirs (measured: 5.3e-6 from the single process).
+LOSS_REL = 1e-4
 
 
 @pytest.fixture(scope="module")
