@@ -62,12 +62,15 @@ MOE_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def save_random_model(name: str, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """Build the named architecture with random weights, save it (safetensors) and return the model."""
+def save_random_model(
+    name: str, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Any:
+    """Build the named architecture with random weights, save it (safetensors) and return the model;
+    ``overrides`` replace keys of its configuration (``tie_word_embeddings=True``)."""
     import transformers
 
     config_class, extra = {**ARCHITECTURES, **MOE_ARCHITECTURES}[name]
-    config = getattr(transformers, config_class)(**COMMON, **extra)
+    config = getattr(transformers, config_class)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()

@@ -19,7 +19,7 @@ from orchestrator.driver.chaos import chaos_kinds, chaos_schedule
 from orchestrator.driver.sample_ledger import read_ledger
 from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
-from tests.jobs import losses, single_rank
+from tests.jobs import single_rank
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +44,12 @@ LAYOUT = (
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory) -> dict[int, float]:
+def reference(uninterrupted) -> dict[int, float]:
     """The losses of one uninterrupted process with the same model, data and global batch: a chaos
     run's mesh changes as it goes, and every mesh must train like one process (1e-3; the
-    4-rank layout is 4e-5 from it over these 30 steps). A 4-rank reference took 5x as long."""
-    result, events = run_job(
-        tmp_path_factory.mktemp("uninterrupted"), *single_rank("training.seq_len=32", f"training.steps={STEPS}")
-    )
-    assert result.exit_code == 0, result.reason
-    return losses(events)
+    4-rank layout is 4e-5 from it over these 30 steps). A 4-rank reference took 5x as long.
+    tests/faults/test_nodes.py's drains compare with the same run."""
+    return uninterrupted(*single_rank("training.seq_len=32", f"training.steps={STEPS}"))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

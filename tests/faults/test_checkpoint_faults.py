@@ -5,6 +5,7 @@ authentication): after each, training resumes where an uninterrupted run would b
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -40,10 +41,9 @@ def checkpoints_to(bucket, interval: int = 2) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
-    result, events = run_job(tmp_path_factory.mktemp("uninterrupted"), *SINGLE_REPLICA, f"training.steps={STEPS}")
-    assert result.exit_code == 0, result.reason
-    return losses(events)
+def reference(uninterrupted):
+    # The same job as tests/faults/test_driver_adoption.py's reference: one run serves both.
+    return uninterrupted(*SINGLE_REPLICA, f"training.steps={STEPS}")
 
 
 def assert_resumed_like(events, reference, *, restored_step: int) -> None:
@@ -139,10 +139,19 @@ def _train_command(run_dir, bucket, *extra: str) -> list[str]:
     ]
 
 
-def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, tmp_path):
+def _on_the_session_cluster(ray_cluster) -> dict[str, str]:
+    """The environment of a ``meshpilot train`` process that joins the session's cluster (as a
+    driver on a real cluster does) instead of starting and stopping an embedded one of its own:
+    seconds per process, and the outcome is the driver's either way."""
+    return {**os.environ, "RAY_ADDRESS": ray_cluster.address}
+
+
+def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, ray_cluster, tmp_path):
+    env = _on_the_session_cluster(ray_cluster)
     first = subprocess.run(
         _train_command(tmp_path / "first", s3_bucket, "--inject", "driver@7"),
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -152,7 +161,7 @@ def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, 
     committed = list_committed(storage)
     assert committed and max(committed) <= 7
     second = subprocess.run(
-        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout + second.stderr
     events = read_events(tmp_path / "second" / "events.jsonl")
@@ -161,11 +170,13 @@ def test_driver_killed_and_restarted_resumes_from_storage(reference, s3_bucket, 
     assert_resumed_like(events, reference, restored_step=restored["step"])
 
 
-def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, s3_bucket, tmp_path):
+def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, s3_bucket, ray_cluster, tmp_path):
+    env = _on_the_session_cluster(ray_cluster)
     run_dir = tmp_path / "first"
     process = subprocess.Popen(
         _train_command(run_dir, s3_bucket, "--set=checkpoint.interval_steps=1000"),
         cwd=REPO,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -178,7 +189,7 @@ def test_sigterm_on_the_driver_saves_at_the_step_boundary_then_stops(reference, 
     # the emergency checkpoint is the last step the run took: nothing to redo
     assert [e["step"] for e in of_kind(events, "checkpoint_committed")] == [last_step]
     second = subprocess.run(
-        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, capture_output=True, text=True, timeout=600
+        _train_command(tmp_path / "second", s3_bucket), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout + second.stderr
     resumed = read_events(tmp_path / "second" / "events.jsonl")

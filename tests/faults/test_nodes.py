@@ -17,29 +17,21 @@ import pytest
 
 from tests.faults.harness import ELASTIC_LAYOUT, ON_WORKER_NODES, assert_completed_like, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
-from tests.jobs import losses
+from tests.jobs import single_rank
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24
+STEPS = 30
 FAST = ("training.seq_len=32",)
+# Each mesh of the run must train like one process: these compare with tests/faults/test_chaos.py's
+# uninterrupted single-process run (the same steps and sequences) instead of a 4-rank job of their
+# own, within the 1e-4 they allowed against theirs (measured: 5.3e-6 from the single process).
+LOSS_REL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
-    """Losses of the uninterrupted job, per run length (the LR schedule depends on it)."""
-    cache: dict[int, dict[int, float]] = {}
-
-    def of(steps: int) -> dict[int, float]:
-        if steps not in cache:
-            result, events = run_job(
-                tmp_path_factory.mktemp("uninterrupted"), *ELASTIC_LAYOUT, *FAST, f"training.steps={steps}"
-            )
-            assert result.exit_code == 0, result.reason
-            cache[steps] = losses(events)
-        return cache[steps]
-
-    return of
+def reference(uninterrupted) -> dict[int, float]:
+    return uninterrupted(*single_rank(*FAST, f"training.steps={STEPS}"))
 
 
 @pytest.fixture
@@ -57,7 +49,7 @@ def test_drain_notice_leaves_at_a_step_boundary_with_zero_lost_steps(fault, refe
         tmp_path, *ELASTIC_LAYOUT, *FAST, ON_WORKER_NODES, f"training.steps={STEPS}", faults=(fault,)
     )
     assert result.exit_code == 0, result.reason
-    assert_completed_like(events, reference(STEPS), STEPS)
+    assert_completed_like(events, reference, STEPS, rel=LOSS_REL)
     assert not of_kind(events, "failure")
     [drain] = of_kind(events, "drain")
     # Ray's drain takes the node's every rank; SIGTERM only the signalled process (its replica
@@ -112,7 +104,7 @@ def test_cloud_instance_action_notice_drains_that_node(reference, worker_nodes, 
     finally:
         server.shutdown()
     assert result.exit_code == 0, result.reason
-    assert_completed_like(events, reference(STEPS), STEPS)
+    assert_completed_like(events, reference, STEPS, rel=LOSS_REL)
     [drain] = of_kind(events, "drain")
     # the whole replica group on the doomed node leaves, whichever one Ray placed there
     assert drain["node"] == doomed_node and drain["ranks"] in ([0, 1], [2, 3])

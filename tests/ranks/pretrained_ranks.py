@@ -32,6 +32,19 @@ def fixed_tokens(vocab_size: int) -> torch.Tensor:
 
 def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshSpec, ep: int = 1) -> None:
     join_gloo(rank, store_path, mesh)
+    results.put((rank, *_load_and_forward(rank, model_dir, mesh, ep)))
+    _exit(results)
+
+
+def run_rank_over_models(rank: int, store_path: str, results, *, model_dirs: list[str], mesh: MeshSpec) -> None:
+    """``run_rank`` for several models, one after the other in one job: one spawn and one gloo
+    join for them all. Reports ``(rank, [(logits, bytes_read, bytes_total) per model])``."""
+    join_gloo(rank, store_path, mesh)
+    results.put((rank, [_load_and_forward(rank, model_dir, mesh, 1) for model_dir in model_dirs]))
+    _exit(results)
+
+
+def _load_and_forward(rank: int, model_dir: str, mesh: MeshSpec, ep: int) -> tuple:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = family_for_architecture(config["architectures"][0])
     assert family is not None, config["architectures"]
@@ -41,7 +54,10 @@ def run_rank(rank: int, store_path: str, results, *, model_dir: str, mesh: MeshS
     trainer = Trainer(spec, mesh, rank, device=torch.device("cpu"), source=source)
     report = load_pretrained(trainer, PretrainedSource(model_dir))
     logits = trainer.logits(fixed_tokens(model.vocab_size))
-    results.put((rank, None if logits is None else logits.numpy().copy(), report.bytes_read, report.bytes_total))
+    return None if logits is None else logits.numpy().copy(), report.bytes_read, report.bytes_total
+
+
+def _exit(results) -> None:
     results.close()
     results.join_thread()
     dist.barrier()

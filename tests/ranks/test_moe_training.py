@@ -181,31 +181,23 @@ def test_routing_bias_updates_alike_on_any_mesh(layout, bias_balanced_single_ran
         assert biases and biases == {name: expected_biases[name] for name in biases}
 
 
-# (mesh, ep) a checkpoint is saved under, and (mesh, ep) it is restored into.
+# (mesh, ep) a checkpoint is saved under, and the (mesh, ep)s it is restored into (one save each).
 CHECKPOINT_MOVES = {
-    "ep2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=1, pp=1), 2), (MeshSpec(dp_shard=1, tp=1, pp=1), 1)),
-    "ep2-cp2-dp_shard2 -> ep1-1_rank": (
+    "ep2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=1, pp=1), 2), [(MeshSpec(dp_shard=1, tp=1, pp=1), 1)]),
+    # into one rank, and the same checkpoint into another data-parallel degree, experts whole on each rank
+    "ep2-cp2-dp_shard2 -> ep1-1_rank, ep1-dp_shard2": (
         (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),
-        (MeshSpec(dp_shard=1, tp=1, pp=1), 1),
+        [(MeshSpec(dp_shard=1, tp=1, pp=1), 1), (MeshSpec(dp_shard=2, tp=1, pp=1), 1)],
     ),
-    "ep2-tp2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=2, pp=1), 2), (MeshSpec(dp_shard=1, tp=1, pp=1), 1)),
-    # the same checkpoint into another data-parallel degree, experts whole on each rank
-    "ep2-cp2-dp_shard2 -> ep1-dp_shard2": (
-        (MeshSpec(dp_shard=2, cp=2, tp=1, pp=1), 2),
-        (MeshSpec(dp_shard=2, tp=1, pp=1), 1),
-    ),
+    "ep2-tp2-dp_shard2 -> ep1-1_rank": ((MeshSpec(dp_shard=2, tp=2, pp=1), 2), [(MeshSpec(dp_shard=1, tp=1, pp=1), 1)]),
 }
 
 
 # Every move, and one whose model balances by routing bias (a parameter without optimizer state).
 MOVES = [(move, False) for move in CHECKPOINT_MOVES] + [("ep2-tp2-dp_shard2 -> ep1-1_rank", True)]
-# 17-21 s each on 2 cores; make test keeps the plain move and the routing-bias one (which saves
-# under ep2-tp2), CI runs every move (make test-all).
-SLOW_MOVES = {
-    "ep2-cp2-dp_shard2 -> ep1-1_rank",
-    "ep2-tp2-dp_shard2 -> ep1-1_rank",
-    "ep2-cp2-dp_shard2 -> ep1-dp_shard2",
-}
+# 17-21 s a restore on 2 cores; make test keeps the plain move and the routing-bias one (which
+# saves under ep2-tp2), CI runs every move (make test-all).
+SLOW_MOVES = {"ep2-cp2-dp_shard2 -> ep1-1_rank, ep1-dp_shard2", "ep2-tp2-dp_shard2 -> ep1-1_rank"}
 
 
 @pytest.mark.parametrize(
@@ -218,7 +210,7 @@ SLOW_MOVES = {
     ],
 )
 def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trains_on_alike(move, biased, tmp_path):
-    (saved_mesh, saved_ep), (mesh, ep) = CHECKPOINT_MOVES[move]
+    (saved_mesh, saved_ep), targets = CHECKPOINT_MOVES[move]
     balancing = BIAS_BALANCING if biased else None
     ckpt = tmp_path / "ckpt"
     saved = spawn_ranks(
@@ -231,23 +223,26 @@ def test_a_checkpoint_saved_under_ep_restores_into_another_mesh_bitwise_and_trai
     at = moe_checkpoint_ranks.SAVED_AT
     reports = [report for report, _, _ in saved.values()]
     commit_step(str(ckpt), reports, step=at, mesh=saved_mesh, model=PRESETS["debug-moe"].to_dict())
-    restored = spawn_ranks(
-        functools.partial(moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt), balancing=balancing),
-        world_size=mesh.world_size,
-        store_path=str(tmp_path / "restoring"),
-    )
     _, saved_state, _ = saved[0]
-    for state, _ in restored.values():
-        assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
-        assert sorted(state) == sorted(saved_state)
-        # A routing bias is saved like a parameter (moved off zero), with no optimizer state.
-        assert ("layers.0.mlp.expert_bias" in state) == biased
-        assert not any(name.startswith("optim.") and "expert_bias" in name for name in state)
-        assert not biased or np.any(state["layers.0.mlp.expert_bias"] != 0)
-        assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
     # The steps after the restore train as the saving mesh's did (each loss-reporting rank's mean).
     saved_losses = _reported_mean(rank_losses for _, _, rank_losses in saved.values())
-    assert _reported_mean(losses for _, losses in restored.values()) == pytest.approx(saved_losses, rel=1e-3)
+    for index, (mesh, ep) in enumerate(targets):
+        restored = spawn_ranks(
+            functools.partial(
+                moe_checkpoint_ranks.restore_rank, mesh=mesh, ep=ep, ckpt_dir=str(ckpt), balancing=balancing
+            ),
+            world_size=mesh.world_size,
+            store_path=str(tmp_path / f"restoring-{index}"),
+        )
+        for state, _ in restored.values():
+            assert "layers.0.mlp.experts.gate_proj" in state and "optim.layers.0.mlp.experts.down_proj.exp_avg" in state
+            assert sorted(state) == sorted(saved_state)
+            # A routing bias is saved like a parameter (moved off zero), with no optimizer state.
+            assert ("layers.0.mlp.expert_bias" in state) == biased
+            assert not any(name.startswith("optim.") and "expert_bias" in name for name in state)
+            assert not biased or np.any(state["layers.0.mlp.expert_bias"] != 0)
+            assert [name for name in state if not np.array_equal(state[name], saved_state[name])] == []
+        assert _reported_mean(losses for _, losses in restored.values()) == pytest.approx(saved_losses, rel=1e-3)
 
 
 def _reported_mean(per_rank) -> list[float]:
