@@ -117,4 +117,13 @@ GOALS: tuple[Goal, ...] = (
          "python bench/finetune.py --quick --parts packing"),
     Goal("parallel", "experts.ratio_ep2_over_ep1", "mixture of experts on 2 ranks: tokens/s at ep=2 against ep=1",
          ">=", 1.0, "x", "python bench/parallel.py --quick"),
+    # bench/long_context.py: each cp method's kept activation and K/V bytes at 16K tokens (debug shapes) against
+    # the planner's estimate for the same layout; the goal is within 20% (measured / planned <= 1.2).
+    *(
+        Goal("long_context", f"memory.cp{cp}-{method}.measured_over_planner",
+             f"context parallel {method} at cp={cp}, 16K tokens: bytes kept per rank against the planner's", "<=",
+             1.2, "x", "python bench/long_context.py --quick", note="within 20% of the planner's estimate")
+        for cp in (2, 4)
+        for method in ("allgather", "ring", "ulysses")
+    ),
 )  # fmt: skip

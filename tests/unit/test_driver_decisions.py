@@ -771,8 +771,8 @@ def test_overlapping_faults_each_recover_and_are_each_spent_once(make_controller
 
 # ----------------------------------------------------------------------------- tests/integration/*
 def test_a_rank_lost_after_an_evaluation_leaves_one_eval_event_per_boundary(make_controller, tmp_path):
-    """A job evaluating every 5 steps: rank 3 dies at the start of step 6; the survivors resume at boundary 5 and evaluate
-    it again; the driver keeps the first event."""
+    """A job evaluating every 5 steps: rank 3 dies at the start of step 6; the survivors resume at
+    boundary 5 and evaluate it again; the driver keeps the first event."""
     controller = make_controller(
         *ELASTIC_LAYOUT,
         "training.steps=12",
