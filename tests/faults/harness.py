@@ -33,6 +33,15 @@ ELASTIC_LAYOUT = (
 
 
 # Ranks that need this custom resource run only on the worker nodes the node tests add.
+# One replica group of 4 ranks: a lost rank's state can only come back from peer memory or storage.
+ONE_REPLICA = (
+    "parallelism.dp_replicate=1",
+    "parallelism.dp_shard=4",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.seq_len=32",
+    "elastic.hang_timeout_s=8",
+)
 ON_WORKER_NODES = f"runtime.resources_per_rank={{{NODE_RESOURCE}: 1}}"
 
 

@@ -16,19 +16,11 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import load_config
-from tests.faults.harness import ELASTIC_LAYOUT, assert_completed_like, of_kind, run_job
+from tests.faults.harness import ELASTIC_LAYOUT, ONE_REPLICA, assert_completed_like, of_kind, run_job
 from tests.jobs import DEMO_CONFIG, losses
 
 STEPS = 8
 LORA = ("model.lora={rank: 8, alpha: 16}", "training.lr=0.01", f"training.steps={STEPS}")
-ONE_REPLICA = (
-    "parallelism.dp_replicate=1",
-    "parallelism.dp_shard=4",
-    "parallelism.tp=1",
-    "parallelism.pp=1",
-    "training.seq_len=32",
-    "elastic.hang_timeout_s=8",
-)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,11 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import ElasticConfig
-from tests.faults.harness import ON_WORKER_NODES, assert_completed_like, before_grow, of_kind, run_job
+from tests.faults.harness import ON_WORKER_NODES, ONE_REPLICA, assert_completed_like, before_grow, of_kind, run_job
 from tests.fixtures.worker_nodes import WorkerNodes
 from tests.jobs import losses, single_rank
 
 STEPS = 10
-ONE_REPLICA = (
-    "parallelism.dp_replicate=1",
-    "parallelism.dp_shard=4",
-    "parallelism.tp=1",
-    "parallelism.pp=1",
-    "training.seq_len=32",
-    "elastic.hang_timeout_s=8",
-)
 # tp=2 x dp_shard=2: one tensor-parallel group per worker node, so a node takes one dp_shard slice.
 TWO_NODES = (
     "parallelism.dp_replicate=1",
