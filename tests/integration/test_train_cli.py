@@ -134,6 +134,7 @@ def test_an_actor_that_cannot_start_in_the_background_is_logged_once(ray_cluster
     ]
 
 
+@pytest.mark.slow  # a second Ray head of its own (about 13 s); CI runs it
 def test_train_joins_a_token_protected_cluster_by_its_address(tmp_path, monkeypatch):
     """Ray's default cluster wants its token; a shell that never set RAY_AUTH_MODE still joins
     with the token where Ray's clients look for it (the head keeps it in ~/.ray/auth_token)."""
