@@ -227,18 +227,10 @@ def load_model(reference: str) -> ModelSource:
 
         # Only the model, training and parallelism sections matter here; the data file need not exist.
         config = load_config(path, overrides=["data.source=synthetic"])
-        par = config.parallelism
-        layout = Layout(
-            config.mesh,
-            par.pp_schedule if par.pp > 1 else "none",
-            par.virtual_stages,
-            par.microbatches,
-            par.activation_checkpointing,
-            reshard_after_forward=par.reshard_after_forward,
-            cpu_offload=par.cpu_offload,
-            ep=par.ep,
-            cp_method=CpMethod.ALLGATHER if par.cp_method == "auto" else CpMethod(par.cp_method),
-        )
+        from orchestrator.driver.train_spec import configured_layout
+
+        method = config.parallelism.cp_method
+        layout = configured_layout(config, CpMethod.ALLGATHER if method == "auto" else CpMethod(method))
         return ModelSource(
             f"{config.name} ({path})",
             config.model_spec,

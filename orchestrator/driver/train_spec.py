@@ -55,18 +55,25 @@ def resolve_cp_method(config: JobConfig, backend: str) -> CpMethod:
     if par.cp == 1 or backend != "nccl":
         return CpMethod.ALLGATHER
     mesh = config.mesh
-    layout = Layout(
-        mesh,
+    workload = Workload(config.model_spec, config.training.seq_len, config.training.global_batch)
+    cluster = Cluster(mesh.world_size, min(8, mesh.world_size), gpu_spec())
+    return pick_cp_method(workload, cluster, configured_layout(config))
+
+
+def configured_layout(config: JobConfig, cp_method: CpMethod = CpMethod.ALLGATHER) -> Layout:
+    """The planner's view of the job's configured mesh and how it runs (driver, and ``meshpilot plan``)."""
+    par = config.parallelism
+    return Layout(
+        config.mesh,
         par.pp_schedule if par.pp > 1 else "none",
         par.virtual_stages,
         par.microbatches,
         par.activation_checkpointing,
-        ep=par.ep,
         reshard_after_forward=par.reshard_after_forward,
+        cpu_offload=par.cpu_offload,
+        ep=par.ep,
+        cp_method=cp_method,
     )
-    workload = Workload(config.model_spec, config.training.seq_len, config.training.global_batch)
-    cluster = Cluster(mesh.world_size, min(8, mesh.world_size), gpu_spec())
-    return pick_cp_method(workload, cluster, layout)
 
 
 def train_spec(config: JobConfig, *, backend: str | None = None) -> TrainSpec:
