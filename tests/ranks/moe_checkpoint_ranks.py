@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from checkpointing.catalog import load_manifest
-from checkpointing.reader import restore
-from checkpointing.storage import open_storage
-from checkpointing.writer import CheckpointWriter
 from elastic.spec import MeshSpec
 from tests.ranks.moe_ranks import STEPS, moe_train_spec
-from tests.ranks.spawned_ranks import join_gloo, send_and_exit, whole_state
-from workers.checkpoints import owns_plain_tensors
+from tests.ranks.spawned_ranks import join_gloo, restore_step, save_shard, send_and_exit, whole_state
 from workers.data import SyntheticSource
 from workers.trainer import Trainer
 
@@ -40,22 +35,17 @@ def save_rank(
     trainer.init_weights()
     for step in range(1, SAVED_AT + 1):
         trainer.train_step(step)
-    reports: list = []
-    writer = CheckpointWriter(open_storage(ckpt_dir), rank=rank, report=reports.append, mesh=trainer.world_mesh)
-    writer.save_sync(SAVED_AT, trainer.checkpoint_state(), owns_plain_tensors=owns_plain_tensors(trainer))
-    writer.close(wait=True)
+    report = save_shard(trainer, rank, ckpt_dir, SAVED_AT)
     state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
-    send_and_exit(results, rank, reports[0], state, losses)
+    send_and_exit(results, rank, report, state, losses)
 
 
 def restore_rank(
     rank: int, store_path: str, results, *, mesh: MeshSpec, ep: int, ckpt_dir: str, balancing: dict | None = None
 ) -> None:
     trainer = _trainer(rank, store_path, mesh, ep, balancing)
-    trainer.ensure_optimizer_state()
-    storage = open_storage(ckpt_dir)
-    restore(storage, load_manifest(storage, SAVED_AT), trainer.checkpoint_state())
+    restore_step(trainer, ckpt_dir, SAVED_AT)
     state = whole_state(trainer)
     losses = [trainer.train_step(step).loss for step in range(SAVED_AT + 1, STEPS + 1)]
     send_and_exit(results, rank, state, losses)

@@ -79,6 +79,30 @@ def whole_state(trainer: Any) -> dict[str, np.ndarray]:
     }
 
 
+def save_shard(trainer: Any, rank: int, ckpt_dir: str, step: int) -> Any:
+    """In a rank: write its shard of ``step`` to ``ckpt_dir`` and return its report for the commit."""
+    from checkpointing.storage import open_storage
+    from checkpointing.writer import CheckpointWriter
+    from workers.checkpoints import owns_plain_tensors
+
+    reports: list[Any] = []
+    writer = CheckpointWriter(open_storage(ckpt_dir), rank=rank, report=reports.append, mesh=trainer.world_mesh)
+    writer.save_sync(step, trainer.checkpoint_state(), owns_plain_tensors=owns_plain_tensors(trainer))
+    writer.close(wait=True)
+    return reports[0]
+
+
+def restore_step(trainer: Any, ckpt_dir: str, step: int) -> None:
+    """In a rank: load its part of the committed ``step`` in ``ckpt_dir`` into the trainer's state."""
+    from checkpointing.catalog import load_manifest
+    from checkpointing.reader import restore
+    from checkpointing.storage import open_storage
+
+    trainer.ensure_optimizer_state()
+    storage = open_storage(ckpt_dir)
+    restore(storage, load_manifest(storage, step), trainer.checkpoint_state())
+
+
 def send_and_exit(results: Any, *values: Any) -> None:
     """In a rank: hand ``values`` to the test, wait for the other ranks, leave without teardown."""
     results.put(values)
